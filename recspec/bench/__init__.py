@@ -1,0 +1,1 @@
+"""Benchmark suites: each writes JSON and a Markdown table under benchmarks/results/."""

@@ -1,0 +1,58 @@
+"""Shared benchmark plumbing: repeated timing (median), machine description, atomic JSON + Markdown output."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recspec.fileio import write_json_atomic, write_text_atomic
+
+
+def timed(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str, Any]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times; seconds per run and their median."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(runs), "runs_s": runs}
+
+
+def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """Measured float32 matrix-multiply throughput of this machine (GFLOP/s): the compute ceiling."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    seconds = timed(lambda: a @ b, repeats=repeats)["median_s"]
+    return 2 * size**3 / seconds / 1e9
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out_dir: Path, name: str, results: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write ``name.json`` and ``name.md`` atomically into ``out_dir``."""
+    results = {"benchmark": name, "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **results}
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    write_json_atomic(json_path, results)
+    write_text_atomic(md_path, markdown.rstrip() + "\n")
+    return json_path, md_path

@@ -1,0 +1,112 @@
+"""The in-memory dataset: interactions as parallel arrays plus item and user side information.
+
+Users and items are dense 0-based indices; ``Dataset.user_ids`` / ``Dataset.item_ids`` map them
+back to the raw identifiers of the source files (strings), which is also how item identifiers
+(``item_index.json``) are keyed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from recspec.errors import RecspecError
+
+SPLIT_TRAIN, SPLIT_VALID, SPLIT_TEST = 0, 1, 2
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class Interactions:
+    """Parallel arrays, one entry per interaction.
+
+    users, items: int64 [n], dense indices.
+    timestamps: int64 [n]; for formats without real times (the released Beauty files) an ordinal
+        time consistent with the chronological order of the source.
+    ratings: float32 [n] or None.
+    """
+
+    users: np.ndarray
+    items: np.ndarray
+    timestamps: np.ndarray
+    ratings: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.users)
+        arrays = [self.items, self.timestamps] + ([self.ratings] if self.ratings is not None else [])
+        if any(len(a) != n for a in arrays):
+            raise ValueError("interaction arrays must have the same length")
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """Item side information, indexed by dense item index; any field may be missing (None)."""
+
+    titles: list[str] | None = None
+    years: list[str] | None = None
+    genres: list[list[str]] | None = None
+
+    def text(self, item: int) -> str:
+        """The item's text for embedding: 'Title (Year); genres: A, B' with missing parts left out."""
+        parts = []
+        if self.titles is not None:
+            title = self.titles[item]
+            if self.years is not None and self.years[item]:
+                title = f"{title} ({self.years[item]})"
+            parts.append(title)
+        if self.genres is not None and self.genres[item]:
+            parts.append("genres: " + ", ".join(self.genres[item]))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class UserInfo:
+    """User side information, indexed by dense user index; any field may be missing (None)."""
+
+    ages: list[int] | None = None
+    genders: list[str] | None = None
+    occupations: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A named dataset: interactions, raw ids, side information and, where the source fixes one, its split.
+
+    given_split: int8 [n] (0 train, 1 valid, 2 test) for sources released already split (Beauty).
+    item_index_path: the dataset's own item identifiers (``item_index.json``) where it ships them.
+    """
+
+    name: str
+    source_format: str
+    interactions: Interactions
+    user_ids: list[str]
+    item_ids: list[str]
+    item_info: ItemInfo | None = None
+    user_info: UserInfo | None = None
+    given_split: np.ndarray | None = None
+    item_index_path: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_ids)
+
+    @property
+    def density(self) -> float:
+        return len(self.interactions) / max(1, self.num_users * self.num_items)
+
+    def item_texts(self) -> list[str]:
+        """One text per item (dense order); raises if the dataset carries no item text."""
+        if self.item_info is None or self.item_info.titles is None:
+            raise RecspecError(
+                f"dataset {self.name} has no item text; identifiers need item titles (see README, Datasets)"
+            )
+        return [self.item_info.text(i) for i in range(self.num_items)]

@@ -1,0 +1,2 @@
+"""Semantic item identifiers: text embeddings, residual quantisation, collision resolution,
+the item index (item <-> token sequence) and its prefix trie."""

@@ -1,0 +1,68 @@
+"""Item text to embeddings: mean-pooled last hidden states of a Hugging Face model.
+
+Embeddings are cached under ``$RECSPEC_CACHE/embeddings/<key>.npy`` where the key hashes the
+model folder's identity (its asset manifest or config), the pooling settings and the texts, so
+the same items are embedded once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from recspec.assets import MANIFEST, cache_dir
+from recspec.fileio import atomic_path
+from recspec.models.hf import load_base_model, load_tokenizer, resolve_model_dir
+
+
+def _model_identity(model_dir: Path) -> str:
+    for name in (MANIFEST, "config.json"):
+        if (model_dir / name).is_file():
+            return hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
+    return str(model_dir.resolve())
+
+
+@torch.inference_mode()
+def mean_pooled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the last hidden states over real tokens.
+
+    input_ids, attention_mask: [B, T] -> float32 [B, hidden].
+    """
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return ((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)).float()
+
+
+def embed_texts(texts: Sequence[str], model: str | Path = "smollm2", batch_size: int = 32, max_length: int = 64,
+                device: str | torch.device = "cpu", use_cache: bool = True, progress: bool = True) -> np.ndarray:
+    """Embed ``texts`` with a HF model: float32 [len(texts), hidden]. Cached on disk when ``use_cache``."""
+    model_dir = resolve_model_dir(model)
+    key = hashlib.sha256(json.dumps([_model_identity(model_dir), max_length, "mean", list(texts)]).encode()).hexdigest()
+    cache_file = cache_dir() / "embeddings" / f"{key[:32]}.npy"
+    if use_cache and cache_file.is_file():
+        return np.load(cache_file)
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    encoder = load_base_model(model_dir, device=device)
+    # sort by length so batches pad little; restore the order at the end
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    out = np.empty((len(texts), encoder.config.hidden_size), dtype=np.float32)
+    batches = range(0, len(texts), batch_size)
+    for start in tqdm(batches, desc="embedding items", unit="batch", disable=not progress):
+        index = order[start:start + batch_size]
+        batch = tokenizer([texts[i] for i in index], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt").to(device)
+        out[index] = mean_pooled(encoder, batch["input_ids"], batch["attention_mask"]).cpu().numpy()
+    if use_cache:
+        with atomic_path(cache_file) as tmp:
+            with open(tmp, "wb") as handle:
+                np.save(handle, out)
+    return out

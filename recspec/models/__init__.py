@@ -1,0 +1,1 @@
+"""Models: Hugging Face causal LMs, their tokenizers and presets."""

@@ -1,0 +1,35 @@
+"""Resolving and loading Hugging Face models: a cached asset by name, or any local model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from recspec.assets import ASSETS, require
+from recspec.errors import RecspecError
+
+
+def resolve_model_dir(spec: str | Path) -> Path:
+    """The folder of a model given by asset name (``smollm2``) or by path to a HF model folder."""
+    path = Path(spec).expanduser()
+    if str(spec) in ASSETS and not path.exists():
+        return require(str(spec))
+    if not (path / "config.json").is_file():
+        raise RecspecError(f"model {spec!r}: not a cached asset ({', '.join(ASSETS)}) "
+                           f"and not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def load_tokenizer(spec: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(spec))
+
+
+def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The transformer body without its LM head (for embeddings), in eval mode."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(resolve_model_dir(spec), dtype=dtype)
+    return model.to(device).eval()

@@ -1,0 +1,48 @@
+"""Shared fixtures: the real data sets (Beauty from ../shared, MovieLens and SmolLM2 from the asset cache)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+BEAUTY_DIR = Path(os.environ.get("RECSPEC_BEAUTY_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"
+                                 / "amazon-beauty"))
+
+
+@pytest.fixture(scope="session")
+def beauty_dir() -> Path:
+    if not (BEAUTY_DIR / "sequential_train.txt").is_file():
+        pytest.skip(f"the Amazon Beauty data is not at {BEAUTY_DIR} (set RECSPEC_BEAUTY_DIR); CI always has it")
+    return BEAUTY_DIR
+
+
+@pytest.fixture(scope="session")
+def beauty(beauty_dir):
+    from recspec.data import load_dataset
+
+    return load_dataset(beauty_dir)
+
+
+def _require_asset(name: str) -> Path:
+    from recspec.assets import require
+    from recspec.errors import RecspecError
+
+    try:
+        return require(name)
+    except RecspecError as err:
+        pytest.skip(f"{err} (make test fetches it)")
+
+
+@pytest.fixture(scope="session")
+def ml100k():
+    from recspec.data import load_dataset
+
+    _require_asset("ml-100k")
+    return load_dataset("ml-100k")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return _require_asset("smollm2")
