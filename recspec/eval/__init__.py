@@ -1,0 +1,1 @@
+"""Ranking metrics (Recall@K, NDCG@K) over generated top-K lists."""
