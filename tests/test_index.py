@@ -114,3 +114,9 @@ def test_index_against_a_dataset_with_unknown_items(tmp_path: Path, beauty) -> N
     (tmp_path / "item_index.json").write_text(json.dumps({"0": ["<a_1>"], "1": ["<a_2>"]}))
     with pytest.raises(RecspecError, match="unknown item id"):
         dataset_identifiers(beauty, tmp_path)
+
+
+def test_trie_of_colliding_index_is_refused() -> None:
+    index = ItemIndex.from_codes(["1", "2"], np.array([[0, 1], [0, 1]]))
+    with pytest.raises(RecspecError, match="same identifier"):
+        index.trie()

@@ -44,6 +44,13 @@ def test_recbole_atomic(recbole_dir: Path) -> None:
     np.testing.assert_array_equal(d.interactions.timestamps, [100, 200, 150, 300])
 
 
+def test_unknown_user_ids(recbole_dir: Path) -> None:
+    d = load_dataset(recbole_dir)
+    np.testing.assert_array_equal(d.user_positions(["2", "1"]), [1, 0])
+    with pytest.raises(RecspecError, match="unknown user id"):
+        d.user_positions(["1", "99"])
+
+
 def test_grouplens(tmp_path: Path) -> None:
     d = tmp_path / "ml-100k"
     write(d / "u.data", "1\t1\t5\t874965758\n1\t2\t3\t876893171\n2\t1\t4\t888550871\n")

@@ -103,6 +103,15 @@ class Dataset:
     def density(self) -> float:
         return len(self.interactions) / max(1, self.num_users * self.num_items)
 
+    def user_positions(self, raw_ids: list[str]) -> np.ndarray:
+        """int64 [len(raw_ids)]: dense indices of raw user ids; unknown ids raise an error naming them."""
+        lookup = {u: i for i, u in enumerate(self.user_ids)}
+        unknown = [u for u in raw_ids if u not in lookup]
+        if unknown:
+            raise RecspecError(f"dataset {self.name}: unknown user id(s) {', '.join(unknown[:5])}"
+                               + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+        return np.array([lookup[u] for u in raw_ids], dtype=np.int64)
+
     def item_texts(self) -> list[str]:
         """One text per item (dense order); raises if the dataset carries no item text."""
         if self.item_info is None or self.item_info.titles is None:

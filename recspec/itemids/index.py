@@ -123,4 +123,8 @@ class ItemIndex:
             table = np.array([token_ids[t] for t in self.tokens], dtype=np.int64)
             ids = table[self.codes]
             vocab_size = int(table.max()) + 1 if vocab_size is None else vocab_size
-        return ItemTrie(torch.as_tensor(ids), vocab_size)
+        try:
+            return ItemTrie(torch.as_tensor(ids), vocab_size)
+        except ValueError as err:  # duplicate identifiers, ids outside the vocabulary
+            raise RecspecError(f"{self.source or 'item index'}: {err}; resolve collisions with "
+                               f"`recspec ids show` / load_released") from None
