@@ -115,6 +115,97 @@ def ids_show(
     typer.echo(describe_stats(stats))
 
 
+@app.command("train")
+def train_command(
+    dataset: DatasetArg,
+    out: Annotated[Path, typer.Option(help="Training folder (checkpoint/, best/, train_log.jsonl).")],
+    preset: Annotated[str, typer.Option(help="Model preset: target-small or draft-tiny.")] = "target-small",
+    ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json "
+                                                     "(default: the dataset's own, as Beauty ships).")] = None,
+    format: FormatOpt = None,
+    split: Annotated[Optional[str], typer.Option(help="time, loo or given.")] = None,
+    max_history: Annotated[int, typer.Option(help="History cap of prompts.")] = 20,
+    epochs: int = 10,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup_steps: int = 200,
+    patience: Annotated[int, typer.Option(help="Epochs without a better validation Recall@10 before stopping.")] = 2,
+    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
+    last_per_user: Annotated[Optional[int], typer.Option(help="Train on each user's last N examples only.")] = None,
+    max_train_examples: Annotated[Optional[int], typer.Option(help="Seeded random subsample of examples.")] = None,
+    valid_users: Annotated[int, typer.Option(help="Validation users for Recall@10 after each epoch.")] = 512,
+    precision: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32.")] = "auto",
+    seed: int = 0,
+    device: str = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
+) -> None:
+    """Train a generative recommender (L_Rec); running it again on the same --out resumes."""
+    from recspec.models.fit import fit
+    from recspec.models.train import TrainConfig
+
+    config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
+                         seed=seed, max_train_examples=max_train_examples, last_per_user=last_per_user,
+                         precision=precision, max_minutes=max_minutes, device=device)
+    result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
+                 config=config, valid_users=valid_users, overwrite=overwrite)
+    typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
+               f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
+               f"at epoch {result.best_epoch}; model in {result.best_dir}")
+
+
+@app.command("recommend")
+def recommend_command(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
+    decoder: Annotated[str, typer.Option(help="hf, beam or tree-beam.")] = "tree-beam",
+    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
+    format: FormatOpt = None,
+    part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
+    users: Annotated[Optional[int], typer.Option(help="Only the first N users.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
+    device: str = "cpu",
+) -> None:
+    """Top-K items for every test (or validation) user, trie-constrained: only real items come out."""
+    import time
+
+    from recspec.data import load_dataset
+    from recspec.recommend import Recommender, check_decoder, write_recs
+
+    check_decoder(decoder)
+    recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device)
+    examples = recommender.examples(part, users)
+    started = time.perf_counter()
+    topk = recommender.recommend(examples, k, decoder, batch_size)
+    seconds = time.perf_counter() - started
+    write_recs(out, recommender, examples, topk)
+    typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
+               f"wrote {out}")
+
+
+@app.command("eval")
+def eval_command(
+    recs: Annotated[Path, typer.Option(help="Recommendations from `recspec recommend`.")],
+    dataset: DatasetArg,
+    format: FormatOpt = None,
+    split: Annotated[Optional[str], typer.Option(help="time, loo or given (as used for the recommendations).")] = None,
+    part: Annotated[str, typer.Option(help="valid or test.")] = "test",
+    k: Annotated[list[int], typer.Option(help="Cut-offs (repeatable).")] = [5, 10],
+    max_history: int = 20,
+) -> None:
+    """Recall@K and NDCG@K of a recommendations file against the split's ground truth."""
+    from recspec.data import load_dataset, split_dataset
+    from recspec.recommend import evaluate_recs, read_recs
+
+    data = load_dataset(dataset, format)
+    parts = split_dataset(data, split, max_history)
+    if part not in ("valid", "test"):
+        raise RecspecError(f"unknown part {part!r}; choose valid or test")
+    metrics = evaluate_recs(read_recs(recs), data, getattr(parts, part), k)
+    for name, value in metrics.items():
+        typer.echo(f"{name:<10} {value:.4f}" if isinstance(value, float) else f"{name:<10} {value}")
+
+
 @bench_app.command("ids")
 def bench_ids(
     out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
@@ -125,6 +216,21 @@ def bench_ids(
     from recspec.bench.ids import run
 
     typer.echo(run(out, repeats=repeats, beauty=beauty))
+
+
+@bench_app.command("decode")
+def bench_decode(
+    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
+    batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
+    users: Annotated[int, typer.Option(help="Test users to draw the batches from.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 5,
+) -> None:
+    """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
+    from recspec.bench.decode import run
+
+    typer.echo(run(out, target, k, batch_size, users, repeats))
 
 
 def main() -> None:

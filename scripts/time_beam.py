@@ -24,28 +24,19 @@ decoders alike.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import sys
 import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from recspec.bench.report import reuse_freed_memory
 from recspec.decoding import beam_search, hf_beam_search, tree_beam_search
 from recspec.itemids.trie import ItemTrie
 
 CONTROL_TOKENS, LEVELS, CODES_PER_LEVEL = 4, 4, 224
 PAD = 0
 DECODERS = {"hf": hf_beam_search, "beam": beam_search, "tree-beam": tree_beam_search}
-
-
-def reuse_freed_memory() -> None:
-    """Make glibc keep freed large blocks for reuse instead of returning them to the OS."""
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
-        sys.exit("mallopt failed; run with --malloc system")
 
 
 def build_target(attn: str, seed: int) -> LlamaForCausalLM:

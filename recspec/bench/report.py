@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import statistics
 import time
@@ -11,7 +12,25 @@ from typing import Any
 
 import torch
 
+from recspec.errors import RecspecError
 from recspec.fileio import write_json_atomic, write_text_atomic
+
+
+def reuse_freed_memory() -> None:
+    """Make glibc keep freed large blocks for reuse instead of returning them to the OS.
+
+    Decoders allocate large short-lived tensors every step; with glibc's defaults, blocks above
+    the mmap threshold go back to the OS when freed and are faulted in again on the next step,
+    which on a small VM costs seconds and makes timings erratic. Raising the mmap and trim
+    thresholds (what jemalloc or tcmalloc do by default) applies to every decoder alike.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise RecspecError("mallopt failed; cannot set the allocator policy for benchmarks")
 
 
 def timed(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str, Any]:

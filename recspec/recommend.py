@@ -1,0 +1,148 @@
+"""Top-K recommendation with a trained generative recommender, and evaluation of the results.
+
+A trained model folder (``recspec train --out DIR``) holds ``best/`` (weights, tokenizer,
+``recspec.json`` with the item-index fingerprint), ``item_index.json`` and ``run.json`` (the data
+set, format, split and history cap it was trained with). :class:`Recommender` loads all of it
+and turns examples into top-K item lists with any decoder; results are written as JSON lines,
+one object per user: ``{"user": raw id, "items": [raw item ids, best first], "scores": [...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recspec.data import Dataset, Examples, load_dataset, split_dataset
+from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
+from recspec.errors import RecspecError
+from recspec.eval.metrics import recall_ndcg
+from recspec.fileio import atomic_path, read_json, write_json_atomic
+from recspec.itemids.index import ItemIndex
+from recspec.itemids.trie import ItemTrie
+from recspec.models.examples import PromptEncoder
+from recspec.models.tokenizer import identifier_token_ids
+
+DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": beam_search, "tree-beam": tree_beam_search}
+RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
+
+
+def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
+    """Record the index and the data set / split a model is trained on, beside its checkpoints."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index.save(out_dir / INDEX_FILE)
+    write_json_atomic(out_dir / RUN_FILE, info)
+
+
+def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The training folder of ``model_dir`` (itself or its parent, for ``best/``) and its ``run.json``."""
+    for folder in (model_dir, model_dir.parent):
+        if (folder / RUN_FILE).is_file() and (folder / INDEX_FILE).is_file():
+            return folder, read_json(folder / RUN_FILE)
+    raise RecspecError(f"{model_dir}: no {RUN_FILE} / {INDEX_FILE}; not a folder written by `recspec train`")
+
+
+def check_decoder(name: str) -> Callable[..., TopK]:
+    if name not in DECODERS:
+        raise RecspecError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")
+    return DECODERS[name]
+
+
+@dataclass
+class Recommender:
+    """A trained model with its tokenizer, item index, prompt encoder and trie, for one data set."""
+
+    model: Any
+    tokenizer: Any
+    index: ItemIndex
+    encoder: PromptEncoder
+    trie: ItemTrie
+    dataset: Dataset
+    info: dict[str, Any]
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu") -> Recommender:
+        """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained one."""
+        from recspec.models.train import load_trained
+
+        folder, info = run_info(Path(model_dir))
+        index = ItemIndex.load(folder / INDEX_FILE)
+        model, tokenizer = load_trained(folder, index, device=device)
+        if dataset is None:
+            dataset = load_dataset(info["dataset"], info.get("format"))
+        encoder = PromptEncoder(index, dataset.item_ids, tokenizer)
+        trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
+        return cls(model, tokenizer, index, encoder, trie, dataset, info)
+
+    def examples(self, part: str = "test", users: int | None = None) -> Examples:
+        """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
+        split = split_dataset(self.dataset, self.info.get("split"), self.info.get("max_history", 20))
+        examples = {"valid": split.valid, "test": split.test}.get(part)
+        if examples is None:
+            raise RecspecError(f"unknown part {part!r}; choose valid or test")
+        if users is not None:
+            examples = examples.subset(np.arange(min(users, len(examples))))
+        return examples
+
+    def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16) -> TopK:
+        """Top-``k`` items (index rows) of every example by ``decoder``."""
+        decode = check_decoder(decoder)
+        return decode(self.model, self.encoder.prompts(examples), self.trie, k, self.encoder.pad_id, batch_size)
+
+
+
+def write_recs(path: Path, recommender: Recommender, examples: Examples, topk: TopK) -> None:
+    """One JSON line per example (user, items as raw ids best first, scores), written atomically."""
+    keys = recommender.index.item_keys
+    rows, scores = topk.items.cpu().tolist(), topk.scores.cpu().tolist()
+    with atomic_path(Path(path)) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for user, items, values in zip(examples.users.tolist(), rows, scores):
+            handle.write(json.dumps({"user": recommender.dataset.user_ids[user],
+                                     "items": [keys[i] for i in items if i >= 0],
+                                     "scores": [round(v, 6) for v, i in zip(values, items) if i >= 0]}) + "\n")
+
+
+def read_recs(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a recommendations file; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecspecError(f"{path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise RecspecError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
+            if not isinstance(row, dict) or "user" not in row or not isinstance(row.get("items"), list):
+                raise RecspecError(f"{path}:{lineno}: expected an object with 'user' and a list 'items'")
+            rows.append(row)
+    if not rows:
+        raise RecspecError(f"{path}: no recommendations")
+    return rows
+
+
+def evaluate_recs(rows: Sequence[dict[str, Any]], dataset: Dataset, examples: Examples,
+                  ks: Sequence[int] = (5, 10)) -> dict[str, float]:
+    """Recall@k / NDCG@k of recommendation rows against the targets of ``examples`` (matched by user)."""
+    by_user = {dataset.user_ids[u]: i for i, u in enumerate(examples.users.tolist())}
+    missing = [str(row["user"]) for row in rows if str(row["user"]) not in by_user]
+    if missing:
+        raise RecspecError(f"user(s) {', '.join(missing[:5])} have no targets in this split; "
+                           f"evaluate with the data set and split the recommendations were made for")
+    lookup = {key: i for i, key in enumerate(dataset.item_ids)}
+    width = max(ks)
+    ranked = np.full((len(rows), width), -1, dtype=np.int64)
+    for r, row in enumerate(rows):  # once per user, outside any decoding loop
+        items = [lookup.get(str(key), -1) for key in row["items"][:width]]
+        ranked[r, :len(items)] = items
+    targets = [examples.targets(by_user[str(row["user"])]) for row in rows]
+    metrics = recall_ndcg(ranked, targets, ks)
+    return {"users": len(rows), **metrics}

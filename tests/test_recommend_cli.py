@@ -1,0 +1,83 @@
+"""End to end through the command line on a small CSV data set: train, resume, recommend with
+every decoder (identical lists), evaluate, and the errors of each step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recspec.itemids.index import ItemIndex
+from tests.test_cli import recspec
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """60 users walking through 40 items in a fixed cycle (next item = this item + 1), with identifiers."""
+    root = tmp_path_factory.mktemp("small")
+    rng = np.random.default_rng(0)
+    lines = ["user,item,timestamp"]
+    time = 0
+    for user in range(60):
+        start = int(rng.integers(0, 40))
+        for step in range(8):
+            time += 1
+            lines.append(f"u{user},i{(start + step) % 40},{time}")
+    (root / "data").mkdir()
+    (root / "data" / "interactions.csv").write_text("\n".join(lines) + "\n")
+    codes = np.stack([np.arange(40) // 8, np.arange(40) % 8, (np.arange(40) * 3) % 5], axis=1)
+    ItemIndex.from_codes([f"i{i}" for i in range(40)], codes).save(root / "ids" / "item_index.json")
+    return root / "data", root / "ids"
+
+
+def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> None:
+    data, ids = small_data
+    out = tmp_path / "model"
+    args = ["train", "--dataset", str(data), "--ids", str(ids), "--preset", "draft-tiny", "--out", str(out),
+            "--split", "loo", "--epochs", "2", "--batch-size", "32", "--lr", "0.01", "--warmup-steps", "5",
+            "--precision", "fp32"]
+    result = recspec(*args)
+    assert result.returncode == 0, result.stderr
+    assert (out / "best" / "model.safetensors").is_file() and (out / "run.json").is_file()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in log] == [1, 2] and all("recall@10" in row for row in log)
+    again = recspec(*args)  # finished run: resuming does nothing more and succeeds
+    assert again.returncode == 0, again.stderr
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 2
+
+    lists = {}
+    for decoder in ("hf", "beam", "tree-beam"):
+        recs = tmp_path / f"{decoder}.jsonl"
+        result = recspec("recommend", "--target", str(out), "--decoder", decoder, "--k", "5", "--out", str(recs))
+        assert result.returncode == 0, result.stderr
+        rows = [json.loads(line) for line in recs.read_text().splitlines()]
+        assert len(rows) == 60 and all(len(r["items"]) == 5 for r in rows)
+        assert all(r["scores"] == sorted(r["scores"], reverse=True) for r in rows)
+        lists[decoder] = [r["items"] for r in rows]
+    assert lists["hf"] == lists["beam"] == lists["tree-beam"]
+
+    result = recspec("eval", "--recs", str(tmp_path / "beam.jsonl"), "--dataset", str(data), "--split", "loo",
+                     "--k", "1", "--k", "5")
+    assert result.returncode == 0, result.stderr
+    metrics = dict(line.split() for line in result.stdout.splitlines())
+    assert metrics["users"] == "60" and 0 <= float(metrics["recall@5"]) <= 1
+    assert float(metrics["recall@5"]) >= float(metrics["recall@1"])
+
+
+def test_errors(small_data: tuple[Path, Path], tmp_path: Path) -> None:
+    data, ids = small_data
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("x")
+    result = recspec("train", "--dataset", str(data), "--ids", str(ids), "--preset", "draft-tiny",
+                     "--out", str(tmp_path / "busy"))
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+    result = recspec("train", "--dataset", str(data), "--ids", str(ids), "--preset", "huge", "--out",
+                     str(tmp_path / "m"))
+    assert result.returncode == 2 and "unknown model preset" in result.stderr
+    result = recspec("recommend", "--target", str(tmp_path / "nothing"), "--out", str(tmp_path / "r.jsonl"))
+    assert result.returncode == 2 and "not a folder written by `recspec train`" in result.stderr
+    (tmp_path / "bad.jsonl").write_text('{"user": "u1", "items": ["i1"]}\n{oops\n')
+    result = recspec("eval", "--recs", str(tmp_path / "bad.jsonl"), "--dataset", str(data), "--split", "loo")
+    assert result.returncode == 2 and "bad.jsonl:2: malformed JSON" in result.stderr
