@@ -63,7 +63,8 @@ def test_tokenizer_ids_and_round_trip(setup, tmp_path) -> None:
     index, _, _, tokenizer, _ = setup
     assert len(tokenizer) == 4 + len(index.tokens)
     assert tokenizer.convert_ids_to_tokens([0, 1, 2, 3]) == list(CONTROL_TOKENS)
-    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.sep_token_id) == (0, 1, 2, 3)
+    specials = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.sep_token_id)
+    assert specials == (0, 1, 2, 3)
     ids = identifier_token_ids(tokenizer, index)
     assert [ids[t] for t in index.tokens] == list(range(4, 4 + len(index.tokens)))
     text = "<bos> " + " ".join(index.identifiers[5]) + " <sep>"

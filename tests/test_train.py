@@ -174,6 +174,9 @@ def test_resume_refuses_other_options_and_index(setup, tmp_path) -> None:
     with pytest.raises(RecspecError, match="other options.*lr"):
         train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run",
               TrainConfig(**{**CONFIG, "epochs": 1, "lr": 1e-4}), progress=False)
+    with pytest.raises(RecspecError, match="does not fit this model"):
+        train(build_model("draft-tiny", tokenizer, hidden_size=64), encoder, split, tmp_path / "run", config,
+              progress=False)
     with pytest.raises(RecspecError, match="selects on valid_loss"):
         train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run", config, progress=False,
               evaluate=lambda model: {"recall@10": 0.0})
@@ -200,7 +203,7 @@ def test_evaluate_drives_early_stopping(setup, tmp_path) -> None:
 
     config = TrainConfig(**{**CONFIG, "epochs": 10, "patience": 2, "max_train_examples": 200})
     result = train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run", config, evaluate,
-                   progress=False)
+                   progress=True)
     assert result.stopped == "early stop" and result.epochs_run == 4
     assert result.metric == "recall@10" and result.best_value == 0.6 and result.best_epoch == 2
     assert [row["best"] for row in result.history] == [True, True, False, False]

@@ -9,10 +9,12 @@ Parameter counts with the Amazon Beauty vocabulary (4 control + 859 identifier t
 ``draft-tiny`` 418,944 (197,888 in its block, 220,928 in the embeddings). With a full 4 x 256
 vocabulary: 26.36M and 0.46M.
 
-Cost of one forward call, fp32 on the 2-core development CPU (median, Beauty vocabulary), and
-the draft / target ratio c: 1 x 84 tokens 31.7 ms vs 0.71 ms (c = 0.022); 16 x 84 tokens 450 ms
-vs 6.8 ms (c = 0.015); 1 x 40 new tokens over an 84-token cache 35.6 vs 0.77 ms (c = 0.022,
-one thread); one decoding step (16 x 1 over 84 cached) 17.1 vs 0.46 ms (c = 0.027).
+Cost of one forward call, fp32, 2 threads on the 2-core development CPU (median of repeated
+runs on an idle machine, Beauty vocabulary), and the draft / target ratio c:
+1 x 84 tokens 32-36 ms vs 0.71-0.75 ms (c = 0.021-0.022); 16 x 84 tokens 450-478 ms vs 6.8-9.2 ms
+(c = 0.015-0.019); 1 x 40 new tokens over an 84-token cache 22.7 ms vs 0.66 ms (c = 0.029);
+one decoding step 16 x 1 over 84 cached 17.1 vs 0.46 ms (c = 0.027), 1 x 1: 9.0 vs 0.30 ms
+(c = 0.034). The draft's small calls are mostly framework overhead, so c grows as calls shrink.
 
 :func:`measure_call_cost` times one forward call, the unit in which speculative decoding pays:
 a draft call must cost a small fraction c of a target call for drafting to pay off.

@@ -36,11 +36,14 @@ Both folders are written whole under a temporary name and renamed into place. ``
 is deferred to the end of the running optimizer step, then the checkpoint is saved and
 KeyboardInterrupt re-raised; a second Ctrl-C aborts at once, keeping the previous checkpoint).
 
-Resume is exact on CPU in float32: the epoch order depends only on ``(seed, epoch)``, the steps
-already done in the interrupted epoch are skipped, and weights, optimizer moments, scheduler and
-RNG state are restored bit for bit, so the final weights equal those of an uninterrupted run (a
-test checks this). On GPU, or in bf16 on some CPU kernels, floating-point non-determinism of
-the kernels can make them differ in the last bits, as two uninterrupted GPU runs already do.
+Resume is exact on CPU: the epoch order depends only on ``(seed, epoch)``, the steps already
+done in the interrupted epoch are skipped, and weights, optimizer moments, scheduler and RNG
+state are restored bit for bit, so the final weights equal those of an uninterrupted run (a test
+checks this in float32; bf16 autocast was checked bit-exact too on the development CPU). Limits:
+on GPU, non-deterministic kernels can make them differ in the last bits (as two uninterrupted GPU
+runs already do); a different thread count may change float summation order; and a run stopped
+by the time budget in mid-epoch evaluates that partial epoch (logged with ``"partial": true``),
+which may become the kept best model where an uninterrupted run would have kept another.
 """
 
 from __future__ import annotations
@@ -264,12 +267,13 @@ def _load_weights(model, folder: Path) -> None:
     unexpected = sorted(set(weights) - set(own))
     shapes = sorted(k for k in weights if k in own and own[k].shape != weights[k].shape)
     if unexpected or shapes:
-        raise RecspecError(f"{path}: does not fit this model ({'unexpected ' + ', '.join(unexpected[:3]) if unexpected else ''}"
-                           f"{' shape of ' + ', '.join(shapes[:3]) if shapes else ''}); pass the model of the run")
+        what = "; ".join(part for part in (", ".join(unexpected[:3]) and "unexpected " + ", ".join(unexpected[:3]),
+                                           ", ".join(shapes[:3]) and "other shape of " + ", ".join(shapes[:3])) if part)
+        raise RecspecError(f"{path}: does not fit this model ({what}); pass a model built like the run's")
     loaded_ptrs = {own[k].data_ptr() for k in weights}
     missing = [k for k in own if k not in weights and own[k].data_ptr() not in loaded_ptrs]
     if missing:
-        raise RecspecError(f"{path}: lacks {', '.join(missing[:3])}; pass the model of the run")
+        raise RecspecError(f"{path}: lacks {', '.join(missing[:3])}; pass a model built like the run's")
     with torch.no_grad():
         for key, value in weights.items():
             own[key].copy_(value)
@@ -523,8 +527,8 @@ def train(model, encoder: PromptEncoder, split: SplitData, out_dir: Path, config
                         guard.deferring = False
                         if bar is not None:
                             bar.update(1)
-                            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{state['epoch_tokens'] / state['epoch_seconds']:.0f}",
-                                            refresh=False)
+                            speed = state["epoch_tokens"] / max(state["epoch_seconds"], 1e-9)
+                            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{speed:.0f}", refresh=False)
                         if callback is not None:
                             callback({"epoch": state["epoch"], "step": state["step"],
                                       "batch_in_epoch": state["batch_in_epoch"], "loss": loss_value})
