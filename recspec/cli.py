@@ -195,13 +195,11 @@ def eval_command(
 ) -> None:
     """Recall@K and NDCG@K of a recommendations file against the split's ground truth."""
     from recspec.data import load_dataset, split_dataset
-    from recspec.recommend import evaluate_recs, read_recs
+    from recspec.recommend import evaluate_recs, evaluation_part, read_recs
 
     data = load_dataset(dataset, format)
-    parts = split_dataset(data, split, max_history)
-    if part not in ("valid", "test"):
-        raise RecspecError(f"unknown part {part!r}; choose valid or test")
-    metrics = evaluate_recs(read_recs(recs), data, getattr(parts, part), k)
+    examples = evaluation_part(split_dataset(data, split, max_history), part)
+    metrics = evaluate_recs(read_recs(recs), data, examples, k)
     for name, value in metrics.items():
         typer.echo(f"{name:<10} {value:.4f}" if isinstance(value, float) else f"{name:<10} {value}")
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recspec.data import Dataset, Examples, load_dataset, split_dataset
+from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
@@ -45,6 +45,19 @@ def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
         if (folder / RUN_FILE).is_file() and (folder / INDEX_FILE).is_file():
             return folder, read_json(folder / RUN_FILE)
     raise RecspecError(f"{model_dir}: no {RUN_FILE} / {INDEX_FILE}; not a folder written by `recspec train`")
+
+
+def item_rows(dataset_keys: Sequence[str], keys: Sequence[str]) -> np.ndarray:
+    """int64 [len(keys)]: the dense data-set item of each raw item id (-1 where the data set lacks it)."""
+    lookup = {key: i for i, key in enumerate(dataset_keys)}
+    return np.array([lookup.get(str(key), -1) for key in keys], dtype=np.int64)
+
+
+def evaluation_part(split: SplitData, part: str) -> Examples:
+    """The validation or test examples of ``split``; another name is an error."""
+    if part not in ("valid", "test"):
+        raise RecspecError(f"unknown part {part!r}; choose valid or test")
+    return split.valid if part == "valid" else split.test
 
 
 def check_decoder(name: str) -> Callable[..., TopK]:
@@ -82,9 +95,7 @@ class Recommender:
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
         split = split_dataset(self.dataset, self.info.get("split"), self.info.get("max_history", 20))
-        examples = {"valid": split.valid, "test": split.test}.get(part)
-        if examples is None:
-            raise RecspecError(f"unknown part {part!r}; choose valid or test")
+        examples = evaluation_part(split, part)
         if users is not None:
             examples = examples.subset(np.arange(min(users, len(examples))))
         return examples
@@ -137,11 +148,10 @@ def evaluate_recs(rows: Sequence[dict[str, Any]], dataset: Dataset, examples: Ex
     if missing:
         raise RecspecError(f"user(s) {', '.join(missing[:5])} have no targets in this split; "
                            f"evaluate with the data set and split the recommendations were made for")
-    lookup = {key: i for i, key in enumerate(dataset.item_ids)}
     width = max(ks)
     ranked = np.full((len(rows), width), -1, dtype=np.int64)
     for r, row in enumerate(rows):  # once per user, outside any decoding loop
-        items = [lookup.get(str(key), -1) for key in row["items"][:width]]
+        items = item_rows(dataset.item_ids, row["items"][:width])
         ranked[r, :len(items)] = items
     targets = [examples.targets(by_user[str(row["user"])]) for row in rows]
     metrics = recall_ndcg(ranked, targets, ks)

@@ -19,7 +19,7 @@ import torch
 
 from recspec.bench.report import markdown_table, reuse_freed_memory, timed, write_results
 from recspec.decoding import TopK
-from recspec.decoding.beam import left_pad
+from recspec.decoding.beam import left_pad, prefill
 from recspec.recommend import DECODERS, Recommender
 
 
@@ -28,8 +28,7 @@ def _prefill_seconds(recommender: Recommender, prompts: list[torch.Tensor], repe
 
     def run() -> None:
         with torch.inference_mode():
-            recommender.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, logits_to_keep=1)
+            prefill(recommender.model, batch)
 
     return timed(run, repeats=repeats)["median_s"]
 

@@ -175,7 +175,7 @@ def _next_log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _prefill(model, prompts: Prompts):
+def prefill(model, prompts: Prompts):
     """Run the prompts once: ``(log_probs [B, 1, V] of the first generated token, KV cache)``."""
     takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}
@@ -269,7 +269,7 @@ def _beam_decode(
     """Beam search for one batch: prefill, then ``L`` selection steps with ``L - 1`` model calls
     in between, through the state ``make_state(model, prompts, k, cache)`` (a
     :class:`PerBeamCache` or a :class:`TreeCache`)."""
-    log_probs, cache = _prefill(model, prompts)
+    log_probs, cache = prefill(model, prompts)
     state = make_state(model, prompts, k, cache)
     beams = Beams.start(len(prompts.lengths), trie)
     for depth in range(trie.depth):

@@ -18,7 +18,7 @@ from recspec.models.examples import PromptEncoder
 from recspec.models.presets import build_model
 from recspec.models.tokenizer import build_tokenizer, identifier_token_ids
 from recspec.models.train import CHECKPOINT_DIR, TrainConfig, TrainResult, train
-from recspec.recommend import write_run_info
+from recspec.recommend import item_rows, write_run_info
 
 
 def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = None, format: str | None = None,
@@ -55,7 +55,7 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
         raise RecspecError(f"dataset {dataset.name}: the {split.kind} split has no validation users")
     prompts = encoder.prompts(valid)
     targets = [valid.targets(i) for i in range(len(valid))]
-    table = _index_to_dataset(index.item_keys, dataset.item_ids)
+    table = item_rows(dataset.item_ids, index.item_keys)
 
     def evaluate(model: Any) -> dict[str, float]:
         device = next(model.parameters()).device
@@ -65,8 +65,3 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
 
     return train(model, encoder, split, out_dir, config, evaluate=evaluate, progress=progress)
 
-
-def _index_to_dataset(index_keys: list[str], dataset_keys: list[str]) -> np.ndarray:
-    """int64 [num index items]: the dense data-set item of each index row (-1 if absent)."""
-    lookup = {key: i for i, key in enumerate(dataset_keys)}
-    return np.array([lookup.get(key, -1) for key in index_keys], dtype=np.int64)
