@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.beam import Beams, left_pad, select_top_k
 from recspec.decoding.cache import gather_positions, require_full_attention, select_rows
+from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import (
     additive_mask,
     ancestor_matrix,
@@ -404,6 +405,33 @@ def test_tree_forward_equals_path_forwards() -> None:
                     path = tokens[b][ancestors[b, node]]  # ancestors precede nodes here
                     plain = model(input_ids=torch.cat((prompt, path))[None]).logits[0, -1]
                     torch.testing.assert_close(tree[b, node], plain, atol=1e-4, rtol=0)
+
+
+def test_score_tree_over_cached_beams_equals_path_forwards() -> None:
+    """score_tree with per-node past visibility: two cached beams share a prompt row, a new tree
+    hangs off each of them, and every node's logits equal a plain forward of its whole path."""
+    setup = make_setup(6, [6, 6, 6], 100, kv_heads=2, users=1)
+    model = setup.model
+    prompt = torch.tensor([5, 9, 7, 11])
+    with torch.no_grad():
+        cache = model(input_ids=prompt[None], use_cache=True).past_key_values
+        # Cache the beams as a tree: 13 (pos 4) -> 14 (pos 5); 15 (pos 4).
+        cached = ancestor_matrix(torch.tensor([[-1, 0, -1]]))
+        score_tree(model, cache, torch.tensor([[13, 14, 15]]), cached, torch.ones(1, 4, dtype=torch.bool),
+                   torch.tensor([4]))
+        # New nodes: 16 after beam a, 17 under 16, 18 after beam b; plus a padding node (3).
+        parents = torch.tensor([[-1, 0, -1, -1]])
+        beam_rows = torch.tensor([[True] * 4 + [True, True, False], [True] * 4 + [False, False, True]])
+        root_beam = torch.tensor([0, 0, 1, 1])
+        past = beam_rows[root_beam][None]
+        past[0, 3] = False  # the padding node sees nothing of the past
+        root_positions = torch.tensor([[6, 6, 5, 5]])
+        logits = score_tree(model, cache, torch.tensor([[16, 17, 18, PAD]]), ancestor_matrix(parents), past,
+                            root_positions)
+        paths = [[13, 14, 16], [13, 14, 16, 17], [15, 18]]
+        for node, path in enumerate(paths):
+            plain = model(input_ids=torch.cat((prompt, torch.tensor(path)))[None]).logits[0, -1]
+            torch.testing.assert_close(logits[0, node], plain, atol=1e-4, rtol=0)
 
 
 # ------------------------------------------------------------------------------ KV cache

@@ -49,6 +49,7 @@ import torch
 from transformers import GenerationConfig
 
 from recspec.decoding.cache import require_full_attention, select_rows
+from recspec.decoding.scorer import next_log_probs
 from recspec.decoding.topk import TopK
 from recspec.decoding.tree import additive_mask, append_children, self_only_rows, tree_position_ids
 from recspec.errors import RecspecError
@@ -170,11 +171,6 @@ def _children(
 # ----------------------------------------------------------------------------- model calls
 
 
-def _next_log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """float32 log-softmax over the full vocabulary (last dim), as HF beam search computes it."""
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
 def prefill(model, prompts: Prompts):
     """Run the prompts once: ``(log_probs [B, 1, V] of the first generated token, KV cache)``."""
     takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -186,7 +182,7 @@ def prefill(model, prompts: Prompts):
         use_cache=True,
         **extra,
     )
-    return _next_log_probs(out.logits[:, -1:]), out.past_key_values
+    return next_log_probs(out.logits[:, -1:]), out.past_key_values
 
 
 class PerBeamCache:
@@ -221,7 +217,7 @@ class PerBeamCache:
             past_key_values=self.cache,
             use_cache=True,
         ).logits
-        return _next_log_probs(logits[:, -1]).view(batch, k, -1)
+        return next_log_probs(logits[:, -1]).view(batch, k, -1)
 
 
 class TreeCache:
@@ -256,7 +252,7 @@ class TreeCache:
             past_key_values=self.cache,
             use_cache=True,
         ).logits
-        return _next_log_probs(logits)
+        return next_log_probs(logits)
 
 
 # -------------------------------------------------------------------------------- decoders
@@ -306,7 +302,7 @@ def _hf_decode(
     if k == 1:
         scores = torch.zeros(batch, dtype=torch.float32, device=tokens.device)
         for step, logits in enumerate(out.logits):
-            scores = scores + _next_log_probs(logits).gather(1, tokens[:, step : step + 1])[:, 0]
+            scores = scores + next_log_probs(logits).gather(1, tokens[:, step : step + 1])[:, 0]
     else:
         scores = out.sequences_scores.float()
     return TopK(

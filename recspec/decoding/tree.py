@@ -77,16 +77,20 @@ def tree_position_ids(prefix_lengths: torch.Tensor, depths: torch.Tensor) -> tor
 
 
 def tree_attention_mask(
-    prefix_visible: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype
+    past_visible: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Additive 4D mask for a forward pass that feeds a whole tree after a cached prefix.
+    """Additive 4D mask for a forward pass that feeds a whole tree after ``P`` cached positions.
 
-    ``prefix_visible``: bool ``[B, P]``, which cached prefix positions are real tokens (False for
-    left padding); ``ancestors``: bool ``[B, N, N]`` from :func:`ancestor_matrix`, the tree nodes
-    being fed in this forward pass, in cache order. Returns ``dtype`` ``[B, 1, N, P + N]``.
+    ``past_visible``: bool ``[B, P]`` (the same for every node: e.g. a prompt, False on left
+    padding) or ``[B, N, P]`` (per node: e.g. the prompt plus the cached ancestors of the node's
+    root, when trees hang off different cached beams); ``ancestors``: bool ``[B, N, N]`` from
+    :func:`ancestor_matrix`, the tree nodes fed in this forward pass, in cache order.
+    Returns ``dtype`` ``[B, 1, N, P + N]``.
     """
     batch, n, _ = ancestors.shape
-    visible = torch.cat((prefix_visible[:, None, :].expand(batch, n, -1), ancestors), dim=2)
+    if past_visible.dim() == 2:
+        past_visible = past_visible[:, None, :].expand(batch, n, -1)
+    visible = torch.cat((past_visible, ancestors), dim=2)
     return additive_mask(visible, dtype)[:, None]
 
 

@@ -1,0 +1,53 @@
+"""The target scorer: one forward pass over the nodes of a token tree appended after a KV cache.
+
+Every speculative decoder ends a round the same way: the tokens it proposes (a draft model's
+beams, a retrieved continuation tree) are fed to the target in one call, each node attending to
+the cached positions it continues (the prompt, the text or beams accepted so far) and to its own
+ancestors in the tree, at position ``root position + depth``. :func:`score_tree` is that call;
+:func:`next_log_probs` turns its logits into the float32 log-probabilities every verifier and beam
+search compares (log-softmax over the full vocabulary, as transformers' generation does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recspec.decoding.tree import node_depths, tree_attention_mask
+
+
+def next_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax over the full vocabulary (last dim), as HF beam search computes it."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def score_tree(
+    model,
+    cache,
+    tokens: torch.Tensor,
+    ancestors: torch.Tensor,
+    past_visible: torch.Tensor,
+    root_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Feed ``N`` tree nodes per row after the ``P`` positions in ``cache``: logits ``[B, N, V]``.
+
+    ``tokens``: int64 ``[B, N]``; ``ancestors``: bool ``[B, N, N]`` from
+    :func:`~recspec.decoding.tree.ancestor_matrix` (padding nodes are roots that nothing
+    descends from); ``past_visible``: bool ``[B, P]`` or ``[B, N, P]``, the cached positions
+    each node attends to (see :func:`~recspec.decoding.tree.tree_attention_mask`);
+    ``root_positions``: int64 ``[B]`` or ``[B, N]``, the position id of a depth-0 node (the
+    number of real tokens before it on its path), so node positions are ``root + depth``.
+
+    The cache grows by ``N`` positions per row, in node order; compact it afterwards with
+    :func:`~recspec.decoding.cache.gather_positions`. Needs a model whose cache layers are all
+    full attention and which takes a custom 4D float mask (transformers 5 decoder-only models).
+    """
+    depths = node_depths(ancestors)
+    if root_positions.dim() == 1:
+        root_positions = root_positions[:, None]
+    return model(
+        input_ids=tokens,
+        attention_mask=tree_attention_mask(past_visible, ancestors, model.dtype),
+        position_ids=root_positions + depths,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Train the four reference models used by the benchmarks: target-small and draft-tiny on Amazon
+# Beauty (AtSpeed's released split and identifiers) and on MovieLens-100K (leave-one-out, RQ-KMeans
+# identifiers built from SmolLM2 embeddings). Each run stays within 20 minutes on a 2-core CPU.
+# Usage: scripts/train_models.sh [OUT_DIR] (default runs/models); BEAUTY_DIR overrides the data path.
+# Running it again resumes unfinished runs and skips finished ones.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/models}
+BEAUTY=${BEAUTY_DIR:-../shared/data/amazon-beauty}
+RECSPEC=${RECSPEC:-.venv/bin/recspec}
+mkdir -p "$OUT"
+
+
+train() {  # train NAME ARGS...: skip when a finished run is there
+    local name=$1; shift
+    if [ -f "$OUT/$name/finished" ]; then echo "$name: finished earlier"; return; fi
+    "$RECSPEC" train --out "$OUT/$name" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
+    [ -f "$OUT/$name/best/model.safetensors" ] && date -u +%FT%TZ > "$OUT/$name/finished"
+}
+
+if [ ! -f "$OUT/ml-ids/item_index.json" ]; then
+    "$RECSPEC" ids build --dataset ml-100k --out "$OUT/ml-ids"
+fi
+if [ -d "$BEAUTY" ]; then
+    train beauty-target --dataset "$BEAUTY" --preset target-small --epochs 1 --max-train-examples 85000 --max-minutes 19
+fi
+train ml-target --dataset ml-100k --ids "$OUT/ml-ids" --split loo --preset target-small --epochs 1 \
+    --last-per-user 40 --max-minutes 19
+if [ -d "$BEAUTY" ]; then
+    train beauty-draft --dataset "$BEAUTY" --preset draft-tiny --epochs 20 --patience 3 --max-minutes 15
+fi
+train ml-draft --dataset ml-100k --ids "$OUT/ml-ids" --split loo --preset draft-tiny --epochs 10 --patience 3 \
+    --max-minutes 15
