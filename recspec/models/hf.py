@@ -33,3 +33,13 @@ def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype:
 
     model = AutoModel.from_pretrained(resolve_model_dir(spec), dtype=dtype)
     return model.to(device).eval()
+
+
+def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                   attn_implementation: str | None = None):
+    """A causal LM (with its LM head) by asset name or HF model folder, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec), dtype=dtype, **extra)
+    return model.to(device).eval()
