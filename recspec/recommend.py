@@ -25,7 +25,7 @@ from recspec.eval.metrics import recall_ndcg
 from recspec.fileio import atomic_path, read_json, write_json_atomic
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
-from recspec.models.examples import PromptEncoder
+from recspec.models.examples import PromptEncoder, saved_template
 from recspec.models.tokenizer import identifier_token_ids
 
 DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": beam_search, "tree-beam": tree_beam_search}
@@ -81,14 +81,15 @@ class Recommender:
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu") -> Recommender:
         """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained one."""
-        from recspec.models.train import load_trained
+        from recspec.models.train import load_trained, trained_model_dir
 
         folder, info = run_info(Path(model_dir))
         index = ItemIndex.load(folder / INDEX_FILE)
         model, tokenizer = load_trained(folder, index, device=device)
         if dataset is None:
             dataset = load_dataset(info["dataset"], info.get("format"))
-        encoder = PromptEncoder(index, dataset.item_ids, tokenizer)
+        template = saved_template(trained_model_dir(folder), tokenizer)
+        encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         return cls(model, tokenizer, index, encoder, trie, dataset, info)
 

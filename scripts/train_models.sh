@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 train() {  # train NAME ARGS...: skip when a finished run is there
     local name=$1; shift
     if [ -f "$OUT/$name/finished" ]; then echo "$name: finished earlier"; return; fi
-    "$RECSPEC" train --out "$OUT/$name" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
+    "$RECSPEC" train --out "$OUT/$name" --threads "${THREADS:-1}" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
     [ -f "$OUT/$name/best/model.safetensors" ] && date -u +%FT%TZ > "$OUT/$name/finished"
 }
 

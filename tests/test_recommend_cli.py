@@ -57,6 +57,17 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
         assert all(r["scores"] == sorted(r["scores"], reverse=True) for r in rows)
         lists[decoder] = [r["items"] for r in rows]
     assert lists["hf"] == lists["beam"] == lists["tree-beam"]
+    result = recspec("recommend", "--target", str(out), "--k", "41", "--out", str(tmp_path / "r.jsonl"))
+    assert result.returncode == 2 and "k=41 exceeds the number of items in the trie (40)" in result.stderr
+
+    bench = tmp_path / "results"
+    result = recspec("bench", "decode", "--target", str(out), "--k", "5", "--batch-size", "1", "--batch-size", "4",
+                     "--users", "8", "--repeats", "1", "--out", str(bench))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((bench / "decode.json").read_text())["rows"]
+    assert [(r["batch"], r["decoder"]) for r in rows] == [(b, d) for b in (1, 4) for d in ("hf", "beam", "tree-beam")]
+    assert all(r["users"] == 8 and r["same_items_as_hf"] and r["peak_mib"] >= 0 and r["median_s"] > 0 for r in rows), rows
+    assert "same as hf" in (bench / "decode.md").read_text()
 
     result = recspec("eval", "--recs", str(tmp_path / "beam.jsonl"), "--dataset", str(data), "--split", "loo",
                      "--k", "1", "--k", "5")

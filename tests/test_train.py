@@ -70,8 +70,8 @@ def teacher_forced_accuracy(model, encoder, examples) -> float:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits
-    labels = batch["labels"][:, 1:]
-    right = (logits[:, :-1].argmax(-1) == labels) | (labels == -100)
+    length = batch["labels"].shape[1]
+    right = logits[:, -length - 1:-1].argmax(-1) == batch["labels"]
     return float(right.all(dim=1).float().mean())
 
 

@@ -39,7 +39,6 @@ the final ranking or, rarely, at the ``K``-th place of an intermediate step.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from recspec.decoding.topk import TopK
 from recspec.decoding.tree import additive_mask, append_children, self_only_rows, tree_position_ids
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
+from recspec.models.hf import keep_last_logits
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,16 @@ class Beams:
     ``scores``: float32 ``[B, S]``, summed log-probs, ``-inf`` for a dead beam (a filler when the
     user had fewer than ``K`` candidates); ``nodes``: int64 ``[B, S]``, the trie node of each
     prefix, ``-1`` when dead; ``tokens``: int64 ``[B, S, d]``, the prefixes; ``parents``: int64
-    ``[B, S]``, the index in ``[0, S_prev)`` of the previous step's beam each one extends.
+    ``[B, S]``, the index in ``[0, S_prev)`` of the previous step's beam each one extends;
+    ``margin``: float32 ``[B]``, the smallest gap so far between the K-th kept and the best
+    dropped candidate (see :class:`TopK`).
     """
 
     scores: torch.Tensor
     nodes: torch.Tensor
     tokens: torch.Tensor
     parents: torch.Tensor
+    margin: torch.Tensor
 
     @staticmethod
     def start(batch_size: int, trie: ItemTrie) -> Beams:
@@ -119,11 +122,12 @@ class Beams:
             nodes=zeros + trie.root,
             tokens=zeros.new_zeros(batch_size, 1, 0),
             parents=zeros,
+            margin=torch.full((batch_size,), torch.inf, device=trie.device),
         )
 
     def result(self, trie: ItemTrie) -> TopK:
         """The beams as the final :class:`TopK` (call after ``L`` steps, when they are leaves)."""
-        return TopK(items=trie.items(self.nodes), scores=self.scores, tokens=self.tokens)
+        return TopK(items=trie.items(self.nodes), scores=self.scores, tokens=self.tokens, margin=self.margin)
 
 
 def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) -> Beams:
@@ -141,8 +145,12 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
     fanout = tokens.shape[1]
     step_log_probs = log_probs.reshape(batch * width, -1).gather(1, tokens)
     candidates = (beams.scores.reshape(-1, 1) + step_log_probs).masked_fill_(~real, -torch.inf)
-    scores, index = candidates.view(batch, width * fanout).sort(dim=1, descending=True, stable=True)
-    scores, index = scores[:, :k], index[:, :k]
+    ranked, index = candidates.view(batch, width * fanout).sort(dim=1, descending=True, stable=True)
+    scores, index = ranked[:, :k], index[:, :k]
+    margin = beams.margin
+    if ranked.shape[1] > k:  # a real (finite) dropped candidate narrows the margin
+        gap = torch.where(ranked[:, k].isfinite(), ranked[:, k - 1] - ranked[:, k], torch.inf)
+        margin = torch.minimum(margin, gap)
     parents = index // fanout
     chosen = tokens.view(batch, width * fanout).gather(1, index)
     nodes = trie.step(beams.nodes.gather(1, parents).view(-1), chosen.view(-1)).view(batch, k)
@@ -152,6 +160,7 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
         nodes=nodes.masked_fill_(scores.isneginf(), -1),
         tokens=torch.cat((history, chosen[:, :, None]), dim=2),
         parents=parents,
+        margin=margin,
     )
 
 
@@ -173,14 +182,12 @@ def _children(
 
 def prefill(model, prompts: Prompts):
     """Run the prompts once: ``(log_probs [B, 1, V] of the first generated token, KV cache)``."""
-    takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}
     out = model(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
         position_ids=prompts.position_ids,
         use_cache=True,
-        **extra,
+        **keep_last_logits(model, 1),
     )
     return next_log_probs(out.logits[:, -1:]), out.past_key_values
 

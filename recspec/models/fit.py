@@ -15,8 +15,8 @@ from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
 from recspec.itemids.build import dataset_identifiers
 from recspec.models.examples import PromptEncoder
-from recspec.models.presets import build_model
-from recspec.models.tokenizer import build_tokenizer, identifier_token_ids
+from recspec.models.presets import build_model, preset_template, preset_tokenizer
+from recspec.models.tokenizer import identifier_token_ids
 from recspec.models.train import CHECKPOINT_DIR, TrainConfig, TrainResult, train
 from recspec.recommend import item_rows, write_run_info
 
@@ -42,8 +42,8 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     dataset = load_dataset(dataset_spec, format)
     split = split_dataset(dataset, split_kind, max_history)
     index = dataset_identifiers(dataset, ids)
-    tokenizer = build_tokenizer(index)
-    encoder = PromptEncoder(index, dataset.item_ids, tokenizer)
+    tokenizer = preset_tokenizer(preset, index)
+    encoder = PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
     model = build_model(preset, tokenizer, seed=config.seed)
     spec = dataset_spec if dataset_spec in KNOWN_DATASETS and not Path(dataset_spec).exists() \
         else str(Path(dataset_spec).resolve())

@@ -67,6 +67,7 @@ import torch
 from recspec.data.splits import Examples, SplitData
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, write_text_atomic
+from recspec.models.hf import keep_last_logits
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
 from recspec.models.tokenizer import check_index, read_metadata, save_tokenizer
 
@@ -215,17 +216,23 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def answer_loss(model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy on the answer tokens (labels != -100) and the logits there [b * L, V]."""
+    """Cross-entropy on the answer tokens and the float32 logits there ``[b * L, V]``.
+
+    ``batch``: :meth:`PromptEncoder.training_batch` (left-padded, answers in the last L columns,
+    ``labels`` [b, L]). Only the last ``L + 1`` positions' logits are computed where the model
+    takes ``logits_to_keep`` (transformers' causal LMs do), so the output layer never runs over
+    the prompt.
+    """
     device = batch["input_ids"].device
+    length = batch["labels"].shape[1]
     context = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
                else nullcontext())
+    keep = keep_last_logits(model, length + 1)
     with context:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    keep = labels != -100
-    picked = logits[:, :-1][keep].float()
-    loss = torch.nn.functional.cross_entropy(picked, labels[keep], reduction=reduction)
+                       position_ids=batch["position_ids"], use_cache=False, **keep).logits
+    picked = logits[:, -length - 1:-1].reshape(-1, logits.shape[-1]).float()
+    loss = torch.nn.functional.cross_entropy(picked, batch["labels"].reshape(-1), reduction=reduction)
     return loss, picked
 
 
@@ -298,7 +305,7 @@ def _fill_model_dir(tmp: Path, model, tokenizer, encoder: PromptEncoder, extra: 
     model.save_pretrained(tmp)  # transformers 5 always writes safetensors
     if not (tmp / WEIGHTS_FILE).is_file():
         raise RuntimeError(f"save_pretrained wrote no {WEIGHTS_FILE} (sharded?); the model is too large")
-    save_tokenizer(tokenizer, encoder.index, tmp, extra)
+    save_tokenizer(tokenizer, encoder.index, tmp, {"prompt": encoder.template.to_json(), **extra})
     if state is not None:
         torch.save(state, tmp / STATE_FILE)
 
@@ -585,13 +592,9 @@ def _progress(enabled: bool, total: int, state: dict[str, Any]):
 
 # ---------------------------------------------------------------------- loading
 
-def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a trained folder: a training ``out_dir`` (its ``best/``), a ``best/``
-    or ``checkpoint/`` folder. With ``index``, a folder built for another item index is refused."""
-    from transformers import AutoModelForCausalLM
-
-    from recspec.models.tokenizer import load_tokenizer_dir
-
+def trained_model_dir(path: str | Path) -> Path:
+    """The model folder of a training ``out_dir`` (its ``best/``), or ``path`` itself (a ``best/`` or
+    ``checkpoint/`` folder); a folder holding no trained model is an error."""
     path = Path(path)
     if not path.exists():
         raise RecspecError(f"{path}: no such folder; train a model first")
@@ -599,6 +602,17 @@ def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu
     if not (folder / "config.json").is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise RecspecError(f"{path}: not a trained model folder (no {BEST_DIR}/ and no config.json + {WEIGHTS_FILE})")
     read_metadata(folder)
+    return folder
+
+
+def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`). With ``index``, a
+    folder built for another item index is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from recspec.models.tokenizer import load_tokenizer_dir
+
+    folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if model.config.vocab_size != len(tokenizer):
