@@ -141,7 +141,7 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
     vectorised: no Python loop over users, beams or tokens.
     """
     batch, width = beams.nodes.shape
-    tokens, real = _children(trie, beams.nodes.view(-1), min_count=-(-k // width))  # [B*S, C]
+    tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=-(-k // width))  # [B*S, C]
     fanout = tokens.shape[1]
     step_log_probs = log_probs.reshape(batch * width, -1).gather(1, tokens)
     candidates = (beams.scores.reshape(-1, 1) + step_log_probs).masked_fill_(~real, -torch.inf)
@@ -164,7 +164,7 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
     )
 
 
-def _children(
+def trie_children(
     trie: ItemTrie, nodes: torch.Tensor, min_count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``trie.children(nodes)``, ``[N, C]`` tokens and real flags, padded to at least
@@ -265,18 +265,19 @@ class TreeCache:
 # -------------------------------------------------------------------------------- decoders
 
 
-def _beam_decode(
+def beam_decode(
     make_state: Callable[..., PerBeamCache | TreeCache], model, prompts: Prompts, trie: ItemTrie,
-    k: int,
+    k: int, select: Callable[[Beams, torch.Tensor, ItemTrie, int], Beams] = select_top_k,
 ) -> TopK:
-    """Beam search for one batch: prefill, then ``L`` selection steps with ``L - 1`` model calls
-    in between, through the state ``make_state(model, prompts, k, cache)`` (a
-    :class:`PerBeamCache` or a :class:`TreeCache`)."""
+    """Beam search for one batch: prefill, then ``L`` steps ``select(beams, log_probs, trie, k)``
+    (the top-k by default, or a sampling step) with ``L - 1`` model calls in between, through the
+    state ``make_state(model, prompts, k, cache)`` (a :class:`PerBeamCache` or a
+    :class:`TreeCache`)."""
     log_probs, cache = prefill(model, prompts)
     state = make_state(model, prompts, k, cache)
     beams = Beams.start(len(prompts.lengths), trie)
     for depth in range(trie.depth):
-        beams = select_top_k(beams, log_probs, trie, k)
+        beams = select(beams, log_probs, trie, k)
         if depth + 1 < trie.depth:
             log_probs = state.extend(beams, depth)
     return beams.result(trie)
@@ -340,7 +341,7 @@ def _allowed_tokens_table(trie: ItemTrie) -> dict[tuple[int, ...], list[int]]:
     return _ALLOWED_TABLES[trie]
 
 
-def _decode_in_batches(
+def decode_in_batches(
     decode: Callable[..., TopK],
     model,
     prompts: Sequence[torch.Tensor],
@@ -351,7 +352,7 @@ def _decode_in_batches(
 ) -> TopK:
     """Validate, then run ``decode(model, Prompts, trie, k)`` on consecutive batches of
     ``batch_size`` users (all at once if None) and concatenate the results."""
-    _validate(model, prompts, trie, k, pad_token_id, batch_size)
+    validate_request(model, prompts, trie, k, pad_token_id, batch_size)
     device = model.device
     trie = trie if trie.device == device else trie.to(device)
     size = batch_size or len(prompts)
@@ -363,7 +364,7 @@ def _decode_in_batches(
     return TopK.cat(parts)
 
 
-def _validate(
+def validate_request(
     model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
     batch_size: int | None,
 ) -> None:
@@ -420,7 +421,7 @@ def hf_beam_search(
     (all if None) are left-padded with ``pad_token_id``.
     """
     decode = partial(_hf_decode, _allowed_tokens_table(trie))
-    return _decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
 
 
 def beam_search(
@@ -435,8 +436,8 @@ def beam_search(
     per beam, selects the top-``k`` of each user's ``[K * C]`` trie-child candidates in one
     vectorised step and reorders the cache rows by the chosen parents.
     """
-    decode = partial(_beam_decode, partial(PerBeamCache, depth=trie.depth))
-    return _decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    decode = partial(beam_decode, partial(PerBeamCache, depth=trie.depth))
+    return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
 
 
 def tree_beam_search(
@@ -452,5 +453,5 @@ def tree_beam_search(
     (:mod:`recspec.decoding.tree`). Needs a model whose cache layers are all full attention and
     which accepts a custom 4D float mask (transformers 5 models built on ``create_causal_mask``).
     """
-    decode = partial(_beam_decode, TreeCache)
-    return _decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    decode = partial(beam_decode, TreeCache)
+    return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from recspec.decoding.tree import node_depths, tree_attention_mask
+from recspec.decoding.tree import additive_mask, node_depths
+from recspec.models.hf import keep_last_logits
 
 
 def next_log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -44,10 +45,22 @@ def score_tree(
     depths = node_depths(ancestors)
     if root_positions.dim() == 1:
         root_positions = root_positions[:, None]
-    return model(
-        input_ids=tokens,
-        attention_mask=tree_attention_mask(past_visible, ancestors, model.dtype),
-        position_ids=root_positions + depths,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits
+    batch, n, _ = ancestors.shape
+    if past_visible.dim() == 2:
+        past_visible = past_visible[:, None, :].expand(batch, n, -1)
+    return forward_visible(model, cache, tokens, torch.cat((past_visible, ancestors), dim=2),
+                           root_positions + depths)
+
+
+def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
+                    keep_last: int | None = None) -> torch.Tensor:
+    """Feed ``N`` nodes per row after the ``P`` cached positions: logits ``[B, N, V]`` (of the last
+    ``keep_last`` nodes only, if given: the output layer runs for those alone).
+
+    ``tokens``, ``position_ids``: int64 ``[B, N]``; ``visible``: bool ``[B, N, P + N]``, what each
+    node attends to (cached positions, then the nodes fed now; a node must see itself).
+    """
+    keep = {} if keep_last is None else keep_last_logits(model, keep_last)
+    logits = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
+                   position_ids=position_ids, past_key_values=cache, use_cache=True, **keep).logits
+    return logits if keep_last is None else logits[:, -keep_last:]
