@@ -19,10 +19,12 @@ assets_app = typer.Typer(no_args_is_help=True, help="Fetch and list cached model
 data_app = typer.Typer(no_args_is_help=True, help="Inspect data sets and their splits.")
 ids_app = typer.Typer(no_args_is_help=True, help="Build and inspect semantic item identifiers.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results under benchmarks/results/).")
+align_app = typer.Typer(no_args_is_help=True, help="Draft alignment: alignment data and draft training (AtSpeed).")
 app.add_typer(assets_app, name="assets")
 app.add_typer(data_app, name="data")
 app.add_typer(ids_app, name="ids")
 app.add_typer(bench_app, name="bench")
+app.add_typer(align_app, name="align")
 
 DatasetArg = Annotated[str, typer.Option("--dataset", "-d", help="Known name (ml-100k) or a dataset path.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
@@ -155,12 +157,78 @@ def train_command(
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
 
 
+@align_app.command("data")
+def align_data(
+    target: Annotated[Path, typer.Option(help="The trained target (a `recspec train` folder).")],
+    out: Annotated[Path, typer.Option(help="Alignment data folder (running again completes it).")],
+    k: Annotated[int, typer.Option(help="Target sequences per prompt (top-K beam search).")] = 20,
+    max_prompts: Annotated[Optional[int], typer.Option(help="Seeded subsample of the training prompts.")] = None,
+    valid_prompts: Annotated[int, typer.Option(help="Validation prompts.")] = 512,
+    shard_size: Annotated[int, typer.Option(help="Prompts per shard.")] = 4096,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    seed: int = 0,
+    device: str = "cpu",
+) -> None:
+    """For every training prompt: the target's top-K sequences and its log-probs of the valid
+    tokens at their prefixes and at the ground truth's (sharded, resumable)."""
+    from recspec.align.data import DataConfig, generate
+
+    config = DataConfig(k=k, max_prompts=max_prompts, valid_prompts=valid_prompts, shard_size=shard_size,
+                        batch_size=batch_size, seed=seed)
+    manifest = generate(target, out, config, device=device)
+    prompts = {part: sum(s["prompts"] for s in shards) for part, shards in manifest["shards"].items()}
+    size = sum(s["bytes"] for shards in manifest["shards"].values() for s in shards)
+    typer.echo(f"{prompts['train']} training + {prompts['valid']} validation prompts in {manifest['seconds']:.0f} s; "
+               f"{size / 2**20:.1f} MiB in {out}")
+
+
+@align_app.command("train")
+def align_train(
+    data: Annotated[Path, typer.Option(help="Alignment data folder (`recspec align data`).")],
+    out: Annotated[Path, typer.Option(help="Training folder of the draft (running again resumes).")],
+    method: Annotated[str, typer.Option(help="sft, wordkd, tvdkd, seqkd, atspeed-s or atspeed-r.")] = "atspeed-s",
+    alpha: Annotated[float, typer.Option(help="Weight of the alignment loss against L_Rec, in [0, 1].")] = 0.5,
+    preset: Annotated[str, typer.Option(help="Draft preset: draft-tiny (target-small) or draft-llm.")] = "draft-tiny",
+    target: Annotated[Optional[Path], typer.Option(help="The target, to select epochs by validation acceptance "
+                                                        "(else by validation loss).")] = None,
+    epochs: int = 10,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup_steps: int = 200,
+    patience: int = 2,
+    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
+    eval_users: Annotated[int, typer.Option(help="Validation users of the acceptance check.")] = 256,
+    eval_k: Annotated[int, typer.Option(help="K of the acceptance check.")] = 10,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
+    precision: str = "auto",
+    seed: int = 0,
+    device: str = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
+) -> None:
+    """Train a draft with an alignment method (AtSpeed-S / -R, SFT, WordKD, SeqKD, TVDKD)."""
+    from recspec.align.train import align_fit
+    from recspec.models.train import TrainConfig
+
+    config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
+                         seed=seed, precision=precision, max_minutes=max_minutes, device=device, threads=threads)
+    result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k, overwrite=overwrite)
+    typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
+               f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
+               f"at epoch {result.best_epoch}; model in {result.best_dir}")
+
+
 @app.command("recommend")
 def recommend_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
     out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
-    decoder: Annotated[str, typer.Option(help="hf, beam or tree-beam.")] = "tree-beam",
+    decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict or spec-relaxed.")] = "tree-beam",
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    draft: Annotated[Optional[Path], typer.Option(help="Draft model folder (spec-strict, spec-relaxed).")] = None,
+    draft_beams: Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")] = 40,
+    gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the "
+                                                      "identifier).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling decoders.")] = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
     part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
@@ -172,17 +240,27 @@ def recommend_command(
     import time
 
     from recspec.data import load_dataset
-    from recspec.recommend import Recommender, check_decoder, write_recs
+    from recspec.decoding.speculative import SpecConfig, check_config
+    from recspec.recommend import SPECULATIVE, DecodeOptions, Recommender, check_decoder, write_recs
 
-    check_decoder(decoder)
-    recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device)
+    check_decoder(decoder, draft is not None)
+    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed)
+    recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
+                                   draft_dir=draft if decoder in SPECULATIVE else None)
+    if decoder in SPECULATIVE:  # bad settings fail before any work
+        check_config(SpecConfig(draft_beams, gamma, SPECULATIVE[decoder], temperature), k, recommender.trie)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
-    topk = recommender.recommend(examples, k, decoder, batch_size)
+    decoded = recommender.recommend(examples, k, decoder, batch_size, options)
     seconds = time.perf_counter() - started
-    write_recs(out, recommender, examples, topk)
+    write_recs(out, recommender, examples, decoded.topk)
     typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
                f"wrote {out}")
+    if decoded.stats is not None:
+        summary = decoded.stats.summary()
+        typer.echo(f"accepted steps {summary['accepted_steps']:.2f}/user, target calls "
+                   f"{summary['target_calls']:.2f}/user, draft calls {summary['draft_calls']:.2f}/user, tree nodes "
+                   f"{summary['tree_nodes']:.1f}/user")
 
 
 @app.command("eval")
@@ -231,6 +309,55 @@ def bench_decode(
     from recspec.bench.decode import run
 
     typer.echo(run(out, target, k, batch_size, users, repeats))
+
+
+@bench_app.command("spec")
+def bench_spec(
+    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
+    draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
+    users: Annotated[int, typer.Option(help="Test users timed one at a time (batch 1).")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
+    draft_beams: Annotated[int, typer.Option(help="N of strict verification.")] = 40,
+    gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest).")] = None,
+    temperature: Annotated[list[float], typer.Option(help="Temperatures of the quality comparison.")] = [0.5, 1.0],
+    quality_k: Annotated[list[int], typer.Option(help="K of the quality comparison (repeatable).")] = [5, 10],
+    quality_users: Annotated[int, typer.Option(help="Test users of the quality comparison.")] = 1000,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "spec",
+) -> None:
+    """AtSpeed: WS@K / AS@K of strict and relaxed verification against hf / beam / tree-beam, the
+    oracle ceiling, and Recall / NDCG of relaxed sampling against the target's beam sampling."""
+    from recspec.bench.spec import run
+
+    if len(target) != len(draft):
+        raise RecspecError(f"give one --draft per --target ({len(target)} targets, {len(draft)} drafts)")
+    typer.echo(run(out, list(zip(target, draft)), k, users, repeats, draft_beams, gamma, temperature, quality_k,
+                   quality_users, name=name))
+
+
+@bench_app.command("align")
+def bench_align(
+    target: Annotated[Path, typer.Option(help="The trained target.")],
+    data: Annotated[Path, typer.Option(help="Its alignment data (`recspec align data`).")],
+    work: Annotated[Path, typer.Option(help="Folder of the drafts trained by the benchmark (reused).")] = Path(
+        "runs/bench-align"),
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
+    users: Annotated[int, typer.Option(help="Test users timed one at a time.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
+    alpha: float = 0.5,
+    curve_alpha: Annotated[list[float], typer.Option(help="Other alphas of the AtSpeed-S curve.")] = [0.1, 0.3, 0.7],
+    draft_beams: int = 40,
+    train_minutes: Annotated[float, typer.Option(help="Training budget of each draft.")] = 5.0,
+    quality_users: Annotated[int, typer.Option(help="Test users of the relaxed-quality comparison.")] = 1000,
+) -> None:
+    """Table 1 on our models: WS@K / AS@K of every alignment method under strict and relaxed
+    verification, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
+    from recspec.bench.align import run
+
+    typer.echo(run(out, target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
+                   quality_users=quality_users))
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from recspec.models.fit import fit
 from recspec.models.presets import build_model, count_parameters, preset_template, preset_tokenizer
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.models.train import TrainConfig
-from recspec.recommend import DECODERS, Recommender
+from recspec.recommend import BEAM_DECODERS, Recommender
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
     prompts = recommender.encoder.prompts(examples)
     k = 5
     results = {name: decode(recommender.model, prompts, recommender.trie, k, recommender.encoder.pad_id)
-               for name, decode in DECODERS.items()}
+               for name, decode in BEAM_DECODERS.items()}
     for name, result in results.items():
         assert (result.items >= 0).all() and all(len(set(row)) == k for row in result.items.tolist()), name
         assert (result.scores[:, :-1] >= result.scores[:, 1:] - 1e-6).all(), name
@@ -141,9 +141,9 @@ def test_decoders_equal_hf_on_the_pretrained_llm(smollm2_dir: Path) -> None:
              "The best pizza topping is", "Users who bought running shoes also bought", "I would like to watch"]
     prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
     for k in (1, 5, 10):
-        reference = DECODERS["hf"](model, prompts, trie, k, tokenizer.pad_token_id)
+        reference = BEAM_DECODERS["hf"](model, prompts, trie, k, tokenizer.pad_token_id)
         for name in ("beam", "tree-beam"):
-            ours = DECODERS[name](model, prompts, trie, k, tokenizer.pad_token_id)
+            ours = BEAM_DECODERS[name](model, prompts, trie, k, tokenizer.pad_token_id)
             assert torch.equal(ours.items, reference.items), (name, k)
             torch.testing.assert_close(ours.scores, reference.scores, atol=1e-4, rtol=0)
             assert (ours.margin > 1e-4).all()  # well separated: the equality above is not luck

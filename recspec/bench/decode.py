@@ -27,7 +27,7 @@ import torch
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.decoding import TopK
 from recspec.decoding.beam import left_pad, prefill
-from recspec.recommend import DECODERS, Recommender
+from recspec.recommend import BEAM_DECODERS, Recommender
 
 
 def batches_of(recommender: Recommender, users: int, batch_size: int) -> list[list[torch.Tensor]]:
@@ -37,7 +37,7 @@ def batches_of(recommender: Recommender, users: int, batch_size: int) -> list[li
 
 
 def _call(recommender: Recommender, decoder: str, k: int) -> Callable[[list[torch.Tensor]], TopK]:
-    decode = DECODERS[decoder]
+    decode = BEAM_DECODERS[decoder]
     return lambda prompts: decode(recommender.model, prompts, recommender.trie, k, recommender.encoder.pad_id)
 
 
@@ -103,7 +103,7 @@ def bench_target(target: Path, ks: Sequence[int], batch_sizes: Sequence[int], us
     """Rows for one target: every (batch size, K, decoder) on the first ``users`` test users."""
     recommender = Recommender.load(target)
     name = f"{recommender.dataset.name}/{recommender.info.get('preset', target.name)}"
-    cells = [(b, k, d) for b in batch_sizes for k in ks for d in DECODERS]
+    cells = [(b, k, d) for b in batch_sizes for k in ks for d in BEAM_DECODERS]
     peaks = dict(zip(cells, peak_memory_cells(target, cells, users)))
     rows = []
     for batch_size in batch_sizes:
@@ -111,7 +111,7 @@ def bench_target(target: Path, ks: Sequence[int], batch_sizes: Sequence[int], us
         count = sum(len(batch) for batch in batches)
         ceiling = time_side_by_side({"prefill": _prefill(recommender)}, batches, repeats)["prefill"]["median_s"]
         for k in ks:
-            calls = {decoder: _call(recommender, decoder, k) for decoder in DECODERS}
+            calls = {decoder: _call(recommender, decoder, k) for decoder in BEAM_DECODERS}
             timings = time_side_by_side(calls, batches, repeats)
             results = {decoder: TopK.cat([call(batch) for batch in batches]) for decoder, call in calls.items()}
             for decoder, timing in timings.items():

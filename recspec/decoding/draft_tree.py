@@ -78,12 +78,17 @@ def child_level(parent: Level, parents: torch.Tensor, tokens: torch.Tensor, node
                  paths=paths, proposal=proposal, choice=choice)
 
 
-def feed(model, cache, levels: list[Level]) -> torch.Tensor:
-    """Feed consecutive levels in one call after everything fed before: float32 log-probs
-    ``[B, sum n, V]``. The mask stacks the levels' visibility rows, each padded on the right with
-    False (a node never sees nodes fed after it)."""
+def stacked(levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Consecutive levels as one block of nodes: tokens and positions ``[B, M]`` and visibility
+    ``[B, M, W]`` (each level's rows padded on the right with False: a node never sees nodes
+    that come after it)."""
     width = levels[-1].visible.shape[2]
     rows = [torch.nn.functional.pad(level.visible, (0, width - level.visible.shape[2])) for level in levels]
-    logits = forward_visible(model, cache, torch.cat([level.tokens for level in levels], dim=1),
-                             torch.cat(rows, dim=1), torch.cat([level.positions for level in levels], dim=1))
-    return next_log_probs(logits)
+    return (torch.cat([level.tokens for level in levels], dim=1), torch.cat(rows, dim=1),
+            torch.cat([level.positions for level in levels], dim=1))
+
+
+def feed(model, cache, levels: list[Level]) -> torch.Tensor:
+    """Feed consecutive levels in one call after everything fed before: float32 log-probs
+    ``[B, sum n, V]``."""
+    return next_log_probs(forward_visible(model, cache, *stacked(levels)))

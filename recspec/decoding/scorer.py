@@ -64,3 +64,25 @@ def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, p
     logits = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
                    position_ids=position_ids, past_key_values=cache, use_cache=True, **keep).logits
     return logits if keep_last is None else logits[:, -keep_last:]
+
+
+def forward_prompt_and_tree(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, tokens: torch.Tensor, tree_visible: torch.Tensor,
+                            tree_positions: torch.Tensor) -> torch.Tensor:
+    """Left-padded prompts and a token tree after them, in one forward: logits ``[B, 1 + M, V]``
+    of the prompt's last position (row 0, the tree's root) and of the ``M`` tree nodes.
+
+    ``input_ids``, ``attention_mask``, ``position_ids``: int64 ``[B, P]`` (the prompts, left-padded,
+    position ids counting real tokens); ``tokens``, ``tree_positions``: int64 ``[B, M]``;
+    ``tree_visible``: bool ``[B, M, P + M]``, what each node attends to (the prompt's real tokens,
+    its ancestors, itself). Prompt tokens attend causally to real prompt tokens. ``cache``: an
+    empty cache to fill, or None. The output layer runs for the ``1 + M`` positions only.
+    """
+    prompt_len = input_ids.shape[1]
+    width = tree_visible.shape[2]
+    real = attention_mask.bool()
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=real.device).tril()
+    prompt_rows = (causal & real[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=real.device)
+    visible = torch.cat((torch.nn.functional.pad(prompt_rows, (0, width - prompt_len)), tree_visible), dim=1)
+    return forward_visible(model, cache, torch.cat((input_ids, tokens), dim=1), visible,
+                           torch.cat((position_ids, tree_positions), dim=1), keep_last=tokens.shape[1] + 1)

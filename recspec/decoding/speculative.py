@@ -41,8 +41,8 @@ from transformers import DynamicCache
 
 from recspec.decoding.beam import Beams, Prompts, left_pad, prefill, select_top_k, validate_request
 from recspec.decoding.cache import gather_positions, require_full_attention, select_rows
-from recspec.decoding.draft_tree import Level, child_level, feed
-from recspec.decoding.scorer import forward_visible, next_log_probs
+from recspec.decoding.draft_tree import Level, child_level, feed, stacked
+from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.topk import TopK
 from recspec.decoding.sampling import best_first
 from recspec.decoding.verify import RelaxedSampler, match_drafted
@@ -71,12 +71,14 @@ class SpecConfig:
 @dataclass
 class SpecStats:
     """Per user, float32 ``[B]`` each: ``accepted_steps`` (AS: drafted steps accepted),
+    ``drafted_steps`` (steps drafted for the user; acceptance rate = accepted / drafted),
     ``target_calls`` (prefill included), ``draft_calls`` (prefill included), ``tree_nodes`` (tree
     nodes fed to the target, summed over rounds), ``rounds``; and seconds of the user's batch,
     divided among its users: ``prefill_s``, ``draft_s``, ``verify_s`` (target call and
     verification), ``overhead_s`` (the rest: compaction, bookkeeping)."""
 
     accepted_steps: torch.Tensor
+    drafted_steps: torch.Tensor
     target_calls: torch.Tensor
     draft_calls: torch.Tensor
     tree_nodes: torch.Tensor
@@ -198,18 +200,8 @@ def _score(target, cache, levels: list[Level], prompts: Prompts | None) -> torch
     row 0 of the result is the prompt's last position (level 0, the root)."""
     if prompts is None:
         return feed(target, cache, levels)
-    tree = levels[1:]
-    width = levels[-1].visible.shape[2]
-    prompt_len = prompts.input_ids.shape[1]
-    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=prompts.input_ids.device).tril()
-    real = prompts.attention_mask.bool()
-    prompt_rows = (causal & real[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=real.device)
-    rows = [torch.nn.functional.pad(prompt_rows, (0, width - prompt_len))]
-    rows += [torch.nn.functional.pad(level.visible, (0, width - level.visible.shape[2])) for level in tree]
-    tokens = torch.cat([prompts.input_ids] + [level.tokens for level in tree], dim=1)
-    positions = torch.cat([prompts.position_ids] + [level.positions for level in tree], dim=1)
-    nodes = sum(level.width for level in tree)
-    return next_log_probs(forward_visible(target, cache, tokens, torch.cat(rows, dim=1), positions, nodes + 1))
+    return next_log_probs(forward_prompt_and_tree(target, cache, prompts.input_ids, prompts.attention_mask,
+                                                  prompts.position_ids, *stacked(levels[1:])))
 
 
 def _verify(front: _Frontier, levels: list[Level], log_p: torch.Tensor, trie: ItemTrie, k: int,
@@ -278,9 +270,8 @@ def _advance(front: _Frontier, levels: list[Level], beams: Beams, parent_at: tor
              steps: torch.Tensor) -> tuple[_Frontier, torch.Tensor]:
     """The frontier after the round (new beams, paths, depths) and, per beam, its view of the
     uncompacted cache: bool ``[B, K, W]`` (prompt and ancestors, W = cache width)."""
-    width = levels[-1].visible.shape[2]
-    visible = torch.cat([torch.nn.functional.pad(level.visible, (0, width - level.visible.shape[2]))
-                         for level in levels], dim=1)  # [B, M, W]: every node's view
+    _, visible, _ = stacked(levels)  # [B, M, W]: every node's view
+    width = visible.shape[2]
     paths = torch.cat([level.paths for level in levels], dim=1)
     k = parent_at.shape[1]
     view = visible.gather(1, parent_at[:, :, None].expand(-1, -1, width))
@@ -348,6 +339,7 @@ def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
         drafted = min(config.gamma or remaining, remaining - 1)
         feed_last = drafted < remaining - 1  # a bonus step can then leave identifiers incomplete
         users = front.users.cpu()
+        own_drafted = (trie.depth - 1 - front.depth).clamp(min=0, max=drafted).cpu().float()
         mark = clock.now()
         level0 = _level_zero(front, prompts if first else None)
         levels = _draft(draft, draft_cache, level0, root_log_q if first else None, front, trie, config, k, sampler,
@@ -361,6 +353,7 @@ def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
         mark = clock.add("verify", mark)
         front, _ = _advance(front, levels, beams, parent_at, steps)
         stats.accepted_steps[users] += accepted.cpu().float()
+        stats.drafted_steps[users] += own_drafted
         stats.target_calls[users] += 1
         stats.draft_calls[users] += drafted - first + feed_last
         stats.tree_nodes[users] += float(sum(level.width for level in levels[first:]))
