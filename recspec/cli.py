@@ -251,7 +251,7 @@ def recommend_command(
         check_config(SpecConfig(draft_beams, gamma, SPECULATIVE[decoder], temperature), k, recommender.trie)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
-    decoded = recommender.recommend(examples, k, decoder, batch_size, options)
+    decoded = recommender.recommend(examples, k, decoder, batch_size, options, progress=True)
     seconds = time.perf_counter() - started
     write_recs(out, recommender, examples, decoded.topk)
     typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
@@ -312,6 +312,12 @@ def bench_decode(
     typer.echo(run(out, target, k, batch_size, users, repeats, name))
 
 
+def _pairs(targets: list[Path], drafts: list[Path]) -> list[tuple[Path, Path]]:
+    if len(targets) != len(drafts):
+        raise RecspecError(f"give one --draft per --target ({len(targets)} targets, {len(drafts)} drafts)")
+    return list(zip(targets, drafts))
+
+
 @bench_app.command("spec")
 def bench_spec(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
@@ -331,10 +337,22 @@ def bench_spec(
     oracle ceiling, and Recall / NDCG of relaxed sampling against the target's beam sampling."""
     from recspec.bench.spec import run
 
-    if len(target) != len(draft):
-        raise RecspecError(f"give one --draft per --target ({len(target)} targets, {len(draft)} drafts)")
-    typer.echo(run(out, list(zip(target, draft)), k, users, repeats, draft_beams, gamma, temperature, quality_k,
+    typer.echo(run(out, _pairs(target, draft), k, users, repeats, draft_beams, gamma, temperature, quality_k,
                    quality_users, name=name))
+
+
+@bench_app.command("cost")
+def bench_cost(
+    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
+    draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    repeats: Annotated[int, typer.Option(help="Timed calls per shape (median reported).")] = 20,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "cost",
+) -> None:
+    """The draft's cost per call relative to its target's (c), for the call shapes the decoders make."""
+    from recspec.bench.cost import run
+
+    typer.echo(run(out, _pairs(target, draft), repeats, name))
 
 
 @bench_app.command("align")

@@ -36,6 +36,7 @@ BEAM_DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": b
 #: Decoders that need a draft model.
 SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed"}
 DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE)
+PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
 RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
 
 
@@ -158,10 +159,25 @@ class Recommender:
         return examples
 
     def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16,
-                  options: DecodeOptions = DecodeOptions()) -> Decoded:
-        """Top-``k`` items (index rows) of every example by ``decoder``."""
-        return run_decoder(decoder, self.model, self.draft, self.encoder.prompts(examples), self.trie, k,
-                           self.encoder.pad_id, options, batch_size)
+                  options: DecodeOptions = DecodeOptions(), progress: bool = False) -> Decoded:
+        """Top-``k`` items (index rows) of every example by ``decoder``; with ``progress``, the users
+        go through in chunks of whole batches (about 256 users) under a progress bar."""
+        prompts = self.encoder.prompts(examples)
+        if not progress:
+            return run_decoder(decoder, self.model, self.draft, prompts, self.trie, k, self.encoder.pad_id, options,
+                               batch_size)
+        from tqdm.auto import tqdm
+
+        size = batch_size or len(prompts)
+        chunk = size * max(1, PROGRESS_CHUNK // size)
+        parts = []
+        with tqdm(total=len(prompts), unit="user", desc=decoder, dynamic_ncols=True) as bar:
+            for start in range(0, len(prompts), chunk):
+                parts.append(run_decoder(decoder, self.model, self.draft, prompts[start:start + chunk], self.trie, k,
+                                         self.encoder.pad_id, options, batch_size))
+                bar.update(len(prompts[start:start + chunk]))
+        stats = None if parts[0].stats is None else SpecStats.cat([part.stats for part in parts])
+        return Decoded(TopK.cat([part.topk for part in parts]), stats)
 
 
 

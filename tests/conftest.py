@@ -6,9 +6,20 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 BEAUTY_DIR = Path(os.environ.get("RECSPEC_BEAUTY_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"
                                  / "amazon-beauty"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny
+    models run as fast on one, and far less hurt by other processes on a small machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,8 @@ from recspec.decoding.tree import (
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CONTROL = 4  # token ids 0..3 are control tokens; 0 is the pad token
 PAD = 0
 TIE_GAP = 1e-5  # HF scores closer than this may come out in either order
@@ -45,16 +47,6 @@ KS = (1, 5, 10, 20)
 OURS = {"beam": beam_search, "tree-beam": tree_beam_search}
 DECODERS = {"hf": hf_beam_search, **OURS}
 SWAPS = {"compared": 0, "swapped": 0}  # results compared with HF / near-tie differences accepted
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: one thread is faster and immune to contention from other processes
-    (two threads synchronising on a busy 2-core machine turn microsecond ops into milliseconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

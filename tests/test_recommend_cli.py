@@ -99,6 +99,14 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     assert [(r["batch"], r["decoder"]) for r in rows] == [(b, d) for b in (1, 4) for d in ("hf", "beam", "tree-beam")]
     assert all(r["users"] == 8 and r["same_items_as_hf"] and r["peak_mib"] >= 0 and r["median_s"] > 0 for r in rows), rows
     assert "same as hf" in (bench / "decode.md").read_text()
+    result = recspec("bench", "cost", "--target", str(out), "--draft", str(draft), "--repeats", "3", "--out", str(bench))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((bench / "cost.json").read_text())["rows"]
+    assert len(rows) == 5 and all(r["target_s"] > 0 and r["draft_s"] > 0 for r in rows)
+    assert all(r["c"] == r["draft_s"] / r["target_s"] for r in rows)
+    # both models are draft-tiny here: the same parameters, so the same cost up to timing noise
+    assert rows[0]["target_parameters"] == rows[0]["draft_parameters"] and 0.2 < rows[0]["c"] < 5
+    assert recspec("bench", "cost", "--target", str(out), "--out", str(bench)).returncode == 2
 
     result = recspec("eval", "--recs", str(tmp_path / "beam.jsonl"), "--dataset", str(data), "--split", "loo",
                      "--k", "1", "--k", "5")

@@ -20,15 +20,9 @@ from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 from tests.test_beam import CONTROL, PAD, SETUPS, Setup, make_setup
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 KS = (1, 3, 5, 10, 20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_llama(vocab: int, seed: int, width: int = 32, init: float = 0.3) -> LlamaForCausalLM:

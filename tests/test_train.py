@@ -18,6 +18,8 @@ from recspec.models.presets import build_model
 from recspec.models.tokenizer import build_tokenizer
 from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, load_trained, lr_lambda, train
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NUM_ITEMS = 40
 
 
@@ -40,15 +42,6 @@ def pattern_index() -> ItemIndex:
     rng = np.random.default_rng(1)
     codes = np.stack([np.arange(NUM_ITEMS) // 8, np.arange(NUM_ITEMS) % 8, rng.integers(0, 4, NUM_ITEMS)], axis=1)
     return ItemIndex.from_codes([f"i{i}" for i in range(NUM_ITEMS)], codes)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is as fast, and far less hurt by other processes on a small machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

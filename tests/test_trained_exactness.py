@@ -38,15 +38,7 @@ SPEC_KS = (1, 3, 5, 10, 20)
 SCORE_ATOL = 1e-4
 TIE_GAP = 1e-5
 MODELS = Path(os.environ.get("RECSPEC_MODELS", Path(__file__).resolve().parents[1] / "runs" / "models"))
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def reference_or_trained(name: str, tmp_root: Path, **fit_args) -> Recommender:
