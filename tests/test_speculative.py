@@ -4,6 +4,8 @@ replacement; approximately, without), checked against distributions enumerated b
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 import math
 from collections import Counter
@@ -286,3 +288,20 @@ def test_relaxed_matches_beam_sampling_quality_on_a_random_model() -> None:
     assert (result.items >= 0).all() and all(len(set(row)) == 5 for row in result.items.tolist())
     assert (result.scores[:, :-1] >= result.scores[:, 1:]).all()
     assert (result.tokens >= CONTROL).all()
+
+
+def test_relaxed_batches_users_on_nodes_of_different_fan_out() -> None:
+    """A batch whose users leave a round at different steps, on trie nodes of different fan-out:
+    the drafted proposals and the target's candidates are laid out with different widths, and
+    every user still gets real, distinct items (a regression: this used to fail on shapes)."""
+    setup = make_setup(4, [3, 30, 4, 4], 300, kv_heads=2, users=32)  # fan-out 30 at depth 1, 4 below
+    draft = copy.deepcopy(setup.model)  # the target, perturbed: some users pass step 1, others not
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(5)))
+    for seed, replacement in ((0, False), (1, True), (2, False)):
+        config = SpecConfig(verify="relaxed", temperature=1.0, seed=seed, replacement=replacement)
+        result = speculative_beam_search(setup.model, draft, setup.prompts, setup.trie, 3, PAD, config)
+        assert (result.topk.items >= 0).all()
+        assert replacement or all(len(set(row)) == 3 for row in result.topk.items.tolist())
+        first_round = result.stats.accepted_steps.clamp(max=1)
+        assert 0 < float(first_round.mean()) < 1  # users did leave the first round at different steps

@@ -96,17 +96,18 @@ class RelaxedSampler:
         if drafted is None:
             chosen = draw(step.log_beam, k, self.generator, self.replacement)
             return step.extend(current, chosen, trie), torch.zeros(batch, dtype=torch.bool, device=where.device), where
-        log_p = step.log_beam.gather(1, drafted.choice)
-        log_q = drafted.proposal.gather(1, drafted.choice)
+        proposal, choice = _in_layout(drafted.proposal, drafted.choice, current.nodes.shape[1], step.fanout)
+        log_p = step.log_beam.gather(1, choice)
+        log_q = proposal.gather(1, choice)
         uniform = torch.rand(log_p.shape, generator=self.generator, device=log_p.device)
         dead = log_q.isneginf()  # fewer candidates than k: the target's draw has the same dead slots
         accept = dead | (torch.log(uniform) + log_q <= log_p)
-        residual = (step.log_beam.exp() - drafted.proposal.exp()).clamp_(min=0)
+        residual = (step.log_beam.exp() - proposal.exp()).clamp_(min=0)
         if self.replacement:
             redrawn = draw(_safe_log(residual, step.log_beam), k, self.generator, replacement=True)
         else:
-            redrawn = self._redraw_distinct(residual, step.log_beam, drafted.choice, accept, k)
-        chosen = torch.where(accept, drafted.choice, redrawn)
+            redrawn = self._redraw_distinct(residual, step.log_beam, choice, accept, k)
+        chosen = torch.where(accept, choice, redrawn)
         fed = level_offset + torch.arange(k, device=where.device).expand(batch, k)
         return step.extend(current, chosen, trie), accept.all(dim=1), fed
 
@@ -125,6 +126,26 @@ class RelaxedSampler:
         picks = keys.topk(k, dim=1).indices  # residual draws first, in order, then the fallback
         rank = ((~accept).long().cumsum(dim=1) - 1).clamp_(min=0)  # i-th rejected slot takes pick i
         return picks.gather(1, rank)
+
+
+def _in_layout(proposal: torch.Tensor, choice: torch.Tensor, beams: int,
+               fanout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafted proposal (``[B, beams * C_q]``) and choices (``[B, k]``) in the layout of the
+    target's candidates, ``[B, beams * fanout]``.
+
+    Both layouts are beam-major with the batch's largest fan-out as the row width, so they differ
+    when users that left the round earlier (their beams no longer the drafted ones) sit on wider
+    trie nodes than any drafted beam, or the reverse. A user still in the round has the same
+    beams in both, with at most ``min(C_q, fanout)`` children each, so re-padding moves nothing
+    real; the rows of the other users are not used.
+    """
+    batch, drafted_fanout = proposal.shape[0], proposal.shape[1] // beams
+    if drafted_fanout == fanout:
+        return proposal, choice
+    grid = proposal.view(batch, beams, drafted_fanout)[:, :, :fanout]
+    grid = torch.nn.functional.pad(grid, (0, fanout - grid.shape[2]), value=-torch.inf)
+    column = (choice % drafted_fanout).clamp_(max=fanout - 1)
+    return grid.reshape(batch, beams * fanout), choice // drafted_fanout * fanout + column
 
 
 #: Offset that ranks every residual draw before every fallback draw (log weights and Gumbel
