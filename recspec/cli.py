@@ -297,6 +297,35 @@ def knowledge_show(
     typer.echo(describe_store(store, examples))
 
 
+@bench_app.command("knowledge")
+def bench_knowledge(
+    user_pool: Annotated[Optional[Path], typer.Option(help="Old-part user store (benchmarks the user side).")] = None,
+    item_pool: Annotated[Optional[Path], typer.Option(help="Old-part item store (benchmarks the item side).")] = None,
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
+    repeats: Annotated[int, typer.Option(help="Runs per text and method (median reported).")] = 3,
+    max_new_tokens: int = 128,
+    draft_nodes: Annotated[int, typer.Option(help="Draft tree nodes (at most 64).")] = 32,
+    draft_depth: Annotated[int, typer.Option(help="Draft tree depth (at most 12).")] = 12,
+    max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 8,
+    k: Annotated[int, typer.Option("--k", help="Relaxed verification top-k.")] = 2,
+    p: Annotated[float, typer.Option("--p", help="Relaxed verification probability threshold.")] = 0.1,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+) -> None:
+    """hf, prompt lookup, ReSD and LASER side by side: tokens/s, speed-ups, AAL, ART, ceiling, ablation."""
+    from recspec.bench.knowledge import run
+    from recspec.knowledge.job import set_threads
+
+    set_threads(threads)
+    pools = {side: path for side, path in (("user", user_pool), ("item", item_pool)) if path is not None}
+    if not pools:
+        raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`)")
+    base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", 5, 10, draft_nodes,
+                             draft_depth, max_suffix, 10, 1024)
+    typer.echo(run(out, pools, limit, repeats, max_new_tokens, base))
+
+
+
 def main() -> None:
     try:
         app()

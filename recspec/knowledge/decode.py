@@ -52,8 +52,8 @@ class Generation:
     ``accepted``: accepted draft tokens in total; ``drafted``: draft nodes scored in total;
     ``ceiling_tokens``: tokens the same calls would have produced had every step accepted its
     longest draft branch (``1 + sum(longest branch + 1)`` over steps); ``retrieval_s``: seconds
-    spent retrieving drafts and growing the temporary branches; ``wall_s``: the whole request,
-    prefill included.
+    spent retrieving drafts and growing the temporary branches; ``prefill_s``: the first target
+    call (the prompt); ``wall_s``: the whole request, prefill included.
     """
 
     tokens: list[int]
@@ -63,6 +63,7 @@ class Generation:
     drafted: int
     ceiling_tokens: int
     retrieval_s: float
+    prefill_s: float
     wall_s: float
 
     @property
@@ -73,6 +74,12 @@ class Generation:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per second after the prefill (the decoding phase alone)."""
+        seconds = self.wall_s - self.prefill_s
+        return (len(self.tokens) - 1) / seconds if seconds > 0 else 0.0
 
 
 class RetrievalDrafter:
@@ -141,6 +148,7 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
     started = time.perf_counter()
     device = model.device
     root, cache = _prefill(model, prompt)
+    prefill_s = time.perf_counter() - started
     text = list(prompt) + [root]
     generated, done = _finish([root], max_new_tokens, eos)
     session = drafter.session(prompt) if drafter is not None else None
@@ -167,37 +175,46 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
         generated, done = _finish(generated + new, max_new_tokens, eos)
         text = list(prompt) + generated
     return Generation(tokens=generated, prompt_tokens=len(prompt), calls=calls, accepted=accepted, drafted=drafted,
-                      ceiling_tokens=ceiling, retrieval_s=retrieval_s, wall_s=time.perf_counter() - started)
+                      ceiling_tokens=ceiling, retrieval_s=retrieval_s, prefill_s=prefill_s,
+                      wall_s=time.perf_counter() - started)
 
 
 @torch.inference_mode()
 def hf_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
                 prompt_lookup_tokens: int | None = None) -> Generation:
     """transformers ``generate``: greedy, or prompt lookup decoding when ``prompt_lookup_tokens``
-    (draft length) is given. Forward calls are counted with a hook for the AAL."""
+    (draft length) is given. Forward calls are counted with hooks (for the AAL), which also time
+    the first one (the prefill)."""
     from transformers import GenerationConfig
 
     check_prompt(prompt, max_new_tokens)
-    calls = 0
+    calls, prefill_end = 0, 0.0
 
     def count(*_) -> None:
         nonlocal calls
         calls += 1
 
+    def first_done(*_) -> None:
+        nonlocal prefill_end
+        if calls == 1:
+            prefill_end = time.perf_counter()
+
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                               eos_token_id=sorted(eos), pad_token_id=min(eos),
                               prompt_lookup_num_tokens=prompt_lookup_tokens)
-    hook = model.register_forward_pre_hook(count)
+    hooks = [model.register_forward_pre_hook(count), model.register_forward_hook(first_done)]
     try:
         started = time.perf_counter()
         ids = torch.tensor([list(prompt)], device=model.device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
         wall = time.perf_counter() - started
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     tokens = out[0, len(prompt):].tolist()
     return Generation(tokens=tokens, prompt_tokens=len(prompt), calls=calls, accepted=len(tokens) - calls,
-                      drafted=0, ceiling_tokens=len(tokens), retrieval_s=0.0, wall_s=wall)
+                      drafted=0, ceiling_tokens=len(tokens), retrieval_s=0.0, prefill_s=prefill_end - started,
+                      wall_s=wall)
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:

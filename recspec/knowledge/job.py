@@ -49,9 +49,9 @@ from recspec.models.hf import load_causal_lm, load_tokenizer, resolve_model_dir
 
 METHODS = ("ar", "hf", "prompt-lookup", "resd", "laser")
 DRAFTING = ("resd", "laser")
-# Settings a pool store must share with the job that drafts from it.
-POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side", "max_new_tokens", "max_history",
-             "max_prompt_tokens")
+# Settings a pool store must share with the job that drafts from it (same token ids, prompt wording,
+# entities and streaming split).
+POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side")
 
 
 @dataclass(frozen=True)
