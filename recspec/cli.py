@@ -297,6 +297,25 @@ def knowledge_show(
     typer.echo(describe_store(store, examples))
 
 
+@knowledge_app.command("ctr")
+def knowledge_ctr(
+    greedy: Annotated[list[str], typer.Option(help="New-part store(s) of greedy knowledge (user and/or item).")],
+    relaxed: Annotated[list[str], typer.Option(help="New-part store(s) of relaxed (LASER) knowledge.")],
+    old: Annotated[list[str], typer.Option(help="Old-part item store(s): the existing items' knowledge.")] = [],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    seeds: Annotated[int, typer.Option(help="Training seeds per condition (mean reported).")] = 3,
+    epochs: int = 3,
+    model: Annotated[str, typer.Option(help="The target LLM whose hidden states embed the texts.")] = "smollm2",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+) -> None:
+    """Downstream CTR (DIN-style) AUC / log loss: no knowledge vs greedy vs relaxed knowledge."""
+    from recspec.knowledge.ctr import run
+    from recspec.knowledge.job import set_threads
+
+    set_threads(threads)
+    typer.echo(run(out, greedy, relaxed, old, model, seeds, epochs))
+
+
 @bench_app.command("knowledge")
 def bench_knowledge(
     user_pool: Annotated[Optional[Path], typer.Option(help="Old-part user store (benchmarks the user side).")] = None,

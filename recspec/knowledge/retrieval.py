@@ -54,6 +54,7 @@ class RetrievalConfig:
     max_depth: int = MAX_DEPTH
     max_suffix: int = 8
     min_nodes: int = 8
+    temporary_weight: float = 1.0
 
     @property
     def window(self) -> int:
@@ -62,7 +63,7 @@ class RetrievalConfig:
 
 
 def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: RetrievalConfig,
-             max_depth: int | None = None) -> DraftTree:
+             max_depth: int | None = None, weights: Sequence[float] | None = None) -> DraftTree:
     """The draft tree for ``context`` (the whole current text, prompt included) from ``tries``
     read as one (counts summed); ``max_depth`` lowers the depth limit (e.g. near the token
     budget)."""
@@ -76,14 +77,15 @@ def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: Retriev
         suffix = context[len(context) - length:]
         starts = [trie.walk(suffix) for trie in tries]
         if any(node is not None for node in starts):
-            _best_first(tries, starts, min(depth_limit, tries[0].window - length), config.max_nodes,
-                        tokens, parents, index)
+            _best_first(tries, weights or [1.0] * len(tries), starts, min(depth_limit, tries[0].window - length),
+                        config.max_nodes, tokens, parents, index)
             if len(tokens) >= config.min_nodes:
                 break
     return DraftTree(tokens, parents)
 
 
-def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limit: int, max_nodes: int,
+def _best_first(tries: Sequence[TokenTrie], weights: Sequence[float], starts: list[int | None], depth_limit: int,
+                max_nodes: int,
                 tokens: list[int], parents: list[int], index: dict[tuple[int, int], int]) -> None:
     """Add the most frequent continuations below ``starts`` (one node per trie, None where the
     suffix is absent) to the draft (``tokens``, ``parents``, and ``index``: (parent, token) ->
@@ -103,7 +105,7 @@ def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limi
                         slot = merged[token] = [None] * len(tries)
                     slot[which] = child
         for token, children in merged.items():
-            count = sum(trie.counts[c] for trie, c in zip(tries, children) if c is not None)
+            count = sum(w * trie.counts[c] for trie, w, c in zip(tries, weights, children) if c is not None)
             heapq.heappush(heap, (-count, order, draft_parent, token, depth, children))
             order += 1
 
