@@ -123,3 +123,29 @@ def test_empty_prompt_and_bad_budget_are_refused(lm) -> None:
         speculative_generate(model, [], MAX_NEW, eos)
     with pytest.raises(RecspecError, match="max_new_tokens"):
         hf_generate(model, [1, 2], 0, eos)
+
+
+def test_compact_tail_equals_gathering_the_prefix_and_the_path() -> None:
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recspec.decoding.cache import compact_tail, gather_positions
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    with torch.inference_mode():
+        gathered = model(input_ids=torch.randint(50, (1, 12)), use_cache=True).past_key_values
+        compacted = copy.deepcopy(gathered)
+        path = torch.tensor([[7, 9, 11]])
+        gather_positions(gathered, torch.cat((torch.arange(7), path[0]))[None])
+        compact_tail(compacted, 7, path)
+        for a, b in zip(gathered.layers, compacted.layers):
+            assert a.keys.shape == b.keys.shape == (1, 2, 10, 8)
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        step = torch.tensor([[3]])
+        logits = [model(input_ids=step, position_ids=torch.tensor([[10]]), past_key_values=cache).logits
+                  for cache in (gathered, compacted)]
+    assert torch.equal(logits[0], logits[1])

@@ -11,8 +11,8 @@ repeats one *step* per target call until an end-of-sequence token or ``max_new_t
    (:func:`~recspec.decoding.scorer.score_tree`);
 3. the verifier (:mod:`recspec.knowledge.verify`) accepts the deepest draft path whose tokens
    pass its rule; the accepted tokens and the target's greedy token after them are committed;
-4. the KV cache is compacted to the accepted path
-   (:func:`~recspec.decoding.cache.gather_positions`) and the drafter's temporary branches grow
+4. the KV cache is compacted to the accepted path (:func:`~recspec.decoding.cache.compact_tail`,
+   which moves only the tree's kept positions) and the drafter's temporary branches grow
    by the new tokens.
 
 Plain greedy decoding (``ar``) is the same loop with no drafter: each step feeds the root alone,
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.cache import gather_positions, require_full_attention
+from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
@@ -169,7 +169,7 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
         last, path = accepted_path(verification.accept(tokens, parents, logits), ancestors)
         nodes = path[0].nonzero()[:, 0]  # path order: parents precede children
         if len(draft):
-            gather_positions(cache, torch.cat((torch.arange(cached, device=device), cached + nodes))[None])
+            compact_tail(cache, cached, cached + nodes[None])
         new = tokens[0, nodes[1:]].tolist() + [int(logits[0, last[0]].argmax())]
         calls, accepted, drafted = calls + 1, accepted + len(nodes) - 1, drafted + len(draft)
         ceiling += draft.longest_branch() + 1
