@@ -84,7 +84,7 @@ def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nod
     """ReSD / greedy LASER over a pool of the other prompts' texts: the greedy tokens, with drafts
     actually accepted (several tokens per target call) and rejected."""
     model, _, eos = lm
-    config = RetrievalConfig(max_nodes=nodes, max_depth=12, max_suffix=8, min_nodes=nodes // 4)
+    config = RetrievalConfig(max_nodes=nodes, max_depth=12, max_suffix=8)
     outputs, calls, accepted, drafted = [], 0, 0, 0
     for i, prompt in enumerate(prompts):
         pool = TokenTrie(config.window)

@@ -49,12 +49,12 @@ def test_retrieval_is_best_first_by_frequency_within_limits() -> None:
     trie = TokenTrie(window=8)
     for text in ([5, 6, 7, 8, 9], [5, 6, 7, 8, 1], [5, 6, 7, 2], [5, 6, 3]):
         trie.add(text)
-    draft = retrieve([trie], [0, 5, 6], RetrievalConfig(max_nodes=3, max_depth=12, max_suffix=2, min_nodes=1))
+    draft = retrieve([trie], [0, 5, 6], RetrievalConfig(max_nodes=3, max_depth=12, max_suffix=2))
     # after "5 6": 7 (3 times), then 7-8 (2), then ties of count 1 -> 3 nodes: 7, 8 (under 7), and one count-1 node
     assert draft.tokens[:2] == [7, 8] and draft.parents[:2] == [-1, 0]
     assert len(draft) == 3
     assert all(p < i for i, p in enumerate(draft.parents))
-    deep = retrieve([trie], [5, 6], RetrievalConfig(max_nodes=64, max_depth=2, max_suffix=2, min_nodes=1))
+    deep = retrieve([trie], [5, 6], RetrievalConfig(max_nodes=64, max_depth=2, max_suffix=2))
     assert deep.longest_branch() == 2
     assert sorted(zip(deep.parents, deep.tokens)) == sorted([(-1, 7), (-1, 3), (0, 8), (0, 2)])
 
@@ -64,7 +64,7 @@ def test_retrieval_backs_off_to_shorter_suffixes_and_merges_tries() -> None:
     pool.add([1, 2, 3, 4])
     temporary.add([9, 2, 3, 5])
     temporary.add([2, 3, 5])
-    config = RetrievalConfig(max_nodes=8, max_depth=3, max_suffix=3, min_nodes=8)
+    config = RetrievalConfig(max_nodes=8, max_depth=3, max_suffix=3)
     # "7 2 3" never occurs; "2 3" does in both tries: 5 (count 2) ranks before 4 (count 1)
     draft = retrieve([pool, temporary], [7, 2, 3], config)
     assert draft.tokens[0] == 5 and 4 in draft.tokens

@@ -107,14 +107,13 @@ class DraftSession:
         self.temporary = TokenTrie(drafter.config.window)
         self.temporary.add(prompt)
         self.tries = [t for t in (drafter.pool, self.temporary) if t is not None]
-        self.weights = [1.0] * (len(self.tries) - 1) + [drafter.config.temporary_weight]
         self.known = len(prompt)
 
     def propose(self, text: list[int], max_depth: int) -> DraftTree:
         """Grow the temporary branches by the text added since the last call, then retrieve."""
         self.temporary.extend(text, self.known)
         self.known = len(text)
-        return retrieve(self.tries, text, self.config, max_depth, self.weights)
+        return retrieve(self.tries, text, self.config, max_depth)
 
 
 def _prefill(model, prompt: Sequence[int]):

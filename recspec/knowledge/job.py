@@ -93,12 +93,12 @@ class KnowledgeConfig:
         return "global" if self.method == "resd" else self.grouping
 
     def settings(self) -> dict[str, Any]:
-        """The method-specific part of a store's settings (no irrelevant knobs, so that e.g. two
-        ``hf`` runs with different draft sizes can share a store)."""
+        """The method-specific part of a store's settings. Pools and draft limits are recorded only
+        for relaxed verification, where they change the text; greedy texts do not depend on them."""
         settings: dict[str, Any] = {"side": self.side, "part": self.part, "method": self.method,
                                     "verify": self.verification.describe(), "max_new_tokens": self.max_new_tokens,
                                     "max_history": self.max_history, "max_prompt_tokens": self.max_prompt_tokens}
-        if self.method in DRAFTING:
+        if self.verification.kind == "relaxed":
             settings["pools"] = {"grouping": self.pool_grouping, "retrieval": asdict(self.retrieval)}
             if self.pool_grouping != "global":
                 settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)

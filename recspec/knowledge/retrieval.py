@@ -5,9 +5,10 @@ most ``max_suffix`` tokens) in the permanent and temporary tries, reading them a
 counts are the sums of both. Below the matched node it takes the most frequent continuations
 best-first: a node enters the draft only after its parent, and always the most frequent frontier
 node next, so the draft is the ``max_nodes`` most frequent continuations (at most ``max_depth``
-tokens deep) forming a tree. If the longest matching suffix yields fewer than ``min_nodes`` draft
-nodes, it backs off to the next shorter suffix and adds that suffix's continuations (merging
-equal paths), and so on down to one token (laser.txt section 3.3, following Lookahead).
+tokens deep) forming a tree. While the draft has fewer than ``max_nodes`` nodes, it backs off to
+the next shorter suffix and adds that suffix's continuations (merging equal paths), down to one
+token (laser.txt section 3.3, following Lookahead: long suffixes first for relevance, shorter ones
+to fill the tree).
 
 The result is a :class:`DraftTree` in best-first order (parents before children), which the
 decoder turns into a tree-attention forward pass with :mod:`recspec.decoding.tree`.
@@ -47,14 +48,13 @@ class DraftTree:
 @dataclass(frozen=True)
 class RetrievalConfig:
     """Draft tree limits: ``max_nodes`` (at most 64) nodes, ``max_depth`` (at most 12) tokens
-    deep, suffixes of at most ``max_suffix`` tokens, backing off while fewer than ``min_nodes``
-    nodes were found."""
+    deep, suffixes of at most ``max_suffix`` tokens. The defaults are the best measured on this
+    project's CPU (``recspec bench knowledge``): every draft node costs a share of a target call
+    there, so small, well-ranked trees win."""
 
-    max_nodes: int = 32
+    max_nodes: int = 16
     max_depth: int = MAX_DEPTH
-    max_suffix: int = 8
-    min_nodes: int = 8
-    temporary_weight: float = 1.0
+    max_suffix: int = 4
 
     @property
     def window(self) -> int:
@@ -63,7 +63,7 @@ class RetrievalConfig:
 
 
 def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: RetrievalConfig,
-             max_depth: int | None = None, weights: Sequence[float] | None = None) -> DraftTree:
+             max_depth: int | None = None) -> DraftTree:
     """The draft tree for ``context`` (the whole current text, prompt included) from ``tries``
     read as one (counts summed); ``max_depth`` lowers the depth limit (e.g. near the token
     budget)."""
@@ -77,15 +77,14 @@ def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: Retriev
         suffix = context[len(context) - length:]
         starts = [trie.walk(suffix) for trie in tries]
         if any(node is not None for node in starts):
-            _best_first(tries, weights or [1.0] * len(tries), starts, min(depth_limit, tries[0].window - length),
-                        config.max_nodes, tokens, parents, index)
-            if len(tokens) >= config.min_nodes:
+            _best_first(tries, starts, min(depth_limit, tries[0].window - length), config.max_nodes,
+                        tokens, parents, index)
+            if len(tokens) >= config.max_nodes:
                 break
     return DraftTree(tokens, parents)
 
 
-def _best_first(tries: Sequence[TokenTrie], weights: Sequence[float], starts: list[int | None], depth_limit: int,
-                max_nodes: int,
+def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limit: int, max_nodes: int,
                 tokens: list[int], parents: list[int], index: dict[tuple[int, int], int]) -> None:
     """Add the most frequent continuations below ``starts`` (one node per trie, None where the
     suffix is absent) to the draft (``tokens``, ``parents``, and ``index``: (parent, token) ->
@@ -105,7 +104,7 @@ def _best_first(tries: Sequence[TokenTrie], weights: Sequence[float], starts: li
                         slot = merged[token] = [None] * len(tries)
                     slot[which] = child
         for token, children in merged.items():
-            count = sum(w * trie.counts[c] for trie, w, c in zip(tries, weights, children) if c is not None)
+            count = sum(trie.counts[c] for trie, c in zip(tries, children) if c is not None)
             heapq.heappush(heap, (-count, order, draft_parent, token, depth, children))
             order += 1
 
