@@ -137,3 +137,31 @@ def test_cli_show_and_one_line_errors(old_store, tmp_path, monkeypatch, capsys) 
     assert not (tmp_path / "x.db").exists()
     with sqlite3.connect(old_store) as db:  # results are committed, readable by any SQLite client
         assert db.execute("SELECT COUNT(*) FROM knowledge").fetchone()[0] == 3
+
+
+def test_any_hugging_face_causal_lm_folder_plugs_in(smollm2_dir, ml100k, tmp_path) -> None:
+    """A plain model folder (a tiny random Llama with SmolLM2's tokenizer): greedy LASER reproduces
+    plain greedy decoding, and relaxed LASER runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recspec.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True)
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    tiny = KnowledgeTask(str(folder), "ml-100k")
+    old = replace(OLD_ITEMS, max_new_tokens=12)
+    run_job(tiny, old, tmp_path / "old.db", limit=3, progress=False)
+    ar = replace(old, part="new")
+    run_job(tiny, ar, tmp_path / "ar.db", limit=3, progress=False)
+    laser = replace(ar, method="laser", grouping="global")
+    run_job(tiny, replace(laser, verification=GREEDY), tmp_path / "greedy.db", pool=tmp_path / "old.db", limit=3,
+            progress=False)
+    run_job(tiny, laser, tmp_path / "relaxed.db", pool=tmp_path / "old.db", limit=3, progress=False)
+    assert [r.tokens for r in read_rows(tmp_path / "greedy.db")] == [r.tokens for r in read_rows(tmp_path / "ar.db")]
+    assert len(list(read_rows(tmp_path / "relaxed.db"))) == 3
+    assert read_settings(tmp_path / "ar.db")["model"]["name"] == "tiny"

@@ -26,6 +26,7 @@ and cache compaction are tensor operations over the whole tree.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,8 +118,11 @@ class DraftSession:
 
 
 def _prefill(model, prompt: Sequence[int]):
-    """Run the prompt once: ``(greedy first token, cache)``."""
-    out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True, logits_to_keep=1)
+    """Run the prompt once: ``(greedy first token, cache)``; the argmax of the raw logits, as
+    greedy ``generate`` takes it (only the last position's logits are computed where the model
+    supports ``logits_to_keep``)."""
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True, **keep)
     require_full_attention(out.past_key_values)
     return int(out.logits[0, -1].argmax()), out.past_key_values
 

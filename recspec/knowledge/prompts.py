@@ -93,6 +93,9 @@ def item_prompt_text(dataset: Dataset, item: int) -> str:
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """``text`` as one user turn in the tokenizer's chat template, assistant turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RecspecError(f"the tokenizer of {tokenizer.name_or_path} has no chat template; knowledge prompts need "
+                           f"an instruction-tuned model with one")
     encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
