@@ -50,7 +50,8 @@ class Generation:
 
     ``tokens``: the generated token ids, the end-of-sequence token included when the model emitted
     it (as ``generate`` returns them); ``calls``: target forward calls, the prefill included;
-    ``accepted``: accepted draft tokens in total; ``drafted``: draft nodes scored in total;
+    ``accepted``: accepted draft tokens kept in the text (``len(tokens) - calls``: every call
+    commits one token of its own); ``drafted``: draft nodes scored in total;
     ``ceiling_tokens``: tokens the same calls would have produced had every step accepted its
     longest draft branch (``1 + sum(longest branch + 1)`` over steps); ``retrieval_s``: seconds
     spent retrieving drafts and growing the temporary branches; ``prefill_s``: the first target
@@ -156,7 +157,7 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
     text = list(prompt) + [root]
     generated, done = _finish([root], max_new_tokens, eos)
     session = drafter.session(prompt) if drafter is not None else None
-    calls, accepted, drafted, ceiling, retrieval_s = 1, 0, 0, 1, 0.0
+    calls, drafted, ceiling, retrieval_s = 1, 0, 1, 0.0
     while not done:
         cached = len(text) - 1
         draft = DraftTree([], [])
@@ -174,11 +175,12 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
         if len(draft):
             compact_tail(cache, cached, cached + nodes[None])
         new = tokens[0, nodes[1:]].tolist() + [int(logits[0, last[0]].argmax())]
-        calls, accepted, drafted = calls + 1, accepted + len(nodes) - 1, drafted + len(draft)
+        calls, drafted = calls + 1, drafted + len(draft)
         ceiling += draft.longest_branch() + 1
         generated, done = _finish(generated + new, max_new_tokens, eos)
         text = list(prompt) + generated
-    return Generation(tokens=generated, prompt_tokens=len(prompt), calls=calls, accepted=accepted, drafted=drafted,
+    return Generation(tokens=generated, prompt_tokens=len(prompt), calls=calls, accepted=len(generated) - calls,
+                      drafted=drafted,
                       ceiling_tokens=ceiling, retrieval_s=retrieval_s, prefill_s=prefill_s,
                       wall_s=time.perf_counter() - started)
 
