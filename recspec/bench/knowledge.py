@@ -9,7 +9,9 @@ of machine load hits all variants alike); per text the median wall time is kept.
 * ``resd``: global pool, greedy verification (= GRP of laser.txt Table 3);
 * ``laser-greedy``: routed pools (CRP), greedy; ``laser``: routed pools, relaxed (LASER);
 * Table 3 ablation: ``rrp`` (random pools of the collaborative groups' sizes, greedy),
-  ``rv+grp`` and ``rv+rrp`` (relaxed verification on the global / random pools).
+  ``rv+grp`` and ``rv+rrp`` (relaxed verification on the global / random pools);
+* draft tree size: ``laser@8``, ``laser@32``, ``laser@64`` (relaxed LASER with 8, 32, 64 draft
+  nodes instead of the configured number).
 
 Reported per variant: tokens/s over the whole requests (prefill included) and over the decoding
 phase alone, speed-ups against ``hf``, AAL (tokens per target call), ART (retrieval ms per
@@ -40,21 +42,27 @@ from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, make_generator
 from recspec.knowledge.verify import Verification
 
 GREEDY, RELAXED = Verification("greedy"), Verification("relaxed")
-# name -> (method, grouping, relaxed?)
+# name -> (method, grouping, relaxed?, draft nodes or None for the configured number)
 VARIANTS = {
-    "hf": ("hf", "router", False), "prompt-lookup": ("prompt-lookup", "router", False), "ar": ("ar", "router", False),
-    "resd": ("resd", "global", False), "rrp": ("laser", "random", False), "laser-greedy": ("laser", "router", False),
-    "rv+grp": ("laser", "global", True), "rv+rrp": ("laser", "random", True), "laser": ("laser", "router", True),
+    "hf": ("hf", "router", False, None), "prompt-lookup": ("prompt-lookup", "router", False, None),
+    "ar": ("ar", "router", False, None), "resd": ("resd", "global", False, None),
+    "rrp": ("laser", "random", False, None), "laser-greedy": ("laser", "router", False, None),
+    "rv+grp": ("laser", "global", True, None), "rv+rrp": ("laser", "random", True, None),
+    "laser": ("laser", "router", True, None),
+    "laser@8": ("laser", "router", True, 8), "laser@32": ("laser", "router", True, 32),
+    "laser@64": ("laser", "router", True, 64),
 }
 MAIN = ("hf", "prompt-lookup", "ar", "resd", "laser-greedy", "laser")
+TREE_SIZES = ("laser@8", "laser", "laser@32", "laser@64")
 ABLATION = (("GRP", "resd"), ("RRP", "rrp"), ("CRP", "laser-greedy"), ("RV+GRP", "rv+grp"), ("RV+RRP", "rv+rrp"),
             ("LASER (RV+CRP)", "laser"))
 CALL_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def variant_config(base: KnowledgeConfig, name: str) -> KnowledgeConfig:
-    method, grouping, relaxed = VARIANTS[name]
-    return replace(base, method=method, grouping=grouping,
+    method, grouping, relaxed, nodes = VARIANTS[name]
+    retrieval = replace(base.retrieval, max_nodes=nodes) if nodes else base.retrieval
+    return replace(base, method=method, grouping=grouping, retrieval=retrieval,
                    verification=replace(base.verification, kind="relaxed") if relaxed else GREEDY)
 
 
@@ -169,7 +177,7 @@ def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens
              "same as hf", "ceiling x hf"],
             [[name, row["tokens_per_s"], f"{row.get('speedup', 0):.2f}x", row["decode_tokens_per_s"],
               f"{row.get('decode_speedup', 0):.2f}x", row["aal"], row["art_ms"], row["mean_length"],
-              f"{row.get('same_as_hf', '-')}/{row['texts']}" if "relaxed" not in _kind(name) else "-",
+              "-" if VARIANTS[name][2] else f"{row.get('same_as_hf', '-')}/{row['texts']}",
               f"{row.get('ceiling_speedup', 0):.2f}x"]
              for name, row in rows.items() if name in MAIN]))
         if "laser" in rows:
@@ -182,12 +190,15 @@ def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens
             [[label, rows[name]["aal"], rows[name]["art_ms"], rows[name]["tokens_per_s"],
               f"{rows[name].get('speedup', 0):.2f}x", rows[name]["draft_nodes_per_call"],
               side["pool_build_s"].get(name, 0.0)] for label, name in ABLATION if name in rows]))
+        sizes = [name for name in TREE_SIZES if name in rows]
+        if len(sizes) > 1:
+            parts.append("Draft tree size (relaxed LASER):")
+            parts.append(markdown_table(
+                ["variant", "draft nodes per call", "AAL", "tokens/s", "x hf"],
+                [[name, rows[name]["draft_nodes_per_call"], rows[name]["aal"], rows[name]["tokens_per_s"],
+                  f"{rows[name].get('speedup', 0):.2f}x"] for name in sizes]))
         costs = side["call_cost_ms"]
         parts.append("One target call scoring n tree nodes after the first prompt's cache (ms, median of 5):")
         parts.append(markdown_table(["n"] + list(costs), [["ms"] + list(costs.values()),
                                                           ["x one node"] + [v / costs["1"] for v in costs.values()]]))
     return "\n\n".join(parts)
-
-
-def _kind(name: str) -> str:
-    return "relaxed" if VARIANTS[name][2] else "greedy"

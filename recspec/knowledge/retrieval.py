@@ -49,8 +49,8 @@ class DraftTree:
 class RetrievalConfig:
     """Draft tree limits: ``max_nodes`` (at most 64) nodes, ``max_depth`` (at most 12) tokens
     deep, suffixes of at most ``max_suffix`` tokens. The defaults are the best measured on this
-    project's CPU (``recspec bench knowledge``): every draft node costs a share of a target call
-    there, so small, well-ranked trees win."""
+    project's CPU (BENCHMARKS.md): every draft node costs a share of a target call there, so
+    small, well-ranked trees win."""
 
     max_nodes: int = 16
     max_depth: int = MAX_DEPTH
@@ -77,8 +77,7 @@ def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: Retriev
         suffix = context[len(context) - length:]
         starts = [trie.walk(suffix) for trie in tries]
         if any(node is not None for node in starts):
-            _best_first(tries, starts, min(depth_limit, tries[0].window - length), config.max_nodes,
-                        tokens, parents, index)
+            _best_first(tries, starts, depth_limit, config.max_nodes, tokens, parents, index)
             if len(tokens) >= config.max_nodes:
                 break
     return DraftTree(tokens, parents)
