@@ -123,8 +123,17 @@ class KnowledgeTask:
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
                          "split": self.split.settings}
 
+    def raw_ids(self, side: str) -> list[str]:
+        """The data set's raw user or item ids, by dense index."""
+        return self.dataset.user_ids if side == "user" else self.dataset.item_ids
+
     def entity_id(self, side: str, entity: int) -> str:
-        return (self.dataset.user_ids if side == "user" else self.dataset.item_ids)[entity]
+        return self.raw_ids(side)[entity]
+
+    def stored_texts(self, side: str, store: Path) -> dict[int, list[int]]:
+        """Entity (dense index) -> token ids of every text in ``store``."""
+        lookup = {raw: i for i, raw in enumerate(self.raw_ids(side))}
+        return {lookup[row.entity]: row.tokens for row in read_rows(store)}
 
     def entities(self, side: str, part: str, limit: int | None = None) -> np.ndarray:
         """The users or items of ``part`` in index order, the first ``limit`` if given."""
@@ -156,9 +165,7 @@ class KnowledgeTask:
         if settings.get("part") != "old" or settings.get("verify") != "greedy":
             raise RecspecError(f"{pool}: a pool holds greedy old-part knowledge; this store has part="
                                f"{settings.get('part')}, verify={settings.get('verify')}")
-        lookup = {raw: i for i, raw in enumerate(self.dataset.user_ids if config.side == "user"
-                                                else self.dataset.item_ids)}
-        return {lookup[row.entity]: row.tokens for row in read_rows(pool)}
+        return self.stored_texts(config.side, pool)
 
 
 Generator = Callable[[int, list[int]], Generation]
@@ -229,7 +236,7 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
         summary.skipped = len(entities) - len(todo)
         own = pool is None and config.method in DRAFTING
         texts = task.pool_texts(config, pool) if pool is not None else (
-            {int(e): row.tokens for e, row in _own_rows(task, config, out)} if own else None)
+            task.stored_texts(config.side, out) if own else None)
         generate, pools = make_generator(task, config, texts)
         bar = tqdm(todo, desc=f"{config.side} {config.part} knowledge ({config.method})", unit="request",
                    disable=not progress)
@@ -244,13 +251,6 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
             bar.set_postfix_str(f"{summary.tokens / summary.wall_s:.1f} tok/s, AAL {summary.tokens / summary.calls:.2f}")
         summary.pool_build_s = pools.build_s if pools is not None else 0.0
     return summary
-
-
-def _own_rows(task: KnowledgeTask, config: KnowledgeConfig, out: Path):
-    """(entity index, row) of what the store ``out`` already holds."""
-    lookup = {raw: i for i, raw in enumerate(task.dataset.user_ids if config.side == "user"
-                                            else task.dataset.item_ids)}
-    return [(lookup[row.entity], row) for row in read_rows(out)]
 
 
 def set_threads(threads: int | None) -> None:
