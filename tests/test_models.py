@@ -12,7 +12,7 @@ from recspec.data import Dataset, Interactions, split_dataset
 from recspec.data.splits import PAD_ITEM, Examples
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
-from recspec.models.examples import IGNORE_INDEX, PromptEncoder, last_per_user, one_target_per_row, truncate_history
+from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
 from recspec.models.presets import PRESETS, build_model, count_parameters, measure_call_cost
 from recspec.models.tokenizer import (
     CONTROL_TOKENS,
@@ -127,25 +127,23 @@ def test_prompts_on_beauty(beauty) -> None:
     assert len(encoder.prompts(split.train)) == len(split.train)  # all of them, vectorized
 
 
-def test_training_batch_labels_only_at_answer(setup) -> None:
+def test_training_batch_is_left_padded_prompt_plus_answer(setup) -> None:
     index, dataset, split, tokenizer, encoder = setup
     rows = np.arange(0, len(split.train), 3)
     batch = encoder.training_batch(split.train, rows)
     L = index.length
     prompts = encoder.prompts(split.train, rows)
-    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
-    assert batch["input_ids"].shape[1] == max(len(p) for p in prompts) + L
+    width = max(len(p) for p in prompts) + L
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["position_ids"].shape == (len(rows), width)
+    assert batch["labels"].shape == (len(rows), L)
     for j, i in enumerate(rows):
         p = len(prompts[j])
         answer = plain_prompt(index, dataset, tokenizer, split.train.targets(i).tolist())[1:-1]
-        assert batch["input_ids"][j, :p].tolist() == prompts[j].tolist()
-        assert batch["input_ids"][j, p:p + L].tolist() == answer
-        assert (batch["input_ids"][j, p + L:] == tokenizer.pad_token_id).all()
-        expected_labels = [IGNORE_INDEX] * p + answer + [IGNORE_INDEX] * (batch["labels"].shape[1] - p - L)
-        assert batch["labels"][j].tolist() == expected_labels
-        assert int(batch["attention_mask"][j].sum()) == p + L
-        assert batch["attention_mask"][j, :p + L].all()
-    assert batch["position_ids"][0].tolist() == list(range(batch["input_ids"].shape[1]))
+        assert batch["input_ids"][j, width - p - L:width - L].tolist() == prompts[j].tolist()
+        assert batch["input_ids"][j, width - L:].tolist() == answer == batch["labels"][j].tolist()
+        assert (batch["input_ids"][j, :width - p - L] == tokenizer.pad_token_id).all()
+        assert batch["attention_mask"][j].tolist() == [0] * (width - p - L) + [1] * (p + L)
+        assert batch["position_ids"][j, width - p - L:].tolist() == list(range(p + L))
 
 
 def test_prompt_batch_left_padding(setup) -> None:

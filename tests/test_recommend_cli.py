@@ -57,6 +57,48 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
         assert all(r["scores"] == sorted(r["scores"], reverse=True) for r in rows)
         lists[decoder] = [r["items"] for r in rows]
     assert lists["hf"] == lists["beam"] == lists["tree-beam"]
+    result = recspec("recommend", "--target", str(out), "--k", "41", "--out", str(tmp_path / "r.jsonl"))
+    assert result.returncode == 2 and "k=41 exceeds the number of items in the trie (40)" in result.stderr
+
+    # speculative decoders with a second, differently seeded draft-tiny as the draft
+    draft, foreign = tmp_path / "draft", tmp_path / "foreign"
+    draft_args = ["train", "--dataset", str(data), "--preset", "draft-tiny", "--split", "loo", "--epochs", "1",
+                  "--batch-size", "32", "--precision", "fp32", "--seed", "1"]
+    result = recspec(*draft_args, "--ids", str(ids), "--out", str(draft))
+    assert result.returncode == 0, result.stderr
+    other_ids = tmp_path / "other-ids"
+    index = ItemIndex.load(ids / "item_index.json")
+    ItemIndex.from_codes(index.item_keys, index.codes[::-1].copy()).save(other_ids / "item_index.json")
+    result = recspec(*draft_args, "--ids", str(other_ids), "--out", str(foreign))
+    assert result.returncode == 0, result.stderr
+    strict = tmp_path / "strict.jsonl"
+    result = recspec("recommend", "--target", str(out), "--decoder", "spec-strict", "--draft", str(draft), "--k", "5",
+                     "--draft-beams", "8", "--out", str(strict))
+    assert result.returncode == 0, result.stderr
+    assert "accepted steps" in result.stdout and "target calls" in result.stdout
+    assert [json.loads(line)["items"] for line in strict.read_text().splitlines()] == lists["beam"]
+    relaxed = tmp_path / "relaxed.jsonl"
+    result = recspec("recommend", "--target", str(out), "--decoder", "spec-relaxed", "--draft", str(draft), "--k", "5",
+                     "--temperature", "0.5", "--out", str(relaxed))
+    assert result.returncode == 0, result.stderr
+    assert all(len(set(json.loads(line)["items"])) == 5 for line in relaxed.read_text().splitlines())
+    for extra, message in ((["--decoder", "spec-strict"], "needs a draft model"),
+                           (["--decoder", "spec-strict", "--draft", str(draft), "--draft-beams", "3"], "at least k=5"),
+                           (["--decoder", "spec-strict", "--draft", str(draft), "--gamma", "3"], "gamma=3 is outside"),
+                           (["--decoder", "spec-relaxed", "--draft", str(draft), "--temperature", "0"],
+                            "temperature must be positive"),
+                           (["--decoder", "spec-strict", "--draft", str(foreign)], "trained for another item index")):
+        result = recspec("recommend", "--target", str(out), "--k", "5", "--out", str(tmp_path / "x.jsonl"), *extra)
+        assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
+
+    bench = tmp_path / "results"
+    result = recspec("bench", "decode", "--target", str(out), "--k", "5", "--batch-size", "1", "--batch-size", "4",
+                     "--users", "8", "--repeats", "1", "--out", str(bench))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((bench / "decode.json").read_text())["rows"]
+    assert [(r["batch"], r["decoder"]) for r in rows] == [(b, d) for b in (1, 4) for d in ("hf", "beam", "tree-beam")]
+    assert all(r["users"] == 8 and r["same_items_as_hf"] and r["peak_mib"] >= 0 and r["median_s"] > 0 for r in rows), rows
+    assert "same as hf" in (bench / "decode.md").read_text()
 
     result = recspec("eval", "--recs", str(tmp_path / "beam.jsonl"), "--dataset", str(data), "--split", "loo",
                      "--k", "1", "--k", "5")

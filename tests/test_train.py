@@ -16,7 +16,7 @@ from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model
 from recspec.models.tokenizer import build_tokenizer
-from recspec.models.train import TrainConfig, epoch_batches, load_trained, lr_lambda, train
+from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, load_trained, lr_lambda, train
 
 NUM_ITEMS = 40
 
@@ -70,8 +70,8 @@ def teacher_forced_accuracy(model, encoder, examples) -> float:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits
-    labels = batch["labels"][:, 1:]
-    right = (logits[:, :-1].argmax(-1) == labels) | (labels == -100)
+    length = batch["labels"].shape[1]
+    right = logits[:, -length - 1:-1].argmax(-1) == batch["labels"]
     return float(right.all(dim=1).float().mean())
 
 
@@ -96,7 +96,8 @@ def test_learns_the_pattern(setup, tmp_path) -> None:
     index, split, tokenizer, encoder = setup
     model = build_model("draft-tiny", tokenizer)
     before = teacher_forced_accuracy(model, encoder, split.valid)
-    result = train(model, encoder, split, tmp_path / "run", TrainConfig(**{**CONFIG, "epochs": 5}), progress=False)
+    config = TrainConfig(**{**CONFIG, "epochs": 5})
+    result = train(model, SupervisedTask(encoder, split, config), tmp_path / "run", config, progress=False)
     losses = [row["train_loss"] for row in result.history]
     assert losses[-1] < 0.5 * losses[0]
     assert [row["valid_loss"] for row in result.history][-1] < result.history[0]["valid_loss"]
@@ -115,7 +116,7 @@ def test_learns_the_pattern(setup, tmp_path) -> None:
 def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
     index, split, tokenizer, encoder = setup
     config = TrainConfig(**CONFIG)
-    reference = train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "a", config, progress=False)
+    reference = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "a", config, progress=False)
     steps_per_epoch = reference.steps // 2
 
     # 1. KeyboardInterrupt raised between steps, in epoch 1
@@ -126,7 +127,7 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
         return callback
 
     with pytest.raises(KeyboardInterrupt):
-        train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "b", config, progress=False,
+        train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "b", config, progress=False,
               callback=stop_at(7))
     saved = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=True)
     assert saved["train"]["step"] == 7 and saved["train"]["batch_in_epoch"] == 7
@@ -142,17 +143,17 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
 
     model.register_forward_hook(hook)
     with pytest.raises(KeyboardInterrupt):
-        train(model, encoder, split, tmp_path / "b", config, progress=False)
+        train(model, SupervisedTask(encoder, split, config), tmp_path / "b", config, progress=False)
     saved = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=True)
     # the step running when SIGINT came completed: 7 + 20 steps, in epoch 2
     assert saved["train"]["step"] == 27 > steps_per_epoch and saved["train"]["epoch"] == 1
 
     # 3. a time budget that runs out after one step, then the rest
-    stopped = train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "b",
+    stopped = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "b",
                     TrainConfig(**{**CONFIG, "max_minutes": 1e-6}), progress=False)
     assert stopped.stopped == "time budget" and stopped.steps == saved["train"]["step"] + 1
     assert stopped.history[-1]["partial"]
-    resumed = train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "b", config, progress=False)
+    resumed = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "b", config, progress=False)
 
     assert resumed.steps == reference.steps and resumed.stopped == "epochs"
     assert_same_weights(tmp_path / "a" / "checkpoint", tmp_path / "b" / "checkpoint")
@@ -162,7 +163,7 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
         assert {k: v for k, v in row.items() if k != "best"} == {k: v for k, v in ref.items() if k != "best"}
 
     # a finished run called again returns at once with the best model
-    again = train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "a", config, progress=False)
+    again = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "a", config, progress=False)
     assert again.steps == reference.steps and again.best_value == reference.best_value
     assert_same_weights(tmp_path / "a" / "best", tmp_path / "b" / "best")
 
@@ -170,15 +171,15 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
 def test_resume_refuses_other_options_and_index(setup, tmp_path) -> None:
     index, split, tokenizer, encoder = setup
     config = TrainConfig(**{**CONFIG, "epochs": 1})
-    train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run", config, progress=False)
+    train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "run", config, progress=False)
     with pytest.raises(RecspecError, match="other options.*lr"):
-        train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run",
+        train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "run",
               TrainConfig(**{**CONFIG, "epochs": 1, "lr": 1e-4}), progress=False)
     with pytest.raises(RecspecError, match="does not fit this model"):
-        train(build_model("draft-tiny", tokenizer, hidden_size=64), encoder, split, tmp_path / "run", config,
+        train(build_model("draft-tiny", tokenizer, hidden_size=64), SupervisedTask(encoder, split, config), tmp_path / "run", config,
               progress=False)
     with pytest.raises(RecspecError, match="selects on valid_loss"):
-        train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run", config, progress=False,
+        train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "run", config, progress=False,
               evaluate=lambda model: {"recall@10": 0.0})
 
     other = ItemIndex.from_codes(index.item_keys, index.codes[:, ::-1] % 4)
@@ -202,7 +203,7 @@ def test_evaluate_drives_early_stopping(setup, tmp_path) -> None:
         return {"recall@10": next(scores), "ndcg@10": 0.1}
 
     config = TrainConfig(**{**CONFIG, "epochs": 10, "patience": 2, "max_train_examples": 200})
-    result = train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "run", config, evaluate,
+    result = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "run", config, evaluate,
                    progress=True)
     assert result.stopped == "early stop" and result.epochs_run == 4
     assert result.metric == "recall@10" and result.best_value == 0.6 and result.best_epoch == 2
@@ -212,7 +213,7 @@ def test_evaluate_drives_early_stopping(setup, tmp_path) -> None:
     assert best["best"]["epoch"] == 2
 
     with pytest.raises(RecspecError, match="without 'recall@10'"):
-        train(build_model("draft-tiny", tokenizer), encoder, split, tmp_path / "other", config,
+        train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "other", config,
               lambda model: {"ndcg@10": 0.0}, progress=False)
 
 

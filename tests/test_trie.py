@@ -74,6 +74,15 @@ def test_walk_depth_and_items(trie: ItemTrie) -> None:
     assert trie.walk(bad).tolist() == [-1] * 5
 
 
+def test_parent_and_last_token_invert_step(trie: ItemTrie) -> None:
+    prefixes = [(), (3,), (1, 5), (3, 5, 7), (1, 0, 9)]
+    nodes = nodes_of(trie, prefixes + [None])
+    parents = trie.parent(nodes)
+    assert parents.tolist() == [-1] + [node(trie, p[:-1]) for p in prefixes[1:]] + [-1]
+    assert trie.last_token(nodes).tolist() == [-1] + [p[-1] for p in prefixes[1:]] + [-1]
+    assert torch.equal(trie.step(parents[1:5], trie.last_token(nodes)[1:5]), nodes[1:5])
+
+
 def test_step(trie: ItemTrie) -> None:
     n1, n10, n15, n35 = (node(trie, p) for p in [(1,), (1, 0), (1, 5), (3, 5)])
     nodes = torch.tensor([0, 0, n1, n35, n35, n10, n15, n10, n15, -1, -1, 0, 0])

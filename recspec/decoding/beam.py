@@ -39,7 +39,6 @@ the final ranking or, rarely, at the ``K``-th place of an intermediate step.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from recspec.decoding.topk import TopK
 from recspec.decoding.tree import additive_mask, append_children, self_only_rows, tree_position_ids
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
+from recspec.models.hf import keep_last_logits
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,16 @@ class Beams:
     ``scores``: float32 ``[B, S]``, summed log-probs, ``-inf`` for a dead beam (a filler when the
     user had fewer than ``K`` candidates); ``nodes``: int64 ``[B, S]``, the trie node of each
     prefix, ``-1`` when dead; ``tokens``: int64 ``[B, S, d]``, the prefixes; ``parents``: int64
-    ``[B, S]``, the index in ``[0, S_prev)`` of the previous step's beam each one extends.
+    ``[B, S]``, the index in ``[0, S_prev)`` of the previous step's beam each one extends;
+    ``margin``: float32 ``[B]``, the smallest gap so far between the K-th kept and the best
+    dropped candidate (see :class:`TopK`).
     """
 
     scores: torch.Tensor
     nodes: torch.Tensor
     tokens: torch.Tensor
     parents: torch.Tensor
+    margin: torch.Tensor
 
     @staticmethod
     def start(batch_size: int, trie: ItemTrie) -> Beams:
@@ -119,11 +122,12 @@ class Beams:
             nodes=zeros + trie.root,
             tokens=zeros.new_zeros(batch_size, 1, 0),
             parents=zeros,
+            margin=torch.full((batch_size,), torch.inf, device=trie.device),
         )
 
     def result(self, trie: ItemTrie) -> TopK:
         """The beams as the final :class:`TopK` (call after ``L`` steps, when they are leaves)."""
-        return TopK(items=trie.items(self.nodes), scores=self.scores, tokens=self.tokens)
+        return TopK(items=trie.items(self.nodes), scores=self.scores, tokens=self.tokens, margin=self.margin)
 
 
 def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) -> Beams:
@@ -137,12 +141,16 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
     vectorised: no Python loop over users, beams or tokens.
     """
     batch, width = beams.nodes.shape
-    tokens, real = _children(trie, beams.nodes.view(-1), min_count=-(-k // width))  # [B*S, C]
+    tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=-(-k // width))  # [B*S, C]
     fanout = tokens.shape[1]
     step_log_probs = log_probs.reshape(batch * width, -1).gather(1, tokens)
     candidates = (beams.scores.reshape(-1, 1) + step_log_probs).masked_fill_(~real, -torch.inf)
-    scores, index = candidates.view(batch, width * fanout).sort(dim=1, descending=True, stable=True)
-    scores, index = scores[:, :k], index[:, :k]
+    ranked, index = candidates.view(batch, width * fanout).sort(dim=1, descending=True, stable=True)
+    scores, index = ranked[:, :k], index[:, :k]
+    margin = beams.margin
+    if ranked.shape[1] > k:  # a real (finite) dropped candidate narrows the margin
+        gap = torch.where(ranked[:, k].isfinite(), ranked[:, k - 1] - ranked[:, k], torch.inf)
+        margin = torch.minimum(margin, gap)
     parents = index // fanout
     chosen = tokens.view(batch, width * fanout).gather(1, index)
     nodes = trie.step(beams.nodes.gather(1, parents).view(-1), chosen.view(-1)).view(batch, k)
@@ -152,10 +160,11 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
         nodes=nodes.masked_fill_(scores.isneginf(), -1),
         tokens=torch.cat((history, chosen[:, :, None]), dim=2),
         parents=parents,
+        margin=margin,
     )
 
 
-def _children(
+def trie_children(
     trie: ItemTrie, nodes: torch.Tensor, min_count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``trie.children(nodes)``, ``[N, C]`` tokens and real flags, padded to at least
@@ -173,14 +182,12 @@ def _children(
 
 def prefill(model, prompts: Prompts):
     """Run the prompts once: ``(log_probs [B, 1, V] of the first generated token, KV cache)``."""
-    takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}
     out = model(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
         position_ids=prompts.position_ids,
         use_cache=True,
-        **extra,
+        **keep_last_logits(model, 1),
     )
     return next_log_probs(out.logits[:, -1:]), out.past_key_values
 
@@ -258,18 +265,19 @@ class TreeCache:
 # -------------------------------------------------------------------------------- decoders
 
 
-def _beam_decode(
+def beam_decode(
     make_state: Callable[..., PerBeamCache | TreeCache], model, prompts: Prompts, trie: ItemTrie,
-    k: int,
+    k: int, select: Callable[[Beams, torch.Tensor, ItemTrie, int], Beams] = select_top_k,
 ) -> TopK:
-    """Beam search for one batch: prefill, then ``L`` selection steps with ``L - 1`` model calls
-    in between, through the state ``make_state(model, prompts, k, cache)`` (a
-    :class:`PerBeamCache` or a :class:`TreeCache`)."""
+    """Beam search for one batch: prefill, then ``L`` steps ``select(beams, log_probs, trie, k)``
+    (the top-k by default, or a sampling step) with ``L - 1`` model calls in between, through the
+    state ``make_state(model, prompts, k, cache)`` (a :class:`PerBeamCache` or a
+    :class:`TreeCache`)."""
     log_probs, cache = prefill(model, prompts)
     state = make_state(model, prompts, k, cache)
     beams = Beams.start(len(prompts.lengths), trie)
     for depth in range(trie.depth):
-        beams = select_top_k(beams, log_probs, trie, k)
+        beams = select(beams, log_probs, trie, k)
         if depth + 1 < trie.depth:
             log_probs = state.extend(beams, depth)
     return beams.result(trie)
@@ -333,7 +341,7 @@ def _allowed_tokens_table(trie: ItemTrie) -> dict[tuple[int, ...], list[int]]:
     return _ALLOWED_TABLES[trie]
 
 
-def _decode_in_batches(
+def decode_in_batches(
     decode: Callable[..., TopK],
     model,
     prompts: Sequence[torch.Tensor],
@@ -344,7 +352,7 @@ def _decode_in_batches(
 ) -> TopK:
     """Validate, then run ``decode(model, Prompts, trie, k)`` on consecutive batches of
     ``batch_size`` users (all at once if None) and concatenate the results."""
-    _validate(model, prompts, trie, k, pad_token_id, batch_size)
+    validate_request(model, prompts, trie, k, pad_token_id, batch_size)
     device = model.device
     trie = trie if trie.device == device else trie.to(device)
     size = batch_size or len(prompts)
@@ -356,7 +364,7 @@ def _decode_in_batches(
     return TopK.cat(parts)
 
 
-def _validate(
+def validate_request(
     model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
     batch_size: int | None,
 ) -> None:
@@ -413,7 +421,7 @@ def hf_beam_search(
     (all if None) are left-padded with ``pad_token_id``.
     """
     decode = partial(_hf_decode, _allowed_tokens_table(trie))
-    return _decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
 
 
 def beam_search(
@@ -428,8 +436,8 @@ def beam_search(
     per beam, selects the top-``k`` of each user's ``[K * C]`` trie-child candidates in one
     vectorised step and reorders the cache rows by the chosen parents.
     """
-    decode = partial(_beam_decode, partial(PerBeamCache, depth=trie.depth))
-    return _decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    decode = partial(beam_decode, partial(PerBeamCache, depth=trie.depth))
+    return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
 
 
 def tree_beam_search(
@@ -445,5 +453,5 @@ def tree_beam_search(
     (:mod:`recspec.decoding.tree`). Needs a model whose cache layers are all full attention and
     which accepts a custom 4D float mask (transformers 5 models built on ``create_causal_mask``).
     """
-    decode = partial(_beam_decode, TreeCache)
-    return _decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    decode = partial(beam_decode, TreeCache)
+    return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)

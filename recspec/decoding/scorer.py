@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from recspec.decoding.tree import node_depths, tree_attention_mask
+from recspec.decoding.tree import additive_mask, node_depths
+from recspec.models.hf import keep_last_logits
 
 
 def next_log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -44,10 +45,45 @@ def score_tree(
     depths = node_depths(ancestors)
     if root_positions.dim() == 1:
         root_positions = root_positions[:, None]
-    return model(
-        input_ids=tokens,
-        attention_mask=tree_attention_mask(past_visible, ancestors, model.dtype),
-        position_ids=root_positions + depths,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits
+    batch, n, _ = ancestors.shape
+    if past_visible.dim() == 2:
+        past_visible = past_visible[:, None, :].expand(batch, n, -1)
+    return forward_visible(model, cache, tokens, torch.cat((past_visible, ancestors), dim=2),
+                           root_positions + depths)
+
+
+def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
+                    keep_last: int | None = None) -> torch.Tensor:
+    """Feed ``N`` nodes per row after the ``P`` cached positions: logits ``[B, N, V]`` (of the last
+    ``keep_last`` nodes only, if given: the output layer runs for those alone).
+
+    ``tokens``, ``position_ids``: int64 ``[B, N]``; ``visible``: bool ``[B, N, P + N]``, what each
+    node attends to (cached positions, then the nodes fed now; a node must see itself). With
+    ``cache`` None nothing is cached (training).
+    """
+    keep = {} if keep_last is None else keep_last_logits(model, keep_last)
+    logits = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
+                   position_ids=position_ids, past_key_values=cache, use_cache=cache is not None, **keep).logits
+    return logits if keep_last is None else logits[:, -keep_last:]
+
+
+def forward_prompt_and_tree(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, tokens: torch.Tensor, tree_visible: torch.Tensor,
+                            tree_positions: torch.Tensor) -> torch.Tensor:
+    """Left-padded prompts and a token tree after them, in one forward: logits ``[B, 1 + M, V]``
+    of the prompt's last position (row 0, the tree's root) and of the ``M`` tree nodes.
+
+    ``input_ids``, ``attention_mask``, ``position_ids``: int64 ``[B, P]`` (the prompts, left-padded,
+    position ids counting real tokens); ``tokens``, ``tree_positions``: int64 ``[B, M]``;
+    ``tree_visible``: bool ``[B, M, P + M]``, what each node attends to (the prompt's real tokens,
+    its ancestors, itself). Prompt tokens attend causally to real prompt tokens. ``cache``: an
+    empty cache to fill, or None. The output layer runs for the ``1 + M`` positions only.
+    """
+    prompt_len = input_ids.shape[1]
+    width = tree_visible.shape[2]
+    real = attention_mask.bool()
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=real.device).tril()
+    prompt_rows = (causal & real[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=real.device)
+    visible = torch.cat((torch.nn.functional.pad(prompt_rows, (0, width - prompt_len)), tree_visible), dim=1)
+    return forward_visible(model, cache, torch.cat((input_ids, tokens), dim=1), visible,
+                           torch.cat((position_ids, tree_positions), dim=1), keep_last=tokens.shape[1] + 1)

@@ -146,6 +146,17 @@ class ItemTrie:
             nodes = self.step(nodes, prefixes[:, d])
         return nodes
 
+    def parent(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Parent of each non-root node (the prefix one token shorter): int64 ``[B]``; ``-1`` for
+        the root and for ``-1``."""
+        edge = (nodes.long() - 1).clamp(min=0)
+        return torch.where(nodes > self.root, self._keys[edge] // self.vocab_size, -1)
+
+    def last_token(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Last token of each non-root node's prefix: int64 ``[B]``; ``-1`` for the root and ``-1``."""
+        edge = (nodes.long() - 1).clamp(min=0)
+        return torch.where(nodes > self.root, self._keys[edge] % self.vocab_size, -1)
+
     def node_depth(self, nodes: torch.Tensor) -> torch.Tensor:
         """Prefix length of each node: int64 ``[B]``, ``-1`` for node ``-1``."""
         return torch.where(nodes >= 0, self._node_depth[nodes.clamp(min=0)], -1)

@@ -1,13 +1,19 @@
 """Examples to token tensors: prompts for decoding and teacher-forcing batches for training.
 
-Prompt of an example (``n`` history items, identifier length ``L``)::
+A prompt wraps the user's history (``n`` items, identifier length ``L``) in a
+:class:`PromptTemplate` of token ids::
 
-    <bos> t(h_1) ... t(h_n) <sep>          length P = 2 + n * L, oldest history item first
+    prefix  t(h_1) sep t(h_2) sep ... sep t(h_n)  suffix      oldest history item first
 
-where ``t(i)`` is the L identifier tokens of item ``i``. The answer is the target's L tokens, with
-no ``<eos>`` (every identifier has the same length). A training sequence is prompt + answer,
-length P + L; its labels are -100 except at the L answer positions, in the Hugging Face convention
-(``labels[t]`` is the token at position ``t``; the model predicts it from the logits at ``t - 1``).
+where ``t(i)`` is the L identifier tokens of item ``i``, so its length is
+``P = |prefix| + n * (L + |sep|) - |sep| + |suffix|``. recspec's own identifier tokenizer uses
+``<bos>`` / nothing / ``<sep>`` (``P = 2 + n * L``); the LLM preset wraps the history in an
+instruction rendered by the LLM's chat template. The answer is the target's L tokens, with no
+end token (every identifier has the same length).
+
+A training sequence is prompt + answer, *left*-padded, so the answer always occupies the last L
+columns and the loss needs the logits of the last ``L + 1`` positions only (``logits_to_keep``:
+for an LLM with a 50k vocabulary this skips the output layer at every prompt position).
 
 Items are dense dataset item indices (``Examples.history`` / ``target_items``); the encoder holds
 a table ``item_tokens`` [num_dataset_items, L] of token ids, built once. Every method is
@@ -17,6 +23,8 @@ vectorized over examples and tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +32,9 @@ import torch
 from recspec.data.splits import PAD_ITEM, Examples
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
-from recspec.models.tokenizer import identifier_token_ids
+from recspec.models.tokenizer import identifier_token_ids, read_metadata
 
-IGNORE_INDEX = -100
+HISTORY_SLOT = "{history}"
 
 
 def _shown(values: Sequence, limit: int = 5) -> str:
@@ -35,32 +43,86 @@ def _shown(values: Sequence, limit: int = 5) -> str:
     return text + (f" and {len(values) - limit} more" if len(values) > limit else "")
 
 
+@dataclass(frozen=True)
+class PromptTemplate:
+    """Token ids around a history: ``prefix``, ``separator`` between two items, ``suffix``."""
+
+    prefix: tuple[int, ...]
+    separator: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def identifiers_only(cls, tokenizer) -> PromptTemplate:
+        """``<bos>`` + identifier tokens + ``<sep>``: the template of recspec's own tokenizer."""
+        ids = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "sep")}
+        missing = [name for name, value in ids.items() if value is None]
+        if missing:
+            raise RecspecError(f"the tokenizer has no {' / '.join(missing)} token; build it with build_tokenizer "
+                               f"or give the encoder a prompt template")
+        return cls((int(ids["bos"]),), (), (int(ids["sep"]),))
+
+    @classmethod
+    def from_text(cls, tokenizer, text: str, separator: str) -> PromptTemplate:
+        """Tokenize ``text`` around its one ``{history}`` slot, and ``separator``.
+
+        Identifier tokens are added tokens, which a tokenizer splits off before anything else,
+        so the pieces tokenize exactly as the whole prompt text would.
+        """
+        if text.count(HISTORY_SLOT) != 1:
+            raise RecspecError(f"a prompt text needs exactly one {HISTORY_SLOT} slot, got {text!r}")
+        before, after = text.split(HISTORY_SLOT)
+
+        def encode(piece: str) -> tuple[int, ...]:
+            return tuple(tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else ()
+
+        return cls(encode(before), encode(separator), encode(after))
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"prefix": list(self.prefix), "separator": list(self.separator), "suffix": list(self.suffix)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PromptTemplate:
+        try:
+            return cls(*(tuple(int(t) for t in data[key]) for key in ("prefix", "separator", "suffix")))
+        except (KeyError, TypeError, ValueError):
+            raise RecspecError(f"malformed prompt template {data!r}") from None
+
+
+def saved_template(folder, tokenizer) -> PromptTemplate:
+    """The prompt template recorded in a model folder's ``recspec.json`` (models trained before
+    templates were recorded used :meth:`PromptTemplate.identifiers_only`)."""
+    data = read_metadata(folder).get("prompt")
+    return PromptTemplate.identifiers_only(tokenizer) if data is None else PromptTemplate.from_json(data)
+
+
 class PromptEncoder:
-    """Turns examples into token ids for one item index and one tokenizer.
+    """Turns examples into token ids for one item index, one tokenizer and one prompt template.
 
     index: the item identifiers; dataset_item_keys: raw id of each dense dataset item
-    (``Dataset.item_ids``), every one of which must be in the index; tokenizer: from
-    :func:`recspec.models.tokenizer.build_tokenizer` (or any tokenizer holding the identifier
-    tokens and bos / sep / pad tokens).
+    (``Dataset.item_ids``), every one of which must be in the index; tokenizer: one holding the
+    identifier tokens and a pad token (:func:`recspec.models.tokenizer.build_tokenizer`, or an
+    LLM's tokenizer extended with them); template: default
+    :meth:`PromptTemplate.identifiers_only`.
     """
 
-    def __init__(self, index: ItemIndex, dataset_item_keys: Sequence[str], tokenizer) -> None:
+    def __init__(self, index: ItemIndex, dataset_item_keys: Sequence[str], tokenizer,
+                 template: PromptTemplate | None = None) -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.length = index.length
+        self.template = template or PromptTemplate.identifiers_only(tokenizer)
         ids = identifier_token_ids(tokenizer, index)
         table = np.array([ids[t] for t in index.tokens], dtype=np.int64)
         rows = index.positions(list(dataset_item_keys))
         #: int64 [num_dataset_items, L]: token ids of each dataset item's identifier
         self.item_tokens = torch.from_numpy(table[index.codes[rows]])
-        special = {}
-        for name in ("bos", "sep", "pad"):
-            value = getattr(tokenizer, f"{name}_token_id", None)
-            if value is None:
-                raise RecspecError(f"the tokenizer has no {name} token; build it with build_tokenizer")
-            special[name] = int(value)
-        self.bos_id, self.sep_id, self.pad_id = special["bos"], special["sep"], special["pad"]
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            raise RecspecError("the tokenizer has no pad token; set one (e.g. its end-of-text token)")
+        self.pad_id = int(tokenizer.pad_token_id)
         self.vocab_size = len(tokenizer)
+        self._prefix = torch.tensor(self.template.prefix, dtype=torch.int64)
+        self._separator = torch.tensor(self.template.separator, dtype=torch.int64)
+        self._suffix = torch.tensor(self.template.suffix, dtype=torch.int64)
 
     @property
     def num_items(self) -> int:
@@ -111,78 +173,77 @@ class PromptEncoder:
 
     # ------------------------------------------------------------------ encoding
 
-    def _prompt_matrix(self, history: torch.Tensor, lengths: torch.Tensor, extra: int = 0) -> torch.Tensor:
-        """[b, max P + extra] prompts, left-aligned and right-padded with ``<pad>``."""
+    def _lengths(self, items: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Prompt length P of ``items`` history items (numpy or torch, any shape)."""
+        t = self.template
+        return len(t.prefix) + items * (self.length + len(t.separator)) - len(t.separator) + len(t.suffix)
+
+    def _right_padded(self, history: torch.Tensor, lengths: torch.Tensor,
+                      answers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts (+ ``answers`` [b, L] after them), left-aligned and right-padded with the pad
+        token: ``([b, W] token ids, [b] sequence lengths)``."""
         b, h = history.shape
-        L = self.length
-        tokens = self.item_tokens[history.clamp(min=0)].reshape(b, h * L)  # left-padded like history
-        width = 2 + int(lengths.max()) * L + extra
-        col = torch.arange(width - 1)  # output column - 1, for the token columns
-        src = col[None, :] + ((h - lengths) * L)[:, None]  # shift the real tokens to the left
-        keep = col[None, :] < (lengths * L)[:, None]
-        out = torch.full((b, width), self.pad_id, dtype=torch.int64)
-        out[:, 0] = self.bos_id
-        out[:, 1:] = torch.where(keep, tokens.gather(1, src.clamp(max=h * L - 1)), self.pad_id)
-        out[torch.arange(b), 1 + lengths * L] = self.sep_id
-        return out
+        block = self.length + len(self._separator)
+        items = self.item_tokens[history.clamp(min=0)]  # [b, h, L]
+        blocks = torch.cat((items, self._separator.expand(b, h, -1)), dim=2).reshape(b, h * block)
+        body = lengths * block - len(self._separator)  # history tokens without the last separator
+        prefix, suffix = len(self._prefix), len(self._suffix)
+        sizes = prefix + body + suffix
+        extra = 0 if answers is None else answers.shape[1]
+        width = int(sizes.max()) + extra
+        col = torch.arange(width)[None, :] - prefix  # column within the history part
+        src = (col + ((h - lengths) * block)[:, None]).clamp(0, h * block - 1)  # history is left-padded
+        out = torch.where((col >= 0) & (col < body[:, None]), blocks.gather(1, src), self.pad_id)
+        out[:, :prefix] = self._prefix
+        rows = torch.arange(b)[:, None]
+        out[rows, (prefix + body)[:, None] + torch.arange(suffix)] = self._suffix
+        if answers is not None:
+            out[rows, sizes[:, None] + torch.arange(extra)] = answers
+        return out, sizes + extra
+
+    @staticmethod
+    def _left_padded(matrix: torch.Tensor, sizes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Right-padded rows ``[b, W]`` of ``sizes`` real tokens moved to the right end:
+        input_ids, attention_mask and position_ids (real tokens counted from 0, 0 on padding)."""
+        width = matrix.shape[1]
+        src = (torch.arange(width)[None, :] - (width - sizes)[:, None]) % width
+        mask = torch.arange(width)[None, :] >= (width - sizes)[:, None]
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        return {"input_ids": matrix.gather(1, src), "attention_mask": mask.long(), "position_ids": positions}
 
     def prompt_lengths(self, examples: Examples, rows: np.ndarray | None = None) -> np.ndarray:
-        """int64 [b]: prompt length P = 2 + n * L of each example (no checks, cheap)."""
+        """int64 [b]: prompt length P of each example (no checks, cheap)."""
         history = examples.history if rows is None else examples.history[rows]
-        return 2 + (history != PAD_ITEM).sum(axis=1).astype(np.int64) * self.length
+        return self._lengths((history != PAD_ITEM).sum(axis=1).astype(np.int64))
 
     def prompts(self, examples: Examples, rows: np.ndarray | None = None) -> list[torch.Tensor]:
         """One int64 prompt tensor per example (of ``rows``, default all), variable length."""
         history, lengths = self._history(examples, rows)
-        matrix = self._prompt_matrix(history, lengths)
-        sizes = 2 + lengths * self.length
+        matrix, sizes = self._right_padded(history, lengths)
         mask = torch.arange(matrix.shape[1])[None, :] < sizes[:, None]
         return list(matrix[mask].split(sizes.tolist()))
 
-    def prompt_batch(self, examples: Examples, rows: np.ndarray | None = None,
-                     padding_side: str = "left") -> dict[str, torch.Tensor]:
-        """Prompts as one padded batch: input_ids, attention_mask, position_ids [b, max P].
+    def prompt_batch(self, examples: Examples, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+        """Prompts as one left-padded batch: input_ids, attention_mask, position_ids [b, max P].
 
-        Left padding (default) puts every prompt's last token in the last column, as generation
-        wants; position ids count real tokens only, so a padded row computes what it would alone.
+        Every prompt's last token is in the last column, as generation wants; position ids count
+        real tokens only, so a padded row computes what it would alone.
         """
         history, lengths = self._history(examples, rows)
-        matrix = self._prompt_matrix(history, lengths)
-        sizes = 2 + lengths * self.length
-        width = matrix.shape[1]
-        mask = torch.arange(width)[None, :] < sizes[:, None]
-        if padding_side == "left":
-            shift = (width - sizes)[:, None]
-            src = (torch.arange(width)[None, :] - shift) % width
-            matrix, mask = matrix.gather(1, src), mask.gather(1, src)
-        elif padding_side != "right":
-            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        return {"input_ids": matrix, "attention_mask": mask.long(), "position_ids": positions}
+        return self._left_padded(*self._right_padded(history, lengths))
 
     def answer_tokens(self, items: np.ndarray | torch.Tensor) -> torch.Tensor:
         """int64 [..., L]: identifier token ids of dense dataset items."""
         return self.item_tokens[torch.as_tensor(np.asarray(items), dtype=torch.int64)]
 
     def training_batch(self, examples: Examples, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-        """Teacher-forcing batch of prompt + answer, right-padded: input_ids, attention_mask,
-        labels (-100 except the L answer positions) and position_ids, all [b, T], T = max(P + L)."""
+        """Teacher-forcing batch of prompt + answer, left-padded: input_ids, attention_mask and
+        position_ids [b, T] (T = max(P + L)), and labels [b, L], the answer tokens, which are the
+        last L columns of input_ids (predicted from the logits at columns T - L - 1 .. T - 2)."""
         history, lengths = self._history(examples, rows)
-        targets = self._targets(examples, rows)
-        L = self.length
-        matrix = self._prompt_matrix(history, lengths, extra=L)
-        b, width = matrix.shape
-        sizes = 2 + lengths * L  # answer starts here
-        answer_cols = sizes[:, None] + torch.arange(L)[None, :]
-        batch_rows = torch.arange(b)[:, None].expand(b, L)
-        answers = self.item_tokens[targets]
-        matrix[batch_rows, answer_cols] = answers
-        labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.int64)
-        labels[batch_rows, answer_cols] = answers
-        positions = torch.arange(width)
-        mask = positions[None, :] < (sizes + L)[:, None]
-        return {"input_ids": matrix, "attention_mask": mask.long(), "labels": labels,
-                "position_ids": positions[None, :].expand(b, width).contiguous()}
+        answers = self.item_tokens[self._targets(examples, rows)]
+        batch = self._left_padded(*self._right_padded(history, lengths, answers))
+        return {**batch, "labels": answers}
 
 
 # ---------------------------------------------------------------------- example selection

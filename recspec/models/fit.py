@@ -15,10 +15,23 @@ from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
 from recspec.itemids.build import dataset_identifiers
 from recspec.models.examples import PromptEncoder
-from recspec.models.presets import build_model
-from recspec.models.tokenizer import build_tokenizer, identifier_token_ids
-from recspec.models.train import CHECKPOINT_DIR, TrainConfig, TrainResult, train
+from recspec.models.presets import build_model, preset_template, preset_tokenizer
+from recspec.models.tokenizer import identifier_token_ids
+from recspec.models.train import CHECKPOINT_DIR, SupervisedTask, TrainConfig, TrainResult, train
 from recspec.recommend import item_rows, write_run_info
+
+
+def prepare_training_dir(out_dir: Path, overwrite: bool) -> Path:
+    """``out_dir`` for a training run: resumed if it holds a checkpoint, else it must be empty or
+    absent (an occupied folder is replaced only with ``overwrite``)."""
+    out_dir = Path(out_dir)
+    resuming = (out_dir / CHECKPOINT_DIR).is_dir()
+    if out_dir.exists() and any(out_dir.iterdir()) and not resuming:
+        if not overwrite:
+            raise RecspecError(f"{out_dir}: already exists and holds no checkpoint to resume; "
+                               f"choose another --out or pass --overwrite")
+        shutil.rmtree(out_dir)
+    return out_dir
 
 
 def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = None, format: str | None = None,
@@ -31,19 +44,13 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     """
     from recspec.decoding import tree_beam_search
 
-    out_dir = Path(out_dir)
-    resuming = (out_dir / CHECKPOINT_DIR).is_dir()
-    if out_dir.exists() and any(out_dir.iterdir()) and not resuming:
-        if not overwrite:
-            raise RecspecError(f"{out_dir}: already exists and holds no checkpoint to resume; "
-                               f"choose another --out or pass --overwrite")
-        shutil.rmtree(out_dir)
+    out_dir = prepare_training_dir(out_dir, overwrite)
     config = config or TrainConfig()
     dataset = load_dataset(dataset_spec, format)
     split = split_dataset(dataset, split_kind, max_history)
     index = dataset_identifiers(dataset, ids)
-    tokenizer = build_tokenizer(index)
-    encoder = PromptEncoder(index, dataset.item_ids, tokenizer)
+    tokenizer = preset_tokenizer(preset, index)
+    encoder = PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
     model = build_model(preset, tokenizer, seed=config.seed)
     spec = dataset_spec if dataset_spec in KNOWN_DATASETS and not Path(dataset_spec).exists() \
         else str(Path(dataset_spec).resolve())
@@ -63,5 +70,6 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
         rows = topk.items.cpu().numpy()
         return recall_ndcg(np.where(rows >= 0, table[rows.clip(0)], -1), targets, [10])
 
-    return train(model, encoder, split, out_dir, config, evaluate=evaluate, progress=progress)
+    return train(model, SupervisedTask(encoder, split, config), out_dir, config, evaluate=evaluate,
+                 progress=progress)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -43,3 +44,10 @@ def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec), dtype=dtype, **extra)
     return model.to(device).eval()
+
+
+def keep_last_logits(model, count: int) -> dict[str, int]:
+    """``{"logits_to_keep": count}`` where ``model.forward`` takes it (transformers' causal LMs
+    then compute the output layer for the last ``count`` positions only), else ``{}``."""
+    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": count} if takes else {}

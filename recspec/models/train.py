@@ -59,7 +59,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ import torch
 from recspec.data.splits import Examples, SplitData
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, write_text_atomic
+from recspec.models.hf import keep_last_logits
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
 from recspec.models.tokenizer import check_index, read_metadata, save_tokenizer
 
@@ -215,17 +216,23 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def answer_loss(model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy on the answer tokens (labels != -100) and the logits there [b * L, V]."""
+    """Cross-entropy on the answer tokens and the float32 logits there ``[b * L, V]``.
+
+    ``batch``: :meth:`PromptEncoder.training_batch` (left-padded, answers in the last L columns,
+    ``labels`` [b, L]). Only the last ``L + 1`` positions' logits are computed where the model
+    takes ``logits_to_keep`` (transformers' causal LMs do), so the output layer never runs over
+    the prompt.
+    """
     device = batch["input_ids"].device
+    length = batch["labels"].shape[1]
     context = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
                else nullcontext())
+    keep = keep_last_logits(model, length + 1)
     with context:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    keep = labels != -100
-    picked = logits[:, :-1][keep].float()
-    loss = torch.nn.functional.cross_entropy(picked, labels[keep], reduction=reduction)
+                       position_ids=batch["position_ids"], use_cache=False, **keep).logits
+    picked = logits[:, -length - 1:-1].reshape(-1, logits.shape[-1]).float()
+    loss = torch.nn.functional.cross_entropy(picked, batch["labels"].reshape(-1), reduction=reduction)
     return loss, picked
 
 
@@ -298,7 +305,7 @@ def _fill_model_dir(tmp: Path, model, tokenizer, encoder: PromptEncoder, extra: 
     model.save_pretrained(tmp)  # transformers 5 always writes safetensors
     if not (tmp / WEIGHTS_FILE).is_file():
         raise RuntimeError(f"save_pretrained wrote no {WEIGHTS_FILE} (sharded?); the model is too large")
-    save_tokenizer(tokenizer, encoder.index, tmp, extra)
+    save_tokenizer(tokenizer, encoder.index, tmp, {"prompt": encoder.template.to_json(), **extra})
     if state is not None:
         torch.save(state, tmp / STATE_FILE)
 
@@ -307,60 +314,101 @@ def _write_log(out_dir: Path, history: list[dict[str, Any]]) -> None:
     write_text_atomic(out_dir / LOG_FILE, "".join(json.dumps(row) + "\n" for row in history))
 
 
-@torch.no_grad()
-def validation_loss(model, encoder: PromptEncoder, examples: Examples, config: TrainConfig,
-                    device: torch.device, autocast_dtype: torch.dtype | None) -> float:
-    """Mean answer-token cross-entropy on (at most ``max_valid_examples``) validation pairs."""
-    pairs = one_target_per_row(examples)
-    if len(pairs) == 0:
-        raise RecspecError("the split has no validation examples; pass an evaluate function or another split")
-    if len(pairs) > config.max_valid_examples:
-        rows = np.sort(np.random.default_rng([config.seed, 3]).choice(len(pairs), config.max_valid_examples,
-                                                                        replace=False))
-        pairs = pairs.subset(rows)
-    if config.max_history is not None:
-        pairs = truncate_history(pairs, config.max_history)
-    order = np.argsort(encoder.prompt_lengths(pairs), kind="stable")
-    total, count = 0.0, 0
-    for start in range(0, len(order), config.batch_size):
-        batch = encoder.training_batch(pairs, order[start:start + config.batch_size])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss, picked = answer_loss(model, batch, autocast_dtype, reduction="sum")
-        total += float(loss)
-        count += picked.shape[0]
-    return total / count
+class TrainingTask(Protocol):
+    """What :func:`train` trains on: examples it can batch, a loss, and a validation loss. The
+    task's ``encoder`` gives the tokenizer, index and prompt template saved with the model."""
+
+    encoder: PromptEncoder
+
+    def lengths(self) -> np.ndarray:
+        """int64 [n]: real (non-pad) tokens of each training example (bucketing, tokens/s)."""
+
+    def check(self) -> None:
+        """Raise what batching any example would raise, before training starts."""
+
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """The tensors of training examples ``rows``."""
+
+    def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        """Scalar training loss of a batch (mean)."""
+
+    def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
+        """Loss on held-out data (lower is better), used when there is no evaluate function."""
+
+
+class SupervisedTask:
+    """Next-item training (L_Rec): ``split.train`` as selected by the config, answer-token
+    cross-entropy, validation loss on (at most ``max_valid_examples``) validation pairs."""
+
+    def __init__(self, encoder: PromptEncoder, split: SplitData, config: TrainConfig) -> None:
+        self.encoder, self.split, self.config = encoder, split, config
+        self.examples = select_training_examples(split.train, config)
+        if len(self.examples) == 0:
+            raise RecspecError("no training examples to train on")
+
+    def lengths(self) -> np.ndarray:
+        return self.encoder.prompt_lengths(self.examples) + self.encoder.length
+
+    def check(self) -> None:
+        self.encoder.check(self.examples, targets=True)
+
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        return self.encoder.training_batch(self.examples, rows)
+
+    def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        return answer_loss(model, batch, autocast_dtype)[0]
+
+    @torch.no_grad()
+    def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
+        """Mean answer-token cross-entropy on (at most ``max_valid_examples``) validation pairs."""
+        config, encoder = self.config, self.encoder
+        pairs = one_target_per_row(self.split.valid)
+        if len(pairs) == 0:
+            raise RecspecError("the split has no validation examples; pass an evaluate function or another split")
+        if len(pairs) > config.max_valid_examples:
+            rows = np.sort(np.random.default_rng([config.seed, 3]).choice(len(pairs), config.max_valid_examples,
+                                                                            replace=False))
+            pairs = pairs.subset(rows)
+        if config.max_history is not None:
+            pairs = truncate_history(pairs, config.max_history)
+        order = np.argsort(encoder.prompt_lengths(pairs), kind="stable")
+        total, count = 0.0, 0
+        for start in range(0, len(order), config.batch_size):
+            batch = encoder.training_batch(pairs, order[start:start + config.batch_size])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss, picked = answer_loss(model, batch, autocast_dtype, reduction="sum")
+            total += float(loss)
+            count += picked.shape[0]
+        return total / count
 
 
 # ---------------------------------------------------------------------- training
 
-def train(model, encoder: PromptEncoder, split: SplitData, out_dir: Path, config: TrainConfig | None = None,
+def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None = None,
           evaluate: Callable[[Any], dict[str, float]] | None = None, progress: bool = True,
-          callback: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
-    """Train ``model`` on ``split.train`` (see the module docstring); returns with the best weights
+          callback: Callable[[dict[str, Any]], None] | None = None, metric: str = RECALL_METRIC) -> TrainResult:
+    """Train ``model`` on ``task`` (see the module docstring); returns with the best weights
     loaded into ``model``.
 
     evaluate: called with the model (eval mode, no grad) after every epoch; must return a dict with
-    ``"recall@10"`` (higher is better; early stopping and the best model follow it). Without it, the
-    answer-token loss on ``split.valid`` is used (lower is better).
+    ``metric`` (higher is better; early stopping and the best model follow it). Without it, the
+    task's validation loss is used (lower is better).
     callback: called after every optimizer step with a dict of counters (epoch, step, loss); a
     KeyboardInterrupt raised there stops training like Ctrl-C (checkpoint first).
     """
     config = config or TrainConfig()
     out_dir = Path(out_dir)
+    encoder = task.encoder
     tokenizer = encoder.tokenizer
     device = resolve_device(config.device)
     autocast_dtype = resolve_precision(config.precision, device)
-    metric = RECALL_METRIC if evaluate is not None else LOSS_METRIC
+    metric = metric if evaluate is not None else LOSS_METRIC
     higher_is_better = evaluate is not None
 
-    examples = select_training_examples(split.train, config)
-    if len(examples) == 0:
-        raise RecspecError("no training examples to train on")
-    lengths = encoder.prompt_lengths(examples) + encoder.length
-    real_tokens_all = lengths
-    steps_per_epoch = math.ceil(len(examples) / config.batch_size)
+    lengths = task.lengths()
+    steps_per_epoch = math.ceil(len(lengths) / config.batch_size)
     total_steps = steps_per_epoch * config.epochs
-    encoder.check(examples, targets=True)  # fail now, not in the middle of an epoch
+    task.check()  # fail now, not in the middle of an epoch
 
     model.to(device)
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -390,7 +438,7 @@ def train(model, encoder: PromptEncoder, split: SplitData, out_dir: Path, config
                                f"resume with the same options or choose another output folder")
         if saved["metric"] != metric:
             raise RecspecError(f"{checkpoint}: the run selects on {saved['metric']}, this call on {metric}; "
-                               f"{'pass' if saved['metric'] == RECALL_METRIC else 'drop'} the evaluate function")
+                               f"resume with the same selection (evaluate function and metric)")
         _load_weights(model, checkpoint)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -433,10 +481,10 @@ def train(model, encoder: PromptEncoder, split: SplitData, out_dir: Path, config
         with torch.no_grad():
             if evaluate is not None:
                 scores = {k: float(v) for k, v in evaluate(model).items()}
-                if RECALL_METRIC not in scores:
-                    raise RecspecError(f"the evaluate function returned {sorted(scores)}, without {RECALL_METRIC!r}")
+                if metric not in scores:
+                    raise RecspecError(f"the evaluate function returned {sorted(scores)}, without {metric!r}")
             else:
-                scores = {LOSS_METRIC: validation_loss(model, encoder, split.valid, config, device, autocast_dtype)}
+                scores = {LOSS_METRIC: task.validation_loss(model, device, autocast_dtype)}
         model.train()
         guard.deferring = True  # the bookkeeping below and the checkpoint after it run to the end
         value = scores[metric]
@@ -496,11 +544,11 @@ def train(model, encoder: PromptEncoder, split: SplitData, out_dir: Path, config
                 try:
                     for rows in batches[state["batch_in_epoch"]:]:
                         started = time.perf_counter()
-                        batch = encoder.training_batch(examples, rows)
+                        batch = task.batch(rows)
                         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
                         guard.deferring = True
                         consistent = False
-                        loss, _ = answer_loss(model, batch, autocast_dtype)
+                        loss = task.loss(model, batch, autocast_dtype)
                         optimizer.zero_grad(set_to_none=True)
                         loss.backward()
                         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -510,7 +558,7 @@ def train(model, encoder: PromptEncoder, split: SplitData, out_dir: Path, config
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
                         seconds = time.perf_counter() - started
-                        real = int(real_tokens_all[rows].sum())
+                        real = int(lengths[rows].sum())
                         state["step"] += 1
                         state["batch_in_epoch"] += 1
                         state["epoch_loss_sum"] += loss_value * len(rows)
@@ -585,13 +633,9 @@ def _progress(enabled: bool, total: int, state: dict[str, Any]):
 
 # ---------------------------------------------------------------------- loading
 
-def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a trained folder: a training ``out_dir`` (its ``best/``), a ``best/``
-    or ``checkpoint/`` folder. With ``index``, a folder built for another item index is refused."""
-    from transformers import AutoModelForCausalLM
-
-    from recspec.models.tokenizer import load_tokenizer_dir
-
+def trained_model_dir(path: str | Path) -> Path:
+    """The model folder of a training ``out_dir`` (its ``best/``), or ``path`` itself (a ``best/`` or
+    ``checkpoint/`` folder); a folder holding no trained model is an error."""
     path = Path(path)
     if not path.exists():
         raise RecspecError(f"{path}: no such folder; train a model first")
@@ -599,6 +643,17 @@ def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu
     if not (folder / "config.json").is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise RecspecError(f"{path}: not a trained model folder (no {BEST_DIR}/ and no config.json + {WEIGHTS_FILE})")
     read_metadata(folder)
+    return folder
+
+
+def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`). With ``index``, a
+    folder built for another item index is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from recspec.models.tokenizer import load_tokenizer_dir
+
+    folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if model.config.vocab_size != len(tokenizer):

@@ -1,0 +1,1 @@
+"""Draft alignment: alignment data from the target, the AtSpeed / KD losses, alignment training."""

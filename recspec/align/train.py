@@ -1,0 +1,74 @@
+"""Training a draft on alignment data (`recspec align train`): the draft gets its target's item
+index, tokenizer family and prompt template; selection by validation acceptance when the target
+is given (mean accepted steps of speculative beam search on validation users), else by the
+validation alignment loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recspec.align.data import PARTS
+from recspec.align.task import AlignmentTask, check_method, read_manifest
+from recspec.errors import RecspecError
+from recspec.itemids.index import ItemIndex
+from recspec.models.examples import PromptEncoder
+from recspec.models.fit import prepare_training_dir
+from recspec.models.presets import build_model, preset_template, preset_tokenizer
+from recspec.models.tokenizer import identifier_token_ids, index_fingerprint
+from recspec.models.train import TrainConfig, TrainResult, train
+from recspec.recommend import INDEX_FILE, write_run_info
+
+ACCEPTANCE_METRIC = "accepted_steps"
+
+
+def acceptance_evaluator(target_dir: Path, task: AlignmentTask, users: int, k: int, draft_beams: int,
+                         relaxed: bool):
+    """``evaluate(draft)``: mean accepted steps (and target calls) of speculative beam search with
+    the target on the first ``users`` validation prompts, strict or relaxed (seeded)."""
+    from recspec.decoding.speculative import SpecConfig, speculative_beam_search
+    from recspec.models.train import load_trained
+
+    target, _ = load_trained(target_dir, task.encoder.index)
+    valid = task.examples[PARTS[1]]
+    prompts = task.encoder.prompts(valid, np.arange(min(users, len(valid))))
+    config = SpecConfig(draft_beams=max(draft_beams, k), verify="relaxed" if relaxed else "strict")
+
+    def evaluate(draft) -> dict[str, float]:
+        device = next(draft.parameters()).device
+        stats = speculative_beam_search(target.to(device), draft, prompts, task.trie.to(device), k,
+                                        task.encoder.pad_id, config, batch_size=64).stats.summary()
+        return {ACCEPTANCE_METRIC: stats["accepted_steps"], "target_calls": stats["target_calls"]}
+
+    return evaluate
+
+
+def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, preset: str = "draft-tiny",
+              target_dir: Path | None = None, config: TrainConfig | None = None, eval_users: int = 256,
+              eval_k: int = 10, eval_beams: int = 40, overwrite: bool = False, progress: bool = True) -> TrainResult:
+    """Train a fresh ``preset`` draft on the alignment data of ``data_dir`` with ``method``."""
+    from recspec.data import load_dataset
+
+    check_method(method, alpha)
+    config = config or TrainConfig()
+    manifest = read_manifest(data_dir)
+    index = ItemIndex.load(Path(data_dir) / INDEX_FILE)
+    if index_fingerprint(index) != manifest["index_fingerprint"]:
+        raise RecspecError(f"{data_dir}: {INDEX_FILE} does not match the manifest; the data folder was altered")
+    out_dir = prepare_training_dir(out_dir, overwrite)
+    dataset = load_dataset(manifest["dataset"], manifest.get("format_of_dataset"))
+    tokenizer = preset_tokenizer(preset, index)
+    encoder = PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
+    trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
+    task = AlignmentTask.load(Path(data_dir), encoder, trie, method, alpha)
+    model = build_model(preset, tokenizer, seed=config.seed)
+    info: dict[str, Any] = {"dataset": manifest["dataset"], "format": manifest.get("format_of_dataset"),
+                            "split": manifest["split"], "max_history": manifest["max_history"], "preset": preset,
+                            "alignment": {"method": method, "alpha": alpha, "data": str(Path(data_dir).resolve())}}
+    write_run_info(out_dir, index, info)
+    if target_dir is None:
+        return train(model, task, out_dir, config, progress=progress)
+    evaluate = acceptance_evaluator(Path(target_dir), task, eval_users, eval_k, eval_beams, method == "atspeed-r")
+    return train(model, task, out_dir, config, evaluate=evaluate, progress=progress, metric=ACCEPTANCE_METRIC)

