@@ -26,7 +26,6 @@ and cache compaction are tensor operations over the whole tree.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
+from recspec.models.hf import keep_last_logits
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig, retrieve
 from recspec.knowledge.trie import TokenTrie
 from recspec.knowledge.verify import Verification, accepted_path
@@ -122,8 +122,8 @@ def _prefill(model, prompt: Sequence[int]):
     """Run the prompt once: ``(greedy first token, cache)``; the argmax of the raw logits, as
     greedy ``generate`` takes it (only the last position's logits are computed where the model
     supports ``logits_to_keep``)."""
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True, **keep)
+    out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True,
+                **keep_last_logits(model, 1))
     require_full_attention(out.past_key_values)
     return int(out.logits[0, -1].argmax()), out.past_key_values
 
