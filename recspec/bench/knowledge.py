@@ -80,7 +80,7 @@ def bench_side(task: KnowledgeTask, base: KnowledgeConfig, pool: Path, limit: in
             for e in entities:
                 pools.trie_for(e)
             build_s[name], pool_sizes[name] = pools.build_s, pools.sizes()
-    generators["ar"](entities[0], prompts[entities[0]])  # warm-up
+    generators["hf"](entities[0], prompts[entities[0]])  # warm-up
     runs: dict[str, dict[int, list[Generation]]] = {name: {e: [] for e in entities} for name in variants}
     load_before = os.getloadavg()
     for e in tqdm(entities, desc=f"bench {base.side} knowledge", unit=base.side):
