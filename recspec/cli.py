@@ -19,11 +19,13 @@ assets_app = typer.Typer(no_args_is_help=True, help="Fetch and list cached model
 data_app = typer.Typer(no_args_is_help=True, help="Inspect data sets and their splits.")
 ids_app = typer.Typer(no_args_is_help=True, help="Build and inspect semantic item identifiers.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results under benchmarks/results/).")
+knowledge_app = typer.Typer(no_args_is_help=True, help="Knowledge generation with retrieval-based speculative decoding (LASER).")
 align_app = typer.Typer(no_args_is_help=True, help="Draft alignment: alignment data and draft training (AtSpeed).")
 app.add_typer(assets_app, name="assets")
 app.add_typer(data_app, name="data")
 app.add_typer(ids_app, name="ids")
 app.add_typer(bench_app, name="bench")
+app.add_typer(knowledge_app, name="knowledge")
 app.add_typer(align_app, name="align")
 
 DatasetArg = Annotated[str, typer.Option("--dataset", "-d", help="Known name (ml-100k) or a dataset path.")]
@@ -377,6 +379,125 @@ def bench_align(
 
     typer.echo(run(out, target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
                    quality_users=quality_users))
+
+
+# --- knowledge generation (LASER) ---------------------------------------------------------------
+
+def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], k: int, p: float,
+                      max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
+                      draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int):
+    from recspec.knowledge.job import KnowledgeConfig
+    from recspec.knowledge.retrieval import RetrievalConfig
+    from recspec.knowledge.verify import Verification
+
+    verification = Verification(verify or ("relaxed" if method == "laser" else "greedy"), k, p)
+    retrieval = RetrievalConfig(max_nodes=draft_nodes, max_depth=draft_depth, max_suffix=max_suffix)
+    return KnowledgeConfig(side=side, part=part, method=method, verification=verification,
+                           max_new_tokens=max_new_tokens, grouping=grouping, groups=groups,
+                           min_interactions=min_interactions, retrieval=retrieval, max_history=max_history,
+                           max_prompt_tokens=max_prompt_tokens)
+
+
+@knowledge_app.command("generate")
+def knowledge_generate(
+    out: Annotated[Path, typer.Option(help="Knowledge store (SQLite); an existing one is resumed.")],
+    side: Annotated[str, typer.Option(help="user (preference profiles) or item (descriptions).")] = "user",
+    method: Annotated[str, typer.Option(help="ar, hf, prompt-lookup, resd or laser.")] = "laser",
+    verify: Annotated[Optional[str], typer.Option(help="greedy or relaxed (default: relaxed for laser).")] = None,
+    part: Annotated[str, typer.Option(help="new (accelerated) or old (earlier knowledge: the pools).")] = "new",
+    pool: Annotated[Optional[Path], typer.Option(help="The old-part store of this side (resd, laser).")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N users or items.")] = None,
+    k: Annotated[int, typer.Option("--k", help="Relaxed verification: accept tokens in the top k.")] = 2,
+    p: Annotated[float, typer.Option("--p", help="Relaxed verification: ... whose probability exceeds p.")] = 0.1,
+    max_new_tokens: int = 128,
+    grouping: Annotated[str, typer.Option(help="laser pools: router, collaborative, attribute, random, global.")] = "router",
+    groups: Annotated[int, typer.Option(help="k-means groups of the collaborative pools.")] = 5,
+    min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
+    draft_nodes: Annotated[int, typer.Option(help="Draft tree nodes (at most 64).")] = 16,
+    draft_depth: Annotated[int, typer.Option(help="Draft tree depth (at most 12).")] = 12,
+    max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
+    max_history: Annotated[int, typer.Option(help="Movies listed in a user prompt (the most recent).")] = 10,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts drop their oldest movies, else are refused.")] = 1024,
+    model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
+    dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
+    seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+    device: str = "cpu",
+) -> None:
+    """Generate user or item knowledge for many users/items, persisting each result (resumable)."""
+    from recspec.knowledge.job import KnowledgeTask, run_job, set_threads
+
+    set_threads(threads)
+    config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
+                               draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens)
+    task = KnowledgeTask(model, dataset, seed=seed, device=device)
+    typer.echo(run_job(task, config, out, pool, limit).line())
+
+
+@knowledge_app.command("show")
+def knowledge_show(
+    store: Annotated[Path, typer.Argument(help="A knowledge store written by `recspec knowledge generate`.")],
+    examples: Annotated[int, typer.Option(help="Texts to print.")] = 2,
+) -> None:
+    """Print a store's settings, counts, tokens/s, AAL, ART and a few texts."""
+    from recspec.knowledge.job import describe_store
+
+    typer.echo(describe_store(store, examples))
+
+
+@knowledge_app.command("ctr")
+def knowledge_ctr(
+    greedy: Annotated[list[str], typer.Option(help="New-part store(s) of greedy knowledge (user and/or item).")],
+    relaxed: Annotated[list[str], typer.Option(help="New-part store(s) of relaxed (LASER) knowledge.")],
+    old: Annotated[list[str], typer.Option(help="Old-part item store(s): the existing items' knowledge.")] = [],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    seeds: Annotated[int, typer.Option(help="Training seeds per condition (mean reported).")] = 3,
+    epochs: int = 3,
+    model: Annotated[str, typer.Option(help="The target LLM whose hidden states embed the texts.")] = "smollm2",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+) -> None:
+    """Downstream CTR (DIN-style) AUC / log loss: no knowledge vs greedy vs relaxed knowledge."""
+    from recspec.knowledge.ctr import run
+    from recspec.knowledge.job import set_threads
+
+    set_threads(threads)
+    typer.echo(run(out, greedy, relaxed, old, model, seeds, epochs))
+
+
+@bench_app.command("knowledge")
+def bench_knowledge(
+    user_pool: Annotated[Optional[Path], typer.Option(help="Old-part user store (benchmarks the user side).")] = None,
+    item_pool: Annotated[Optional[Path], typer.Option(help="Old-part item store (benchmarks the item side).")] = None,
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
+    repeats: Annotated[int, typer.Option(help="Runs per text and method (median reported).")] = 3,
+    max_new_tokens: int = 128,
+    draft_nodes: Annotated[int, typer.Option(help="Draft tree nodes (at most 64).")] = 16,
+    draft_depth: Annotated[int, typer.Option(help="Draft tree depth (at most 12).")] = 12,
+    max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
+    k: Annotated[int, typer.Option("--k", help="Relaxed verification top-k.")] = 2,
+    p: Annotated[float, typer.Option("--p", help="Relaxed verification probability threshold.")] = 0.1,
+    variant: Annotated[Optional[list[str]], typer.Option(
+        help="Variants to run (repeatable; default all: hf, prompt-lookup, ar, resd, rrp, laser-greedy, rv+grp, "
+             "rv+rrp, laser, laser@8, laser@32, laser@64).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+) -> None:
+    """hf, prompt lookup, ReSD and LASER side by side: tokens/s, speed-ups, AAL, ART, ceiling, ablation."""
+    from recspec.bench.knowledge import VARIANTS, run
+    from recspec.knowledge.job import set_threads
+
+    set_threads(threads)
+    pools = {side: path for side, path in (("user", user_pool), ("item", item_pool)) if path is not None}
+    if not pools:
+        raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`)")
+    base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", 5, 10, draft_nodes,
+                             draft_depth, max_suffix, 10, 1024)
+    variants = tuple(variant or VARIANTS)
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "hf" not in variants:
+        raise RecspecError(f"--variant: unknown {', '.join(unknown)}" if unknown else
+                           "--variant: include hf, the reference of every speed-up")
+    typer.echo(run(out, pools, limit, repeats, max_new_tokens, base, variants))
 
 
 def main() -> None:

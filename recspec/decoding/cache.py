@@ -65,6 +65,22 @@ def gather_positions(cache, positions: torch.Tensor) -> None:
         layer.values = _gather_sequence(layer.values, positions)
 
 
+def compact_tail(cache, kept: int, positions: torch.Tensor) -> None:
+    """Keep the first ``kept`` cached positions of every row, then the positions ``positions``.
+
+    ``positions``: int64 ``[B, S']`` (on the cache's device), each ``>= kept``, e.g. the accepted
+    path of a tree appended after ``kept`` positions. The same result as :func:`gather_positions`
+    over ``arange(kept)`` followed by ``positions``, but in place: only the ``S'`` kept tail
+    positions are copied (down to ``kept .. kept + S'``) and every layer's keys and values become a
+    view of their first ``kept + S'`` positions, so the cost does not grow with the prefix.
+    """
+    for layer in _kv_layers(cache):
+        for name in ("keys", "values"):
+            states = getattr(layer, name)
+            states[:, :, kept:kept + positions.shape[1]] = _gather_sequence(states, positions)
+            setattr(layer, name, states[:, :, :kept + positions.shape[1]])
+
+
 def _gather_sequence(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``states[b, :, positions[b, s], :]``: ``[B, heads, S', dim]`` from ``[B, heads, S, dim]``."""
     index = positions[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])

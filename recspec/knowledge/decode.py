@@ -1,0 +1,233 @@
+"""Knowledge generation: plain greedy decoding and retrieval-based speculative decoding in one
+loop, and the transformers baselines.
+
+:func:`speculative_generate` prefills the prompt once, takes the target's greedy token, and then
+repeats one *step* per target call until an end-of-sequence token or ``max_new_tokens``:
+
+1. the drafter proposes a token tree for the current text (``N - 1`` draft nodes; none for
+   plain greedy decoding);
+2. the last committed token (the *root*, not yet in the KV cache) and the draft nodes are scored
+   in one forward pass over the cache with tree attention
+   (:func:`~recspec.decoding.scorer.score_tree`);
+3. the verifier (:mod:`recspec.knowledge.verify`) accepts the deepest draft path whose tokens
+   pass its rule; the accepted tokens and the target's greedy token after them are committed;
+4. the KV cache is compacted to the accepted path (:func:`~recspec.decoding.cache.compact_tail`,
+   which moves only the tree's kept positions) and the drafter's temporary branches grow
+   by the new tokens.
+
+Plain greedy decoding (``ar``) is the same loop with no drafter: each step feeds the root alone,
+exactly one token per call, so it shares every line of the speculative path except retrieval.
+:func:`hf_generate` runs transformers' ``generate`` (greedy, or prompt lookup decoding with
+``prompt_lookup_num_tokens``), counting its forward calls with a hook.
+
+Every step is a Python iteration over decoding steps only; tree masks, positions, verification
+and cache compaction are tensor operations over the whole tree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from recspec.decoding.cache import compact_tail, require_full_attention
+from recspec.decoding.scorer import score_tree
+from recspec.decoding.tree import ancestor_matrix
+from recspec.errors import RecspecError
+from recspec.models.hf import keep_last_logits
+from recspec.knowledge.retrieval import DraftTree, RetrievalConfig, retrieve
+from recspec.knowledge.trie import TokenTrie
+from recspec.knowledge.verify import Verification, accepted_path
+
+GREEDY = Verification("greedy")
+
+
+@dataclass
+class Generation:
+    """One generated text and how it was produced.
+
+    ``tokens``: the generated token ids, the end-of-sequence token included when the model emitted
+    it (as ``generate`` returns them); ``calls``: target forward calls, the prefill included;
+    ``accepted``: accepted draft tokens kept in the text (``len(tokens) - calls``: every call
+    commits one token of its own); ``drafted``: draft nodes scored in total;
+    ``ceiling_tokens``: tokens the same calls would have produced had every step accepted its
+    longest draft branch (``1 + sum(longest branch + 1)`` over steps); ``retrieval_s``: seconds
+    spent retrieving drafts and growing the temporary branches; ``prefill_s``: the first target
+    call (the prompt); ``wall_s``: the whole request, prefill included.
+    """
+
+    tokens: list[int]
+    prompt_tokens: int
+    calls: int
+    accepted: int
+    drafted: int
+    ceiling_tokens: int
+    retrieval_s: float
+    prefill_s: float
+    wall_s: float
+
+    @property
+    def aal(self) -> float:
+        """Average acceptance length: tokens per target call (accepted draft tokens + 1)."""
+        return len(self.tokens) / max(1, self.calls)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per second after the prefill (the decoding phase alone)."""
+        seconds = self.wall_s - self.prefill_s
+        return (len(self.tokens) - 1) / seconds if seconds > 0 else 0.0
+
+
+class RetrievalDrafter:
+    """Drafts from a permanent pool trie plus the request's temporary branches.
+
+    ``pool``: the permanent trie (None: temporary branches only); :meth:`session` starts a
+    request with a fresh temporary trie holding the prompt's branches.
+    """
+
+    def __init__(self, pool: TokenTrie | None, config: RetrievalConfig) -> None:
+        if pool is not None and pool.window < config.window:
+            raise RecspecError(f"the pool stores branches of {pool.window} tokens, but drafting needs "
+                               f"{config.window} (max suffix + max depth); rebuild the pool")
+        self.pool, self.config = pool, config
+
+    def session(self, prompt: Sequence[int]) -> DraftSession:
+        return DraftSession(self, prompt)
+
+
+class DraftSession:
+    """One request's drafting state: the temporary trie (dropped with the session)."""
+
+    def __init__(self, drafter: RetrievalDrafter, prompt: Sequence[int]) -> None:
+        self.config = drafter.config
+        self.temporary = TokenTrie(drafter.config.window)
+        self.temporary.add(prompt)
+        self.tries = [t for t in (drafter.pool, self.temporary) if t is not None]
+        self.known = len(prompt)
+
+    def propose(self, text: list[int], max_depth: int) -> DraftTree:
+        """Grow the temporary branches by the text added since the last call, then retrieve."""
+        self.temporary.extend(text, self.known)
+        self.known = len(text)
+        return retrieve(self.tries, text, self.config, max_depth)
+
+
+def _prefill(model, prompt: Sequence[int]):
+    """Run the prompt once: ``(greedy first token, cache)``; the argmax of the raw logits, as
+    greedy ``generate`` takes it (only the last position's logits are computed where the model
+    supports ``logits_to_keep``)."""
+    out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True,
+                **keep_last_logits(model, 1))
+    require_full_attention(out.past_key_values)
+    return int(out.logits[0, -1].argmax()), out.past_key_values
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], bool]:
+    """Cut ``tokens`` after the first end-of-sequence token or at ``max_new_tokens``; True if done."""
+    for i, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos:
+            return tokens[:i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def check_prompt(prompt: Sequence[int], max_new_tokens: int) -> None:
+    if len(prompt) == 0:
+        raise RecspecError("empty prompt: knowledge generation needs at least one prompt token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise RecspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+@torch.inference_mode()
+def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
+                         drafter: RetrievalDrafter | None = None,
+                         verification: Verification = GREEDY) -> Generation:
+    """Generate after ``prompt`` (token ids, chat template applied) with ``drafter`` (None: plain
+    greedy decoding) and ``verification``; see the module docstring."""
+    check_prompt(prompt, max_new_tokens)
+    started = time.perf_counter()
+    device = model.device
+    root, cache = _prefill(model, prompt)
+    prefill_s = time.perf_counter() - started
+    text = list(prompt) + [root]
+    generated, done = _finish([root], max_new_tokens, eos)
+    session = drafter.session(prompt) if drafter is not None else None
+    calls, drafted, ceiling, retrieval_s = 1, 0, 1, 0.0
+    while not done:
+        cached = len(text) - 1
+        draft = DraftTree([], [])
+        if session is not None:
+            tick = time.perf_counter()
+            draft = session.propose(text, max_new_tokens - len(generated) - 1)
+            retrieval_s += time.perf_counter() - tick
+        tokens = torch.tensor([[text[-1]] + draft.tokens], device=device)  # [1, N]
+        parents = torch.tensor([[-1] + [p + 1 for p in draft.parents]], device=device)  # [1, N]
+        ancestors = ancestor_matrix(parents)
+        logits = score_tree(model, cache, tokens, ancestors, torch.ones(1, cached, dtype=torch.bool, device=device),
+                            torch.tensor([cached], device=device))
+        last, path = accepted_path(verification.accept(tokens, parents, logits), ancestors)
+        nodes = path[0].nonzero()[:, 0]  # path order: parents precede children
+        if len(draft):
+            compact_tail(cache, cached, cached + nodes[None])
+        new = tokens[0, nodes[1:]].tolist() + [int(logits[0, last[0]].argmax())]
+        calls, drafted = calls + 1, drafted + len(draft)
+        ceiling += draft.longest_branch() + 1
+        generated, done = _finish(generated + new, max_new_tokens, eos)
+        text = list(prompt) + generated
+    return Generation(tokens=generated, prompt_tokens=len(prompt), calls=calls, accepted=len(generated) - calls,
+                      drafted=drafted,
+                      ceiling_tokens=ceiling, retrieval_s=retrieval_s, prefill_s=prefill_s,
+                      wall_s=time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def hf_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
+                prompt_lookup_tokens: int | None = None) -> Generation:
+    """transformers ``generate``: greedy, or prompt lookup decoding when ``prompt_lookup_tokens``
+    (draft length) is given. Forward calls are counted with hooks (for the AAL), which also time
+    the first one (the prefill)."""
+    from transformers import GenerationConfig
+
+    check_prompt(prompt, max_new_tokens)
+    calls, prefill_end = 0, 0.0
+
+    def count(*_) -> None:
+        nonlocal calls
+        calls += 1
+
+    def first_done(*_) -> None:
+        nonlocal prefill_end
+        if calls == 1:
+            prefill_end = time.perf_counter()
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=sorted(eos), pad_token_id=min(eos),
+                              prompt_lookup_num_tokens=prompt_lookup_tokens)
+    hooks = [model.register_forward_pre_hook(count), model.register_forward_hook(first_done)]
+    try:
+        started = time.perf_counter()
+        ids = torch.tensor([list(prompt)], device=model.device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        wall = time.perf_counter() - started
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tokens = out[0, len(prompt):].tolist()
+    return Generation(tokens=tokens, prompt_tokens=len(prompt), calls=calls, accepted=len(tokens) - calls,
+                      drafted=0, ceiling_tokens=len(tokens), retrieval_s=0.0, prefill_s=prefill_end - started,
+                      wall_s=wall)
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    """The end-of-sequence ids ``generate`` stops at: the generation config's, else the tokenizer's."""
+    value = model.generation_config.eos_token_id
+    if value is None:
+        value = tokenizer.eos_token_id
+    if value is None:
+        raise RecspecError("the model defines no end-of-sequence token; knowledge generation needs one")
+    return frozenset([value] if isinstance(value, int) else value)

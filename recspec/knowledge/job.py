@@ -1,0 +1,280 @@
+"""The knowledge generation job: many users or items, one persisted result at a time.
+
+:class:`KnowledgeTask` holds what every method needs (the data set and its streaming split, the
+target model and tokenizer); :class:`KnowledgeConfig` names what determines the texts (side,
+part, method, verification, token budget, pools); :func:`make_generator` turns both into a
+function from an entity to a :class:`~recspec.knowledge.decode.Generation`; :func:`run_job` runs
+it over the entities still missing from a store.
+
+Methods:
+
+* ``ar``: recspec's plain greedy loop (:func:`~recspec.knowledge.decode.speculative_generate`
+  without drafts);
+* ``hf``: transformers ``generate``, greedy;
+* ``prompt-lookup``: transformers prompt lookup decoding (``prompt_lookup_num_tokens``), greedy;
+* ``resd``: REST-style retrieval drafting from one global pool of earlier knowledge (plus the
+  request's temporary branches), greedy verification;
+* ``laser``: drafting from the pool chosen by the grouping (default: LASER's binary router),
+  greedy or relaxed verification.
+
+Earlier knowledge (the pools) is the old-part store of the same side, model, prompt version and
+split, passed as ``pool``. Generating the old part itself with ``resd`` or ``laser`` and no
+``pool`` drafts from the knowledge the job has produced so far (greedy verification keeps it
+the greedy decoding's text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from recspec.data import load_dataset
+from recspec.errors import RecspecError
+from recspec.knowledge.decode import (Generation, RetrievalDrafter, eos_ids, hf_generate,
+                                      speculative_generate)
+from recspec.knowledge.pools import PoolSet
+from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
+from recspec.knowledge.retrieval import MAX_DEPTH, MAX_NODES, RetrievalConfig
+from recspec.knowledge.router import route_pools
+from recspec.knowledge.store import KnowledgeStore, model_fingerprint, read_rows, read_settings
+from recspec.knowledge.stream import check_side_part, stream_split
+from recspec.knowledge.verify import Verification
+from recspec.models.hf import load_causal_lm, load_tokenizer, resolve_model_dir
+
+METHODS = ("ar", "hf", "prompt-lookup", "resd", "laser")
+DRAFTING = ("resd", "laser")
+# Settings a pool store must share with the job that drafts from it (same token ids, prompt wording,
+# entities and streaming split).
+POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side")
+
+
+@dataclass(frozen=True)
+class KnowledgeConfig:
+    """What determines the generated texts (all of it is recorded in the store)."""
+
+    side: str = "user"
+    part: str = "new"
+    method: str = "laser"
+    verification: Verification = field(default_factory=lambda: Verification("relaxed"))
+    max_new_tokens: int = 128
+    grouping: str = "router"
+    groups: int = 5
+    min_interactions: int = 10
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    prompt_lookup_tokens: int = 10
+    max_history: int = 10
+    max_prompt_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        check_side_part(self.side, self.part)
+        if self.method not in METHODS:
+            raise RecspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.verification.kind == "relaxed" and self.method != "laser":
+            raise RecspecError(f"relaxed verification is LASER's; method {self.method} verifies greedily "
+                               f"(use --method laser or --verify greedy)")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RecspecError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
+        r = self.retrieval
+        if not (1 <= r.max_nodes <= MAX_NODES and 1 <= r.max_depth <= MAX_DEPTH and r.max_suffix >= 1):
+            raise RecspecError(f"draft trees hold 1 to {MAX_NODES} nodes, 1 to {MAX_DEPTH} deep, and need a "
+                               f"suffix of at least 1 token; got {r.max_nodes} nodes, depth {r.max_depth}, "
+                               f"suffix {r.max_suffix}")
+        if self.max_history < 1 or self.max_prompt_tokens < 1:
+            raise RecspecError("--max-history and --max-prompt-tokens must be positive")
+
+    @property
+    def pool_grouping(self) -> str:
+        return "global" if self.method == "resd" else self.grouping
+
+    def settings(self) -> dict[str, Any]:
+        """The method-specific part of a store's settings. Pools and draft limits are recorded only
+        for relaxed verification, where they change the text; greedy texts do not depend on them."""
+        settings: dict[str, Any] = {"side": self.side, "part": self.part, "method": self.method,
+                                    "verify": self.verification.describe(), "max_new_tokens": self.max_new_tokens,
+                                    "max_history": self.max_history, "max_prompt_tokens": self.max_prompt_tokens}
+        if self.verification.kind == "relaxed":
+            settings["pools"] = {"grouping": self.pool_grouping, "retrieval": asdict(self.retrieval)}
+            if self.pool_grouping != "global":
+                settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)
+        if self.method == "prompt-lookup":
+            settings["prompt_lookup_tokens"] = self.prompt_lookup_tokens
+        return settings
+
+
+class KnowledgeTask:
+    """The data set, its streaming split and the target model, loaded once."""
+
+    def __init__(self, model: str = "smollm2", dataset: str = "ml-100k", old_share: float = 0.75,
+                 future_share: float = 0.1, seed: int = 0, device: str = "cpu") -> None:
+        self.model_dir = resolve_model_dir(model)
+        self.dataset = load_dataset(dataset)
+        self.split = stream_split(self.dataset, old_share, future_share, seed)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model = load_causal_lm(self.model_dir, device=device)
+        self.eos = eos_ids(self.model, self.tokenizer)
+        self.seed = seed
+        self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
+                         "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
+                         "split": self.split.settings}
+
+    def raw_ids(self, side: str) -> list[str]:
+        """The data set's raw user or item ids, by dense index."""
+        return self.dataset.user_ids if side == "user" else self.dataset.item_ids
+
+    def entity_id(self, side: str, entity: int) -> str:
+        return self.raw_ids(side)[entity]
+
+    def stored_texts(self, side: str, store: Path) -> dict[int, list[int]]:
+        """Entity (dense index) -> token ids of every text in ``store``."""
+        lookup = {raw: i for i, raw in enumerate(self.raw_ids(side))}
+        return {lookup[row.entity]: row.tokens for row in read_rows(store)}
+
+    def entities(self, side: str, part: str, limit: int | None = None) -> np.ndarray:
+        """The users or items of ``part`` in index order, the first ``limit`` if given."""
+        entities = self.split.entities(side, part)
+        if limit is not None:
+            if limit < 1:
+                raise RecspecError(f"--limit must be positive, got {limit}")
+            entities = entities[:limit]
+        return entities
+
+    def prompt(self, config: KnowledgeConfig, entity: int) -> list[int]:
+        """The chat-formatted prompt token ids of ``entity`` (truncation: see prompts)."""
+        if config.side == "item":
+            return item_prompt_ids(self.tokenizer, self.dataset, entity, config.max_prompt_tokens)
+        part = self.split.old if config.part == "old" else self.split.new
+        return user_prompt_ids(self.tokenizer, self.dataset, entity, part[entity], config.max_history,
+                               config.max_prompt_tokens)
+
+    def store_settings(self, config: KnowledgeConfig) -> dict[str, Any]:
+        return {**self.identity, **config.settings()}
+
+    def pool_texts(self, config: KnowledgeConfig, pool: Path) -> dict[int, list[int]]:
+        """Entity -> tokens of the old-part store ``pool``, after checking it fits this job."""
+        settings, expected = read_settings(pool), self.store_settings(config)
+        for key in POOL_KEYS:
+            if settings.get(key) != expected.get(key):
+                raise RecspecError(f"{pool}: pool written with {key}={settings.get(key)!r}, this job has "
+                                   f"{key}={expected.get(key)!r}; use the old-part store of the same settings")
+        if settings.get("part") != "old" or settings.get("verify") != "greedy":
+            raise RecspecError(f"{pool}: a pool holds greedy old-part knowledge; this store has part="
+                               f"{settings.get('part')}, verify={settings.get('verify')}")
+        return self.stored_texts(config.side, pool)
+
+
+Generator = Callable[[int, list[int]], Generation]
+
+
+def make_generator(task: KnowledgeTask, config: KnowledgeConfig,
+                   pool_texts: dict[int, list[int]] | None) -> tuple[Generator, PoolSet | None]:
+    """A function ``(entity, prompt ids) -> Generation`` for ``config.method``, and the pools it
+    drafts from (None for the non-drafting methods)."""
+    model, budget, eos = task.model, config.max_new_tokens, task.eos
+    if config.method == "ar":
+        return (lambda entity, prompt: speculative_generate(model, prompt, budget, eos)), None
+    if config.method in ("hf", "prompt-lookup"):
+        lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
+        return (lambda entity, prompt: hf_generate(model, prompt, budget, eos, lookup)), None
+    routing = route_pools(task.dataset, task.split, config.side, config.pool_grouping, config.groups,
+                          config.min_interactions, task.seed)
+    pools = PoolSet(routing, pool_texts or {}, config.retrieval.window)
+
+    def generate(entity: int, prompt: list[int]) -> Generation:
+        drafter = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
+        return speculative_generate(model, prompt, budget, eos, drafter, config.verification)
+
+    return generate, pools
+
+
+@dataclass
+class JobSummary:
+    """What a job did in this call: requests, tokens, seconds (generation only, and pool
+    building), target calls and accepted draft tokens."""
+
+    requests: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    calls: int = 0
+    wall_s: float = 0.0
+    retrieval_s: float = 0.0
+    pool_build_s: float = 0.0
+
+    def add(self, generation: Generation) -> None:
+        self.requests += 1
+        self.tokens += len(generation.tokens)
+        self.calls += generation.calls
+        self.wall_s += generation.wall_s
+        self.retrieval_s += generation.retrieval_s
+
+    def line(self) -> str:
+        if not self.requests:
+            return f"nothing to do ({self.skipped} already in the store)"
+        return (f"{self.requests} generated ({self.skipped} already stored): {self.tokens} tokens in "
+                f"{self.wall_s:.1f} s, {self.tokens / self.wall_s:.1f} tokens/s, AAL {self.tokens / self.calls:.2f} "
+                f"tokens per target call, ART {1e3 * self.retrieval_s / self.requests:.1f} ms per request, "
+                f"pools built in {self.pool_build_s:.1f} s")
+
+
+def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path | None = None,
+            limit: int | None = None, progress: bool = True) -> JobSummary:
+    """Generate ``config``'s knowledge for every entity of the side and part (the first
+    ``limit``) missing from the store ``out``, persisting each result as it completes."""
+    if config.method in DRAFTING and pool is None and config.part == "new":
+        raise RecspecError(f"method {config.method} drafts from earlier knowledge: pass --pool with the "
+                           f"old-part store of side {config.side}")
+    entities = task.entities(config.side, config.part, limit)
+    summary = JobSummary()
+    with KnowledgeStore(out, task.store_settings(config)) as store:
+        done = store.done()
+        todo = [int(e) for e in entities if task.entity_id(config.side, int(e)) not in done]
+        summary.skipped = len(entities) - len(todo)
+        own = pool is None and config.method in DRAFTING
+        texts = task.pool_texts(config, pool) if pool is not None else (
+            task.stored_texts(config.side, out) if own else None)
+        generate, pools = make_generator(task, config, texts)
+        bar = tqdm(todo, desc=f"{config.side} {config.part} knowledge ({config.method})", unit="request",
+                   disable=not progress)
+        for entity in bar:
+            generation = generate(entity, task.prompt(config, entity))
+            store.add(task.entity_id(config.side, entity), task.tokenizer.decode(generation.tokens,
+                                                                                 skip_special_tokens=True),
+                      generation)
+            summary.add(generation)
+            if own:
+                pools.add(entity, generation.tokens)
+            bar.set_postfix_str(f"{summary.tokens / summary.wall_s:.1f} tok/s, AAL {summary.tokens / summary.calls:.2f}")
+        summary.pool_build_s = pools.build_s if pools is not None else 0.0
+    return summary
+
+
+def set_threads(threads: int | None) -> None:
+    """Use ``threads`` CPU threads for torch (None: torch's default)."""
+    if threads is not None:
+        if threads < 1:
+            raise RecspecError(f"--threads must be positive, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def describe_store(path: Path, examples: int = 2) -> str:
+    """A summary of a store: its settings, counts, speed and acceptance, and a few texts."""
+    settings = read_settings(path)
+    rows = list(read_rows(path))
+    lines = [f"{path}: {len(rows)} {settings.get('side')} texts ({settings.get('part')} part), method "
+             f"{settings.get('method')}, verify {settings.get('verify')}, model {settings['model']['name']}, "
+             f"prompt {settings.get('prompt_version')}"]
+    if rows:
+        tokens = np.array([r.new_tokens for r in rows])
+        wall = sum(r.wall_s for r in rows)
+        calls = sum(r.calls for r in rows)
+        lines.append(f"tokens per text: mean {tokens.mean():.1f}, min {tokens.min()}, max {tokens.max()}; "
+                     f"{tokens.sum() / wall:.1f} tokens/s over {wall:.1f} s; AAL {tokens.sum() / calls:.2f} tokens per "
+                     f"target call; ART {1e3 * sum(r.retrieval_s for r in rows) / len(rows):.1f} ms per request")
+        for row in rows[:examples]:
+            lines.append(f"--- {row.entity} ({row.new_tokens} tokens, {row.wall_s:.1f} s)\n{row.text}")
+    return "\n".join(lines)

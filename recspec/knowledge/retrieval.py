@@ -1,0 +1,119 @@
+"""Retrieval drafting: a draft token tree from the pool tries for the current text.
+
+:func:`retrieve` matches the longest suffix of the current text (prompt + generated tokens, at
+most ``max_suffix`` tokens) in the permanent and temporary tries, reading them as one trie whose
+counts are the sums of both. Below the matched node it takes the most frequent continuations
+best-first: a node enters the draft only after its parent, and always the most frequent frontier
+node next, so the draft is the ``max_nodes`` most frequent continuations (at most ``max_depth``
+tokens deep) forming a tree. While the draft has fewer than ``max_nodes`` nodes, it backs off to
+the next shorter suffix and adds that suffix's continuations (merging equal paths), down to one
+token (laser.txt section 3.3, following Lookahead: long suffixes first for relevance, shorter ones
+to fill the tree).
+
+The result is a :class:`DraftTree` in best-first order (parents before children), which the
+decoder turns into a tree-attention forward pass with :mod:`recspec.decoding.tree`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from recspec.knowledge.trie import TokenTrie
+
+MAX_NODES = 64
+MAX_DEPTH = 12
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """``N`` draft nodes: ``tokens[i]`` and ``parents[i]`` in ``[-1, i)`` (``-1``: continues the
+    current text directly); best-first order, so every parent precedes its children."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def longest_branch(self) -> int:
+        """Depth of the deepest node (0 for an empty draft)."""
+        depth = [0] * len(self.parents)
+        for i, parent in enumerate(self.parents):
+            depth[i] = 1 + (depth[parent] if parent >= 0 else 0)
+        return max(depth, default=0)
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Draft tree limits: ``max_nodes`` (at most 64) nodes, ``max_depth`` (at most 12) tokens
+    deep, suffixes of at most ``max_suffix`` tokens. The defaults are the best measured on this
+    project's CPU (BENCHMARKS.md): every draft node costs a share of a target call there, so
+    small, well-ranked trees win."""
+
+    max_nodes: int = 16
+    max_depth: int = MAX_DEPTH
+    max_suffix: int = 4
+
+    @property
+    def window(self) -> int:
+        """Branch length the tries must store: a suffix plus a full-depth continuation."""
+        return self.max_suffix + self.max_depth
+
+
+def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: RetrievalConfig,
+             max_depth: int | None = None) -> DraftTree:
+    """The draft tree for ``context`` (the whole current text, prompt included) from ``tries``
+    read as one (counts summed); ``max_depth`` lowers the depth limit (e.g. near the token
+    budget)."""
+    depth_limit = min(config.max_depth, max_depth if max_depth is not None else config.max_depth)
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}
+    if depth_limit < 1:
+        return DraftTree(tokens, parents)
+    for length in range(min(config.max_suffix, len(context)), 0, -1):
+        suffix = context[len(context) - length:]
+        starts = [trie.walk(suffix) for trie in tries]
+        if any(node is not None for node in starts):
+            _best_first(tries, starts, depth_limit, config.max_nodes, tokens, parents, index)
+            if len(tokens) >= config.max_nodes:
+                break
+    return DraftTree(tokens, parents)
+
+
+def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limit: int, max_nodes: int,
+                tokens: list[int], parents: list[int], index: dict[tuple[int, int], int]) -> None:
+    """Add the most frequent continuations below ``starts`` (one node per trie, None where the
+    suffix is absent) to the draft (``tokens``, ``parents``, and ``index``: (parent, token) ->
+    draft node), until it holds ``max_nodes`` nodes or the subtree is exhausted."""
+    heap: list[tuple[int, int, int, int, int, list[int | None]]] = []
+    order = 0
+
+    def push_children(draft_parent: int, depth: int, nodes: list[int | None]) -> None:
+        nonlocal order
+        merged: dict[int, list[int | None]] = {}
+        for which, (trie, node) in enumerate(zip(tries, nodes)):
+            kids = trie.children[node] if node is not None else None
+            if kids:
+                for token, child in kids.items():
+                    slot = merged.get(token)
+                    if slot is None:
+                        slot = merged[token] = [None] * len(tries)
+                    slot[which] = child
+        for token, children in merged.items():
+            count = sum(trie.counts[c] for trie, c in zip(tries, children) if c is not None)
+            heapq.heappush(heap, (-count, order, draft_parent, token, depth, children))
+            order += 1
+
+    push_children(-1, 1, starts)
+    while heap and len(tokens) < max_nodes:
+        _, _, draft_parent, token, depth, children = heapq.heappop(heap)
+        node = index.get((draft_parent, token))
+        if node is None:
+            node = index[(draft_parent, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(draft_parent)
+        if depth < depth_limit:
+            push_children(node, depth + 1, children)

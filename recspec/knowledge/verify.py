@@ -1,0 +1,97 @@
+"""Verifiers for a token tree scored by the target: pure functions, tensors in, tensors out.
+
+Shapes, for ``B`` rows of ``N`` tree nodes over a vocabulary of ``V``:
+
+* ``tokens``: int64 ``[B, N]``, the node tokens; node 0 of each row is the *root*, the last
+  committed token (fed so that the target scores what follows it); nodes ``1..N-1`` are draft
+  tokens;
+* ``parents``: int64 ``[B, N]``, ``-1`` for the root, else the parent node, always a smaller
+  index;
+* ``logits``: ``[B, N, V]``, the target's next-token logits after each node (from
+  :func:`~recspec.decoding.scorer.score_tree`);
+* ``ancestors``: bool ``[B, N, N]`` from :func:`~recspec.decoding.tree.ancestor_matrix`.
+
+A draft node is *accepted* by a rule applied to its token and the target's distribution at its
+parent, ``q = softmax(logits[parent])``:
+
+* greedy (laser.txt Eq. 4): ``token == argmax q`` (``torch.argmax``: the first maximal id, the
+  same tie rule as greedy ``generate``), so the output is the greedy decoding's;
+* relaxed (Eq. 8): ``token`` is among the ``k`` most probable tokens of ``q`` (its probability is
+  at least the ``k``-th largest) **and** ``q(token) > p``.
+
+A node counts only if its whole root path is accepted; the decoder keeps the deepest such node
+(the first in node order among equally deep ones: the most frequent draft) and appends the
+target's greedy token after it, so every step commits at least one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recspec.errors import RecspecError
+
+VERIFIERS = ("greedy", "relaxed")
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How draft tokens are accepted: ``kind`` greedy or relaxed (with ``top_k`` and ``min_prob``)."""
+
+    kind: str = "greedy"
+    top_k: int = 2
+    min_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.kind not in VERIFIERS:
+            raise RecspecError(f"unknown verification {self.kind!r}; choose one of {', '.join(VERIFIERS)}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise RecspecError(f"relaxed verification needs k >= 1 (an integer), got {self.top_k!r}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise RecspecError(f"relaxed verification needs p in [0, 1), got {self.min_prob!r}")
+
+    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, N]``: which nodes pass this rule given their parent's distribution (the root
+        always passes)."""
+        if self.kind == "greedy":
+            return greedy_accept(tokens, parents, logits)
+        return relaxed_accept(tokens, parents, logits, self.top_k, self.min_prob)
+
+    def describe(self) -> str:
+        return "greedy" if self.kind == "greedy" else f"relaxed (k={self.top_k}, p={self.min_prob:g})"
+
+
+def _at_parents(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """``values[b, parents[b, n]]`` for per-node ``values [B, N]`` (the root gets its own)."""
+    return values.gather(1, parents.clamp_min(0))
+
+
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, N]``: ``tokens[b, n] == argmax logits[b, parents[b, n]]`` (Eq. 4); root True."""
+    return (tokens == _at_parents(logits.argmax(dim=-1), parents)) | (parents < 0)
+
+
+def relaxed_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, top_k: int,
+                   min_prob: float) -> torch.Tensor:
+    """bool ``[B, N]``: Eq. 8, ``tokens[b, n]`` in the top ``top_k`` of ``q = softmax(logits[b,
+    parent])`` (probability >= the ``top_k``-th largest) and ``q(token) > min_prob``; root True."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [B, N, V]
+    kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[..., -1]  # [B, N]
+    parent = parents.clamp_min(0)
+    token_prob = probs.flatten(1).gather(1, parent * probs.shape[-1] + tokens)  # [B, N]: q_parent(token)
+    ok = (token_prob >= kth.gather(1, parent)) & (token_prob > min_prob)
+    return ok | (parents < 0)
+
+
+def accepted_path(accept: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deepest node whose root path is all accepted: ``(last [B], path [B, N])``.
+
+    ``path[b, n]`` is True for the nodes on that path (root included), so ``path.sum(1) - 1``
+    draft tokens were accepted. Among equally deep candidates the smallest node index wins.
+    """
+    alive = ~(ancestors & ~accept[:, None, :]).any(dim=-1)  # [B, N]: every ancestor accepted
+    depth = ancestors.sum(dim=-1)  # [B, N], 1 for the root
+    last = torch.where(alive, depth, 0).argmax(dim=1)  # first maximum
+    path = ancestors.gather(1, last[:, None, None].expand(-1, 1, ancestors.shape[2]))[:, 0]
+    return last, path

@@ -1,0 +1,167 @@
+"""The knowledge job on the real SmolLM2 and MovieLens: persisted results, resume without
+duplicates after a crash, refusal to mix stores, pool checks, prompt truncation, CLI."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import typer.testing
+
+from recspec.cli import app, main
+from recspec.errors import RecspecError
+from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, run_job
+from recspec.knowledge.prompts import user_prompt_ids
+from recspec.knowledge.store import KnowledgeStore, read_rows, read_settings
+from recspec.knowledge.verify import Verification
+
+GREEDY = Verification("greedy")
+OLD_ITEMS = KnowledgeConfig(side="item", part="old", method="ar", verification=GREEDY, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def task(smollm2_dir, ml100k) -> KnowledgeTask:
+    return KnowledgeTask(str(smollm2_dir), "ml-100k")
+
+
+@pytest.fixture(scope="module")
+def old_store(task, tmp_path_factory) -> Path:
+    """Old-part item knowledge of the first 3 existing items (6 tokens each)."""
+    out = tmp_path_factory.mktemp("old") / "item-old.db"
+    summary = run_job(task, OLD_ITEMS, out, limit=3, progress=False)
+    assert summary.requests == 3 and summary.tokens == sum(r.new_tokens for r in read_rows(out))
+    return out
+
+
+def test_crash_loses_only_the_request_in_flight_and_resume_adds_no_duplicates(task, old_store, tmp_path,
+                                                                               monkeypatch) -> None:
+    out = tmp_path / "items.db"
+    original = KnowledgeStore.add
+    calls = []
+
+    def crash_on_second(self, entity, text, generation) -> None:
+        calls.append(entity)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        original(self, entity, text, generation)
+
+    monkeypatch.setattr(KnowledgeStore, "add", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(task, OLD_ITEMS, out, limit=3, progress=False)
+    monkeypatch.setattr(KnowledgeStore, "add", original)
+    assert [r.entity for r in read_rows(out)] == calls[:1]
+    summary = run_job(task, OLD_ITEMS, out, limit=3, progress=False)
+    assert (summary.skipped, summary.requests) == (1, 2)
+    rows = list(read_rows(out))
+    assert sorted(r.entity for r in rows) == sorted(r.entity for r in read_rows(old_store))
+    assert [r.tokens for r in sorted(rows, key=lambda r: r.entity)] == [
+        r.tokens for r in sorted(read_rows(old_store), key=lambda r: r.entity)]  # same greedy texts
+    assert run_job(task, OLD_ITEMS, out, limit=3, progress=False).requests == 0
+    assert all(r.new_tokens == len(r.tokens) <= 6 and r.calls >= 1 and r.wall_s > 0 for r in rows)
+
+
+def test_a_store_of_other_settings_is_refused(task, old_store, monkeypatch) -> None:
+    with pytest.raises(RecspecError, match="max_new_tokens=6, this job has max_new_tokens=7"):
+        run_job(task, replace(OLD_ITEMS, max_new_tokens=7), old_store, limit=1, progress=False)
+    with pytest.raises(RecspecError, match="method='ar', this job has method='hf'"):
+        run_job(task, replace(OLD_ITEMS, method="hf"), old_store, limit=1, progress=False)
+    monkeypatch.setitem(task.identity, "prompt_version", "another-prompt")
+    with pytest.raises(RecspecError, match="prompt_version='kar-movielens-v1'"):
+        run_job(task, OLD_ITEMS, old_store, limit=1, progress=False)
+    monkeypatch.setitem(task.identity, "model", {"name": "other", "fingerprint": "0"})
+    with pytest.raises(RecspecError, match="written with model="):
+        run_job(task, OLD_ITEMS, old_store, limit=1, progress=False)
+
+
+def test_drafting_methods_use_a_matching_old_part_pool(task, old_store, tmp_path) -> None:
+    laser = KnowledgeConfig(side="item", method="laser", max_new_tokens=6, grouping="attribute")
+    with pytest.raises(RecspecError, match="pass --pool"):
+        run_job(task, laser, tmp_path / "a.db", limit=1, progress=False)
+    summary = run_job(task, laser, tmp_path / "a.db", pool=old_store, limit=2, progress=False)
+    assert summary.requests == 2
+    assert read_settings(tmp_path / "a.db")["verify"] == "relaxed (k=2, p=0.1)"
+    new_items = tmp_path / "b.db"
+    run_job(task, replace(OLD_ITEMS, part="new"), new_items, limit=1, progress=False)
+    with pytest.raises(RecspecError, match="part=new"):
+        run_job(task, laser, tmp_path / "c.db", pool=new_items, limit=1, progress=False)
+    with pytest.raises(RecspecError, match="side='item', this job has side='user'"):
+        run_job(task, replace(laser, side="user"), tmp_path / "d.db", pool=old_store, limit=1, progress=False)
+    with pytest.raises(RecspecError, match="relaxed verification is LASER's"):
+        KnowledgeConfig(method="resd")
+    with pytest.raises(RecspecError, match="draft trees hold 1 to 64 nodes"):
+        KnowledgeConfig(retrieval=replace(laser.retrieval, max_nodes=65))
+
+
+def test_user_prompts_truncate_by_the_documented_rule(task) -> None:
+    tokenizer, dataset, split = task.tokenizer, task.dataset, task.split
+    rows = split.new[0]
+    full = user_prompt_ids(tokenizer, dataset, 0, rows, 10, 10_000)
+    shorter = user_prompt_ids(tokenizer, dataset, 0, rows, 10, len(full) - 1)
+    text = tokenizer.decode(shorter)
+    assert len(shorter) < len(full) and "1. " in text and "10. " not in text  # the oldest movie was dropped
+    assert tokenizer.decode(full).count("\n1. ") == 1 and "\n10. " in tokenizer.decode(full)
+    with pytest.raises(RecspecError, match="even with one movie"):
+        user_prompt_ids(tokenizer, dataset, 0, rows, 10, 20)
+    with pytest.raises(RecspecError, match="no movies in this part"):
+        user_prompt_ids(tokenizer, dataset, 0, rows[:0], 10, 10_000)
+
+
+def recspec(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the command line in this process: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["recspec", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+def test_cli_show_and_one_line_errors(old_store, tmp_path, monkeypatch, capsys) -> None:
+    runner = typer.testing.CliRunner()
+    for command in (["knowledge"], ["knowledge", "generate"], ["knowledge", "show"], ["bench", "knowledge"]):
+        assert runner.invoke(app, [*command, "--help"]).exit_code == 0
+    status, out, _ = recspec(monkeypatch, capsys, "knowledge", "show", str(old_store), "--examples", "1")
+    assert status == 0 and "3 item texts (old part), method ar, verify greedy" in out
+    for args, message in (
+        (["--k", "0"], "error: relaxed verification needs k >= 1 (an integer), got 0"),
+        (["--p", "1"], "error: relaxed verification needs p in [0, 1), got 1.0"),
+        (["--method", "beam"], "error: unknown method 'beam'; choose one of ar, hf, prompt-lookup, resd, laser"),
+    ):
+        status, _, err = recspec(monkeypatch, capsys, "knowledge", "generate", "--out", str(tmp_path / "x.db"), *args)
+        assert (status, err.splitlines()) == (2, [message])
+    (tmp_path / "bad.db").write_bytes(b"not a database at all, just bytes" * 10)
+    status, _, err = recspec(monkeypatch, capsys, "knowledge", "show", str(tmp_path / "bad.db"))
+    assert status == 2 and len(err.splitlines()) == 1 and "not a knowledge store" in err
+    assert not (tmp_path / "x.db").exists()
+    with sqlite3.connect(old_store) as db:  # results are committed, readable by any SQLite client
+        assert db.execute("SELECT COUNT(*) FROM knowledge").fetchone()[0] == 3
+
+
+def test_any_hugging_face_causal_lm_folder_plugs_in(smollm2_dir, ml100k, tmp_path) -> None:
+    """A plain model folder (a tiny random Llama with SmolLM2's tokenizer): greedy LASER reproduces
+    plain greedy decoding, and relaxed LASER runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recspec.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True)
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    tiny = KnowledgeTask(str(folder), "ml-100k")
+    old = replace(OLD_ITEMS, max_new_tokens=12)
+    run_job(tiny, old, tmp_path / "old.db", limit=3, progress=False)
+    ar = replace(old, part="new")
+    run_job(tiny, ar, tmp_path / "ar.db", limit=3, progress=False)
+    laser = replace(ar, method="laser", grouping="global")
+    run_job(tiny, replace(laser, verification=GREEDY), tmp_path / "greedy.db", pool=tmp_path / "old.db", limit=3,
+            progress=False)
+    run_job(tiny, laser, tmp_path / "relaxed.db", pool=tmp_path / "old.db", limit=3, progress=False)
+    assert [r.tokens for r in read_rows(tmp_path / "greedy.db")] == [r.tokens for r in read_rows(tmp_path / "ar.db")]
+    assert len(list(read_rows(tmp_path / "relaxed.db"))) == 3
+    assert read_settings(tmp_path / "ar.db")["model"]["name"] == "tiny"
