@@ -390,11 +390,12 @@ def bench_decode(
     batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
     users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "decode",
 ) -> None:
     """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
     from recspec.bench.decode import run
 
-    typer.echo(run(out, target, k, batch_size, users, repeats))
+    typer.echo(run(out, target, k, batch_size, users, repeats, name))
 
 
 @bench_app.command("spec")
@@ -405,7 +406,7 @@ def bench_spec(
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
     users: Annotated[int, typer.Option(help="Test users timed one at a time (batch 1).")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
-    draft_beams: Annotated[int, typer.Option(help="N of strict verification.")] = 40,
+    draft_beams: Annotated[list[int], typer.Option(help="N of strict verification (repeatable; at least K).")] = [40],
     gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest).")] = None,
     temperature: Annotated[list[float], typer.Option(help="Temperatures of the quality comparison.")] = [0.5, 1.0],
     quality_k: Annotated[list[int], typer.Option(help="K of the quality comparison (repeatable).")] = [5, 10],

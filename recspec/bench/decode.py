@@ -129,8 +129,8 @@ def bench_target(target: Path, ks: Sequence[int], batch_sizes: Sequence[int], us
 
 
 def run(out: Path, targets: Sequence[Path], ks: Sequence[int] = (1, 5, 10, 20), batch_sizes: Sequence[int] = (1, 16),
-        users: int = 64, repeats: int = 3) -> str:
-    """Benchmark every target; write ``decode.json`` / ``decode.md`` into ``out``; return the Markdown."""
+        users: int = 64, repeats: int = 3, name: str = "decode") -> str:
+    """Benchmark every target; write ``{name}.json`` / ``{name}.md`` into ``out``; return the Markdown."""
     reuse_freed_memory()
     rows = [row for target in targets for row in bench_target(Path(target), ks, batch_sizes, users, repeats)]
     markdown = "\n\n".join([
@@ -145,5 +145,5 @@ def run(out: Path, targets: Sequence[Path], ks: Sequence[int] = (1, 5, 10, 20), 
               f"{r['speedup_vs_hf']:.2f}x", r["prefill_ceiling_s"], f"{r['share_of_ceiling']:.0%}",
               f"{r['peak_mib']:.1f}", r["same_items_as_hf"]] for r in rows]),
     ])
-    write_results(out, "decode", {"repeats": repeats, "users": users, "rows": rows}, markdown)
+    write_results(out, name, {"repeats": repeats, "users": users, "rows": rows}, markdown)
     return markdown

@@ -5,7 +5,9 @@ For each (target, draft) pair and K, on the first ``users`` test users decoded o
 once per run and the decoders take turns run by run; the median of ``repeats`` runs is reported:
 
 * ``hf``, ``beam``, ``tree-beam``: exact beam search (the baselines of strict verification);
-* ``spec-strict``: strict top-K verification with the draft (N = ``draft_beams``);
+* ``spec-strict N=...``: strict top-K verification with the draft, for each N of
+  ``draft_beams`` (at least K). On a GPU a verification call costs about the same for 30 or 120
+  tree nodes; on a CPU every node costs compute, so N trades acceptance against call cost;
 * ``beam-sample`` and ``spec-relaxed``: the target's beam sampling at T = 1 and relaxed
   sampling verification, the speculative version of the same distribution;
 * the **ceiling**: an oracle draft at zero cost. Strict search with the target as its own draft
@@ -38,18 +40,23 @@ from recspec.eval.metrics import recall_ndcg
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
 
 
-def _decoders(recommender: Recommender, k: int, options: DecodeOptions) -> dict[str, Callable[[list], Decoded]]:
+def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
+              gamma: int | None) -> dict[str, Callable[[list], Decoded]]:
     """name -> decode(prompts) for one K; the ceiling drafts with the target itself, N = K."""
     target, draft, trie, pad = recommender.model, recommender.draft, recommender.trie, recommender.encoder.pad_id
-    oracle = DecodeOptions(draft_beams=k)
 
     def call(name: str, draft_model, opts: DecodeOptions) -> Callable[[list], Decoded]:
         return lambda prompts: run_decoder(name, target, draft_model, prompts, trie, k, pad, opts)
 
-    return {"hf": call("hf", None, options), "beam": call("beam", None, options),
-            "tree-beam": call("tree-beam", None, options), "spec-strict": call("spec-strict", draft, options),
-            "beam-sample": call("beam-sample", None, options), "spec-relaxed": call("spec-relaxed", draft, options),
-            "ceiling": call("spec-strict", target, oracle)}
+    plain = DecodeOptions(gamma=gamma)
+    decoders = {"hf": call("hf", None, plain), "beam": call("beam", None, plain),
+                "tree-beam": call("tree-beam", None, plain)}
+    for n in sorted({max(n, k) for n in draft_beams}):
+        decoders[f"spec-strict N={n}"] = call("spec-strict", draft, DecodeOptions(draft_beams=n, gamma=gamma))
+    decoders.update({"beam-sample": call("beam-sample", None, plain),
+                     "spec-relaxed": call("spec-relaxed", draft, plain),
+                     "ceiling": call("spec-strict", target, DecodeOptions(draft_beams=k))})
+    return decoders
 
 
 def _time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
@@ -91,7 +98,7 @@ def _speed_rows(target: str, k: int, runs: dict[str, list[float]],
             merged = SpecStats.cat(stats).summary()
             row.update(merged)
             row["acceptance"] = merged["accepted_steps"] / max(merged["drafted_steps"], 1e-9)
-        if name == "spec-strict":
+        if name.startswith("spec-strict"):
             row["same_as_beam"] = all(same_up_to_ties(ours.topk, ref.topk)
                                       for ours, ref in zip(outputs[name], outputs["beam"]))
         rows.append(row)
@@ -122,27 +129,26 @@ def _quality(recommender: Recommender, k: int, users: int, temperatures: Sequenc
 
 
 def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 3, 5, 10, 20), users: int = 64,
-        repeats: int = 3, draft_beams: int = 40, gamma: int | None = None,
+        repeats: int = 3, draft_beams: Sequence[int] = (40,), gamma: int | None = None,
         temperatures: Sequence[float] = (0.5, 1.0), quality_ks: Sequence[int] = (5, 10), quality_users: int = 1000,
         quality_batch: int = 64, name: str = "spec") -> str:
     """Benchmark every (target, draft) pair; write ``{name}.json`` / ``{name}.md``; return the Markdown."""
     reuse_freed_memory()
     speed, quality = [], []
-    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma)
+    options = DecodeOptions(draft_beams=max(draft_beams), gamma=gamma)
     for target_dir, draft_dir in pairs:
         recommender = Recommender.load(target_dir, draft_dir=draft_dir)
         label = f"{recommender.dataset.name}/{recommender.info.get('preset', Path(target_dir).name)}"
         prompts = recommender.encoder.prompts(recommender.examples("test", users))
         for k in ks:
-            runs, outputs = _time_per_user(_decoders(recommender, k, DecodeOptions(max(draft_beams, k), gamma)),
-                                           prompts, repeats)
+            runs, outputs = _time_per_user(_decoders(recommender, k, draft_beams, gamma), prompts, repeats)
             speed += _speed_rows(label, k, runs, outputs)
         for k in quality_ks:
             quality += [{"target": label, **row}
                         for row in _quality(recommender, k, quality_users, temperatures, options, quality_batch)]
     markdown = "\n\n".join([
         "# Speculative beam search (AtSpeed) vs the target's own decoders",
-        f"Batch 1, {users} test users, median of {repeats} runs (decoders alternate run by run); N = {draft_beams}, "
+        f"Batch 1, {users} test users, median of {repeats} runs (decoders alternate run by run); "
         f"gamma = {gamma or 'rest of the identifier'}; relaxed and beam sampling at T = 1. Ceiling = an oracle draft "
         f"at zero cost (one target call over the prompt and exactly the target's beams).",
         markdown_table(
@@ -159,6 +165,6 @@ def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 3
                        [[r["target"], r["k"], r["decoder"], r["temperature"], r["users"], r[f"recall@{r['k']}"],
                          r[f"ndcg@{r['k']}"]] for r in quality]),
     ])
-    write_results(out, name, {"users": users, "repeats": repeats, "draft_beams": draft_beams, "gamma": gamma,
+    write_results(out, name, {"users": users, "repeats": repeats, "draft_beams": list(draft_beams), "gamma": gamma,
                               "speed": speed, "quality": quality}, markdown)
     return markdown

@@ -58,11 +58,12 @@ def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, p
     ``keep_last`` nodes only, if given: the output layer runs for those alone).
 
     ``tokens``, ``position_ids``: int64 ``[B, N]``; ``visible``: bool ``[B, N, P + N]``, what each
-    node attends to (cached positions, then the nodes fed now; a node must see itself).
+    node attends to (cached positions, then the nodes fed now; a node must see itself). With
+    ``cache`` None nothing is cached (training).
     """
     keep = {} if keep_last is None else keep_last_logits(model, keep_last)
     logits = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
-                   position_ids=position_ids, past_key_values=cache, use_cache=True, **keep).logits
+                   position_ids=position_ids, past_key_values=cache, use_cache=cache is not None, **keep).logits
     return logits if keep_last is None else logits[:, -keep_last:]
 
 

@@ -45,7 +45,7 @@ from recspec.decoding.draft_tree import Level, child_level, feed, stacked
 from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.topk import TopK
 from recspec.decoding.sampling import best_first
-from recspec.decoding.verify import RelaxedSampler, match_drafted
+from recspec.decoding.verify import RelaxedSampler, strict_accepted
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
@@ -238,21 +238,15 @@ def _verify(front: _Frontier, levels: list[Level], log_p: torch.Tensor, trie: It
         drafted = levels[j] if j < len(levels) else None
         if sampler is None:
             new = select_top_k(current, step_log_p, trie, k)
-            ok = torch.zeros(batch, dtype=torch.bool, device=device)
-            next_where = where
-            if drafted is not None:
-                found, index = match_drafted(where.gather(1, new.parents), new.tokens[:, :, -1], drafted,
-                                             offsets[j - 1])
-                ok = (found | new.scores.isneginf()).all(1)
-                next_where = offsets[j] + index
+            ok, next_where = strict_accepted(new, where, drafted, offsets[j - 1], offsets[j])
         else:
             new, ok, next_where = sampler.verify(current, where, step_log_p, drafted, offsets[j], trie, k)
+        new_parent_at = where.gather(1, new.parents)
         steps = torch.where(active, j, steps)
         done = active & (front.depth + j >= trie.depth)
         accepted += (active & ok).long()
         go_on = active & ok & ~done & (j < len(levels) and offsets[j + 1] <= fed)
         stop = active & ~go_on
-        new_parent_at = where.gather(1, new.parents)
         if j == 1:  # every user is active at the first step
             result, parent_at = new, new_parent_at
         else:

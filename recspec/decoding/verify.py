@@ -35,6 +35,19 @@ def match_drafted(parent_fed: torch.Tensor, tokens: torch.Tensor, level: Level,
     return match.any(dim=2), match.int().argmax(dim=2)
 
 
+def strict_accepted(new: Beams, where: torch.Tensor, drafted: Level | None, parent_offset: int,
+                    level_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strict top-K verification of one step (atspeed.txt Alg. 1). ``new``: the target's ``K``
+    new beams, continuing the beams fed at ``where`` (int64 ``[B, S]``). Returns accepted, bool
+    ``[B]``: each new beam (dead fillers aside) is a node of the drafted level; and the fed index
+    of each new beam's node (``[B, K]``, meaningful where accepted). Nothing drafted (the bonus
+    step): never accepted."""
+    if drafted is None:
+        return torch.zeros(where.shape[0], dtype=torch.bool, device=where.device), where
+    found, index = match_drafted(where.gather(1, new.parents), new.tokens[:, :, -1], drafted, parent_offset)
+    return (found | new.scores.isneginf()).all(dim=1), level_offset + index
+
+
 @dataclass(frozen=True)
 class RelaxedSampler:
     """Relaxed sampling verification (atspeed.txt Alg. 2, section 3.2) and the drafting it needs.
