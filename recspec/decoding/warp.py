@@ -42,10 +42,11 @@ class Warp:
             raise RecspecError(f"top-p must lie in (0, 1] (or be unset), got {self.top_p!r}")
 
     def __call__(self, log_weights: torch.Tensor) -> torch.Tensor:
-        """Warped, normalised float32 log-probabilities over the last dimension of ``log_weights``
+        """Warped, normalised log-probabilities over the last dimension of ``log_weights``
         (unnormalised log-weights, ``-inf`` allowed; every row needs a finite entry): ``-inf``
-        where the warping removes an entry."""
-        scaled = log_weights.float() / self.temperature
+        where the warping removes an entry. float32, or float64 for float64 input (exact
+        enumerations in the tests need probabilities that sum to 1 in float64)."""
+        scaled = log_weights.to(torch.promote_types(log_weights.dtype, torch.float32)) / self.temperature
         if self.top_k is not None and self.top_k < scaled.shape[-1]:
             kth = scaled.topk(self.top_k, dim=-1).values[..., -1:]
             scaled = scaled.masked_fill(scaled < kth, -torch.inf)
