@@ -27,8 +27,9 @@ the draft's except its last two, so a round feeds the same number of tokens to e
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -136,7 +137,6 @@ class Generated:
     tokens: list[list[int]]
     stats: SpecStats | None = None
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def check_request(method: str, options: TextOptions, has_draft: bool) -> None:
@@ -330,8 +330,6 @@ def chat_prompts(tokenizer, messages: Sequence[str]) -> list[torch.Tensor]:
 def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], options: TextOptions, pad_token_id: int,
              eos: int | None, batch_size: int | None = None) -> Generated:
     """Generate from every prompt (1-D token ids, at least 3 tokens) with ``method``."""
-    import time
-
     check_request(method, options, draft is not None)
     if draft is not None:
         check_draft_vocabulary(target, draft)
