@@ -20,7 +20,7 @@ from tests.test_cli import recspec
     (["--method", "sample", "--temperature", "0"], "temperature must be a positive number"),
     (["--method", "sample", "--top-p", "1.5"], r"top-p must lie in (0, 1]"),
     (["--method", "dsbd", "--beams", "3", "--draft-width", "2"], "draft width W_S=2 is below W_min=3"),
-    (["--method", "dsbd", "--threshold", "-0.5"], "threshold t must lie in [0, 1]"),
+    (["--method", "dsbd", "--threshold", "1.5"], "threshold t must lie in [0, 1]"),
     (["--method", "nucleus"], "unknown method"),
 ])
 def test_generate_bad_input(tmp_path: Path, extra: list[str], message: str) -> None:
