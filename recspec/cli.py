@@ -5,6 +5,7 @@ Errors a user can cause print one line (``error: ...``) and exit with status 2.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -223,13 +224,21 @@ def align_train(
 def recommend_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
     out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
-    decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict or spec-relaxed.")] = "tree-beam",
+    decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict, spec-relaxed or "
+                                              "dsbd.")] = "tree-beam",
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
-    draft: Annotated[Optional[Path], typer.Option(help="Draft model folder (spec-strict, spec-relaxed).")] = None,
+    draft: Annotated[Optional[Path], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd).")] = None,
     draft_beams: Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")] = 40,
     gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the "
                                                       "identifier).")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed).")] = 1.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")] = 1.0,
+    replacement: Annotated[bool, typer.Option(help="beam-sample / spec-relaxed: independent draws (the distribution "
+                                                   "dsbd samples), not K distinct items.")] = False,
+    draft_width: Annotated[Optional[int], typer.Option(help="dsbd: W_S, draft beams per layer (default 2K).")] = None,
+    min_width: Annotated[Optional[int], typer.Option(help="dsbd: W_min, the fixed width without --threshold "
+                                                          "(default K).")] = None,
+    threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
+    one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the sampling decoders.")] = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
@@ -243,14 +252,20 @@ def recommend_command(
 
     from recspec.data import load_dataset
     from recspec.decoding.speculative import SpecConfig, check_config
-    from recspec.recommend import SPECULATIVE, DecodeOptions, Recommender, check_decoder, write_recs
+    from recspec.recommend import DRAFTED, SPECULATIVE, DecodeOptions, Recommender, check_decoder, write_recs
 
     check_decoder(decoder, draft is not None)
-    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed)
+    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
+                            replacement=replacement, draft_width=draft_width, min_width=min_width,
+                            threshold=threshold, one_cache=one_cache)
+    if decoder == "dsbd":  # bad settings fail before any work
+        options.dsbd(k).check(max_gamma=gamma or 1)
     recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
-                                   draft_dir=draft if decoder in SPECULATIVE else None)
-    if decoder in SPECULATIVE:  # bad settings fail before any work
+                                   draft_dir=draft if decoder in DRAFTED else None)
+    if decoder in SPECULATIVE:
         check_config(SpecConfig(draft_beams, gamma, SPECULATIVE[decoder], temperature), k, recommender.trie)
+    if decoder == "dsbd":
+        options.dsbd(k).check(recommender.trie.depth - 1)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
     decoded = recommender.recommend(examples, k, decoder, batch_size, options, progress=True)
@@ -263,6 +278,77 @@ def recommend_command(
         typer.echo(f"accepted steps {summary['accepted_steps']:.2f}/user, target calls "
                    f"{summary['target_calls']:.2f}/user, draft calls {summary['draft_calls']:.2f}/user, tree nodes "
                    f"{summary['tree_nodes']:.1f}/user")
+
+
+@app.command("generate")
+def generate_command(
+    out: Annotated[Path, typer.Option(help="Output JSON lines: prompt, text, tokens (and log-likelihood).")],
+    method: Annotated[str, typer.Option(help="sample, spec-sample, topk-imp, beam-sample or dsbd.")] = "sample",
+    target: Annotated[str, typer.Option(help="Target causal LM: asset name or HF folder (with a chat "
+                                             "template).")] = "smollm2",
+    draft: Annotated[Optional[str], typer.Option(help="Draft causal LM with the target's tokenizer.")] = None,
+    draft_layers: Annotated[Optional[str], typer.Option(help="Draft = these layers of the target, e.g. 0-3,29 "
+                                                             "(default for drafted methods without --draft).")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option(help="A prompt (repeatable); default: profile prompts.")] = None,
+    profiles: Annotated[str, typer.Option(help="users or items: MovieLens profile prompts.")] = "users",
+    dataset: Annotated[str, typer.Option(help="Data set of the profile prompts.")] = "ml-100k",
+    count: Annotated[int, typer.Option(help="Number of profile prompts.")] = 8,
+    max_new_tokens: int = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
+    top_k: Annotated[Optional[int], typer.Option(help="Top-k warping.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Top-p warping, in (0, 1].")] = None,
+    gamma: Annotated[int, typer.Option(help="Tokens (spec-sample, topk-imp) or layers (dsbd) drafted per "
+                                            "round.")] = 4,
+    lenience: Annotated[float, typer.Option(help="spec-sample: lenience l in (0, 1] (1: exact).")] = 1.0,
+    candidates: Annotated[int, typer.Option(help="topk-imp: K candidates.")] = 10,
+    beams: Annotated[int, typer.Option(help="beam-sample: W; dsbd: W_min (the fixed width without "
+                                            "--threshold).")] = 2,
+    draft_width: Annotated[int, typer.Option(help="dsbd: W_S, draft beams per layer.")] = 4,
+    threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
+    one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
+    score: Annotated[bool, typer.Option(help="Also write the target's mean log-likelihood per token.")] = False,
+    seed: int = 0,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 1,
+    device: str = "cpu",
+) -> None:
+    """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
+    from recspec.data import load_dataset
+    from recspec.data.profiles import profile_prompts
+    from recspec.decoding.text_sampling import DRAFTED, TextOptions, chat_prompts, check_request, generate, log_likelihood
+    from recspec.decoding.warp import Warp
+    from recspec.fileio import write_text_atomic
+    from recspec.models.hf import load_causal_lm, load_tokenizer
+    from recspec.models.layer_draft import DEFAULT_DRAFT_LAYERS, layer_draft, parse_layers
+
+    options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
+                          lenience=lenience, candidates=candidates, beams=beams, draft_width=draft_width,
+                          threshold=threshold, one_cache=one_cache, seed=seed)
+    check_request(method, options, has_draft=True)
+    messages = prompt or profile_prompts(load_dataset(dataset), profiles, count)
+    tokenizer = load_tokenizer(target)
+    model = load_causal_lm(target, device=device)
+    draft_model = None
+    if method in DRAFTED:
+        draft_model = load_causal_lm(draft, device=device) if draft else layer_draft(
+            model, parse_layers(draft_layers or DEFAULT_DRAFT_LAYERS, model.config.num_hidden_layers))
+    prompts = chat_prompts(tokenizer, messages)
+    result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                      batch_size)
+    quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
+    lines = []
+    for i, (message, tokens) in enumerate(zip(messages, result.tokens)):
+        row = {"prompt": message, "text": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": len(tokens)}
+        if quality is not None:
+            row["log_likelihood"] = round(quality[i], 6)
+        lines.append(json.dumps(row))
+    write_text_atomic(out, "\n".join(lines) + "\n")
+    generated = sum(len(tokens) for tokens in result.tokens)
+    typer.echo(f"{len(prompts)} prompts, {generated} tokens in {result.seconds:.1f} s "
+               f"({generated / result.seconds:.1f} tokens/s) with {method}; wrote {out}")
+    if result.stats is not None:
+        summary = result.stats.summary()
+        typer.echo(f"accepted {summary['accepted_steps']:.1f} of {summary['drafted_steps']:.1f} drafted per prompt, "
+                   f"target calls {summary['target_calls']:.1f}/prompt, rounds {summary['rounds']:.1f}/prompt")
 
 
 @app.command("eval")
@@ -355,6 +441,47 @@ def bench_cost(
     from recspec.bench.cost import run
 
     typer.echo(run(out, _pairs(target, draft), repeats, name))
+
+
+@bench_app.command("sampling")
+def bench_sampling(
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    target: Annotated[str, typer.Option(help="Text target (asset name or HF folder).")] = "smollm2",
+    draft_layers: Annotated[str, typer.Option(help="The text draft: these layers of the target.")] = "0-5,29",
+    candidate_layers: Annotated[list[str], typer.Option(help="Layer sets compared for the draft choice "
+                                                             "(repeatable).")] = ["0-1,29", "0-3,29", "0-5,29",
+                                                                                  "0-9,29", "0-5,28-29"],
+    prompts: Annotated[int, typer.Option(help="MovieLens user-profile prompts.")] = 6,
+    max_new_tokens: int = 48,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
+    gamma: Annotated[int, typer.Option(help="Drafted tokens / layers per round.")] = 4,
+    beams: Annotated[int, typer.Option(help="Text beam width W (beam-sample, DSBD's fixed width).")] = 2,
+    draft_width: Annotated[int, typer.Option(help="Text DSBD: W_S.")] = 4,
+    threshold: Annotated[float, typer.Option(help="DSBD dynamic width: t.")] = 0.7,
+    temperature: float = 1.0,
+    candidates: Annotated[int, typer.Option(help="TopK-ImpSpecDec: K.")] = 10,
+    text: Annotated[bool, typer.Option(help="Run the text half.")] = True,
+    rec_target: Annotated[Optional[Path], typer.Option(help="Trained recommender target (recommendation "
+                                                            "half).")] = None,
+    rec_draft: Annotated[Optional[Path], typer.Option(help="Its draft.")] = None,
+    k: Annotated[list[int], typer.Option(help="K of the recommendation half (repeatable).")] = [10],
+    users: Annotated[int, typer.Option(help="Test users timed one at a time.")] = 32,
+    quality_users: Annotated[int, typer.Option(help="Test users of the Recall / NDCG comparison.")] = 500,
+    threads: Annotated[int, typer.Option(help="CPU threads.")] = 1,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "sampling",
+) -> None:
+    """Speculative sampling, TopK-ImpSpecDec and DSBD against sampling and beam sampling: speed
+    ratios, acceptance, accepted length, quality, peak memory and the theorems' predicted speed-ups."""
+    import torch
+
+    from recspec.bench.sampling import run
+
+    if (rec_target is None) != (rec_draft is None):
+        raise RecspecError("give --rec-target and --rec-draft together")
+    torch.set_num_threads(threads)
+    typer.echo(run(out, target, draft_layers, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
+                   draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
+                   text, name))
 
 
 @bench_app.command("align")

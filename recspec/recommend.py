@@ -20,8 +20,10 @@ import torch
 
 from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
-from recspec.decoding.sampling import sampling_beam_search
+from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
+from recspec.decoding.sampling import distinct_items, sampling_beam_search
 from recspec.decoding.speculative import SpecConfig, SpecStats, speculative_beam_search
+from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
 from recspec.fileio import atomic_path, read_json, write_json_atomic
@@ -35,7 +37,9 @@ BEAM_DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": b
                                                  "tree-beam": tree_beam_search}
 #: Decoders that need a draft model.
 SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed"}
-DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE)
+DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE, "dsbd")
+#: Every decoder that needs a draft model.
+DRAFTED = (*SPECULATIVE, "dsbd")
 PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
 RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
 
@@ -44,13 +48,24 @@ RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
 class DecodeOptions:
     """Settings of the sampling and speculative decoders (ignored by the others): ``draft_beams``
     (N) and ``gamma`` of speculative search; ``temperature``, ``seed`` and ``replacement`` of
-    sampling (``beam-sample``, ``spec-relaxed``)."""
+    sampling (``beam-sample``, ``spec-relaxed``; independent draws may repeat an item, which then
+    comes out once); ``draft_width`` (W_S, default 2K), ``min_width`` (W_min, default K), ``threshold`` (t) and
+    ``one_cache`` of ``dsbd`` (:class:`~recspec.decoding.dsbd.DSBDConfig`)."""
 
     draft_beams: int = 40
     gamma: int | None = None
     temperature: float = 1.0
     seed: int = 0
     replacement: bool = False
+    draft_width: int | None = None
+    min_width: int | None = None
+    threshold: float | None = None
+    one_cache: bool = False
+
+    def dsbd(self, k: int) -> DSBDConfig:
+        return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width or 2 * k, min_width=self.min_width or k,
+                          threshold=self.threshold, one_cache=self.one_cache, warp=Warp(self.temperature),
+                          seed=self.seed)
 
 
 @dataclass
@@ -92,7 +107,7 @@ def evaluation_part(split: SplitData, part: str) -> Examples:
 def check_decoder(name: str, has_draft: bool = False) -> None:
     if name not in DECODERS:
         raise RecspecError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")
-    if name in SPECULATIVE and not has_draft:
+    if name in DRAFTED and not has_draft:
         raise RecspecError(f"decoder {name} needs a draft model: pass --draft (a folder written by `recspec train` "
                            f"with the target's item index and tokenizer)")
 
@@ -104,8 +119,12 @@ def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie:
     if name in BEAM_DECODERS:
         return Decoded(BEAM_DECODERS[name](target, prompts, trie, k, pad_id, batch_size))
     if name == "beam-sample":
-        return Decoded(sampling_beam_search(target, prompts, trie, k, pad_id, options.temperature, options.seed,
-                                            options.replacement, batch_size))
+        topk = sampling_beam_search(target, prompts, trie, k, pad_id, options.temperature, options.seed,
+                                    options.replacement, batch_size)
+        return Decoded(distinct_items(topk) if options.replacement else topk)
+    if name == "dsbd":
+        topk, stats = dsbd_beam_search(target, draft, prompts, trie, k, pad_id, options.dsbd(k), batch_size)
+        return Decoded(distinct_items(topk), stats)
     config = SpecConfig(draft_beams=options.draft_beams, gamma=options.gamma, verify=SPECULATIVE[name],
                         temperature=options.temperature, seed=options.seed, replacement=options.replacement)
     result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)

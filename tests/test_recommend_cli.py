@@ -91,6 +91,27 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
         result = recspec("recommend", "--target", str(out), "--k", "5", "--out", str(tmp_path / "x.jsonl"), *extra)
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
 
+    dsbd = tmp_path / "dsbd.jsonl"
+    result = recspec("recommend", "--target", str(out), "--decoder", "dsbd", "--draft", str(draft), "--k", "5",
+                     "--threshold", "0.5", "--min-width", "2", "--out", str(dsbd))
+    assert result.returncode == 0, result.stderr
+    assert "accepted steps" in result.stdout
+    rows = [json.loads(line) for line in dsbd.read_text().splitlines()]
+    assert len(rows) == 60 and all(1 <= len(r["items"]) == len(set(r["items"])) <= 5 for r in rows)
+    for extra, message in ((["--draft-width", "3"], "W_S=3 is below W_min=5"),
+                           (["--threshold", "1.5"], "threshold t must lie in [0, 1]"),
+                           (["--gamma", "0"], "gamma=0 is outside"),
+                           (["--temperature", "0"], "temperature must be a positive number")):
+        result = recspec("recommend", "--target", str(out), "--k", "5", "--decoder", "dsbd", "--draft", str(draft),
+                         "--out", str(tmp_path / "x.jsonl"), *extra)
+        assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
+    result = recspec("bench", "sampling", "--no-text", "--rec-target", str(out), "--rec-draft", str(draft), "--k", "5",
+                     "--users", "3", "--quality-users", "20", "--repeats", "1", "--out", str(tmp_path / "results"))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "results" / "sampling.json").read_text())["recommend"]
+    assert [r["decoder"] for r in rows] == ["beam-sample", "spec-relaxed", "dsbd", "dsbd-dynamic", "dsbd-one-cache"]
+    assert all(r["ws"] > 0 and 0 <= r["recall@5"] <= 1 for r in rows), rows
+
     bench = tmp_path / "results"
     result = recspec("bench", "decode", "--target", str(out), "--k", "5", "--batch-size", "1", "--batch-size", "4",
                      "--users", "8", "--repeats", "1", "--out", str(bench))

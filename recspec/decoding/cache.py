@@ -81,6 +81,24 @@ def compact_tail(cache, kept: int, positions: torch.Tensor) -> None:
             setattr(layer, name, states[:, :, :kept + positions.shape[1]])
 
 
+def compact(caches, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep, in row ``b`` of every cache of ``caches`` (all laid out alike), the cached positions
+    where ``keep[b]`` (bool ``[B, W]``, ``W`` at most the cache width) is True, in order; drop the
+    rest. Rows with fewer kept positions than the most are filled up with position 0.
+
+    Returns ``positions`` int64 ``[B, W']``, the old position now at each new one, and ``filled``
+    bool ``[B, W']``, False on the fill (which the caller must hide from every later token).
+    """
+    counts = keep.sum(dim=1)
+    count = int(counts.max())
+    positions = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :count]
+    filled = torch.arange(count, device=positions.device)[None, :] < counts[:, None]
+    positions = positions.masked_fill_(~filled, 0)
+    for cache in caches:
+        gather_positions(cache, positions)
+    return positions, filled
+
+
 def _gather_sequence(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``states[b, :, positions[b, s], :]``: ``[B, heads, S', dim]`` from ``[B, heads, S, dim]``."""
     index = positions[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])

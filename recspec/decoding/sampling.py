@@ -26,6 +26,7 @@ import torch
 
 from recspec.decoding.beam import Beams, Prompts, TreeCache, beam_decode, decode_in_batches, trie_children
 from recspec.decoding.topk import TopK
+from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
@@ -54,10 +55,13 @@ class Candidates:
                      margin=torch.full_like(beams.margin, torch.inf))
 
 
-def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, temperature: float) -> Candidates:
+def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, temperature: float,
+               top_k: int | None = None, top_p: float | None = None) -> Candidates:
     """The step's candidates and their beam-sampling distribution.
 
     ``log_probs``: float32 ``[B, S, V]``, each beam's next-token log-probabilities (full vocabulary).
+    ``top_k`` / ``top_p`` warp the joint distribution further (:class:`~recspec.decoding.warp.Warp`,
+    applied after the temperature, over each user's ``S * C`` candidates).
     """
     batch, width = beams.nodes.shape
     tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=1)  # [B*S, C]
@@ -65,7 +69,8 @@ def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, temperatur
     log_joint = (beams.scores.reshape(-1, 1) + log_probs.reshape(batch * width, -1).gather(1, tokens))
     log_joint = log_joint.masked_fill_(~real, -torch.inf).view(batch, width * fanout)
     some = log_joint.isfinite().any(dim=1, keepdim=True)  # a user with no candidate draws dead beams
-    log_beam = torch.where(some, torch.log_softmax(log_joint / temperature, dim=1), -torch.inf)
+    warped = Warp(temperature, top_k, top_p)(torch.where(some, log_joint, 0.0))
+    log_beam = torch.where(some, warped, -torch.inf)
     return Candidates(tokens=tokens.view(batch, width * fanout), log_joint=log_joint, log_beam=log_beam,
                       fanout=fanout)
 
@@ -84,9 +89,11 @@ def draw(log_weights: torch.Tensor, k: int, generator: torch.Generator, replacem
 
 
 def sample_step(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int, temperature: float,
-                generator: torch.Generator, replacement: bool) -> Beams:
-    """One beam-sampling step: ``k`` beams drawn from ``p_beam`` (see the module doc)."""
-    step = candidates(beams, log_probs, trie, temperature)
+                generator: torch.Generator, replacement: bool, top_k: int | None = None,
+                top_p: float | None = None) -> Beams:
+    """One beam-sampling step: ``k`` beams drawn from ``p_beam`` (see the module doc; ``top_k`` /
+    ``top_p`` as in :func:`candidates`)."""
+    step = candidates(beams, log_probs, trie, temperature, top_k, top_p)
     return step.extend(beams, draw(step.log_beam, k, generator, replacement), trie)
 
 
@@ -117,3 +124,17 @@ def best_first(result: TopK) -> TopK:
     order = result.scores.argsort(dim=1, descending=True, stable=True)
     return TopK(items=result.items.gather(1, order), scores=result.scores.gather(1, order),
                 tokens=result.tokens.gather(1, order[:, :, None].expand_as(result.tokens)), margin=result.margin)
+
+
+def distinct_items(result: TopK) -> TopK:
+    """``result`` (best first) with every repeat of an item that ranks higher dropped: its slot
+    becomes item ``-1`` with score ``-inf`` and moves to the end (independent draws may repeat an
+    item; a recommendation list never does)."""
+    items = result.items
+    earlier = torch.ones(items.shape[1], items.shape[1], dtype=torch.bool, device=items.device).tril(-1)
+    repeat = ((items[:, :, None] == items[:, None, :]) & earlier).any(dim=2) & (items >= 0)
+    order = repeat.to(torch.int8).argsort(dim=1, stable=True)
+    items = items.masked_fill(repeat, -1).gather(1, order)
+    scores = result.scores.masked_fill(repeat, -torch.inf).gather(1, order)
+    return TopK(items=items, scores=scores, tokens=result.tokens.gather(1, order[:, :, None].expand_as(result.tokens)),
+                margin=result.margin)

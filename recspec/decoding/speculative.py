@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from recspec.decoding.beam import Beams, Prompts, left_pad, prefill, select_top_k, validate_request
-from recspec.decoding.cache import gather_positions, require_full_attention, select_rows
+from recspec.decoding.cache import compact, require_full_attention, select_rows
 from recspec.decoding.draft_tree import Level, child_level, feed, stacked
 from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.topk import TopK
@@ -88,13 +88,22 @@ class SpecStats:
     verify_s: torch.Tensor
     overhead_s: torch.Tensor
 
-    @staticmethod
-    def zeros(batch: int) -> SpecStats:
-        return SpecStats(*(torch.zeros(batch) for _ in fields(SpecStats)))
+    @classmethod
+    def zeros(cls, batch: int) -> SpecStats:
+        return cls(*(torch.zeros(batch) for _ in fields(cls)))
 
-    @staticmethod
-    def cat(parts: Sequence[SpecStats]) -> SpecStats:
-        return SpecStats(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(SpecStats)))
+    @classmethod
+    def cat(cls, parts: Sequence[SpecStats]) -> SpecStats:
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+    def add_round(self, users: torch.Tensor, drafted: torch.Tensor, draft_calls: int, tree_nodes: int) -> None:
+        """Count one round of the users ``users`` (int64 index): one target call, the steps each
+        drafted (``drafted``, float32), the draft calls and the tree nodes fed to the target."""
+        self.drafted_steps[users] += drafted
+        self.target_calls[users] += 1
+        self.draft_calls[users] += draft_calls
+        self.tree_nodes[users] += float(tree_nodes)
+        self.rounds[users] += 1
 
     def summary(self) -> dict[str, float]:
         """Means over users (AS@K and the rest)."""
@@ -283,14 +292,7 @@ def _compact(front: _Frontier, caches: Sequence) -> _Frontier:
     the longest are filled with position 0, hidden from every beam."""
     width = caches[0].layers[0].keys.shape[2]
     view = front.visible[:, :, :width]
-    keep = view.any(dim=1)  # [B, W]
-    counts = keep.sum(dim=1)
-    count = int(counts.max())
-    positions = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :count]
-    filled = torch.arange(count, device=positions.device)[None, :] < counts[:, None]
-    positions = positions.masked_fill_(~filled, 0)
-    for cache in caches:
-        gather_positions(cache, positions)
+    positions, filled = compact(caches, view.any(dim=1))
     visible = view.gather(2, positions[:, None, :].expand(-1, view.shape[1], -1)) & filled[:, None, :]
     return _Frontier(beams=front.beams, paths=front.paths, depth=front.depth, visible=visible,
                      lengths=front.lengths, users=front.users)
@@ -347,11 +349,7 @@ def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
         mark = clock.add("verify", mark)
         front, _ = _advance(front, levels, beams, parent_at, steps)
         stats.accepted_steps[users] += accepted.cpu().float()
-        stats.drafted_steps[users] += own_drafted
-        stats.target_calls[users] += 1
-        stats.draft_calls[users] += drafted - first + feed_last
-        stats.tree_nodes[users] += float(sum(level.width for level in levels[first:]))
-        stats.rounds[users] += 1
+        stats.add_round(users, own_drafted, drafted - first + feed_last, sum(level.width for level in levels[first:]))
         first = False
         finished = front.depth >= trie.depth
         if bool(finished.any()):
@@ -387,6 +385,15 @@ def check_config(config: SpecConfig, k: int, trie: ItemTrie) -> None:
                            f"{config.temperature}")
 
 
+def check_draft_vocabulary(target, draft) -> None:
+    """Raise :class:`RecspecError` unless the draft's vocabulary is the target's."""
+    target_vocab = target.config.get_text_config().vocab_size
+    draft_vocab = draft.config.get_text_config().vocab_size
+    if target_vocab != draft_vocab:
+        raise RecspecError(f"the draft's vocabulary ({draft_vocab}) differs from the target's ({target_vocab}); "
+                           f"train the draft with the target's tokenizer")
+
+
 def speculative_beam_search(
     target, draft, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
     config: SpecConfig | None = None, batch_size: int | None = None,
@@ -401,11 +408,7 @@ def speculative_beam_search(
     config = config or SpecConfig()
     validate_request(target, prompts, trie, k, pad_token_id, batch_size)
     check_config(config, k, trie)
-    target_vocab = target.config.get_text_config().vocab_size
-    draft_vocab = draft.config.get_text_config().vocab_size
-    if target_vocab != draft_vocab:
-        raise RecspecError(f"the draft's vocabulary ({draft_vocab}) differs from the target's ({target_vocab}); "
-                           f"train the draft with the target's tokenizer")
+    check_draft_vocabulary(target, draft)
     device = target.device
     trie = trie if trie.device == device else trie.to(device)
     generator = torch.Generator(device=device).manual_seed(config.seed)

@@ -1,0 +1,269 @@
+"""`recspec bench sampling`: the sampling decoders side by side, on text and on item identifiers.
+
+**Text** (knowledge generation: MovieLens user-profile prompts, SmolLM2-135M-Instruct as the
+target, a draft of its own layers): ``sample``, ``spec-sample``, ``topk-imp``, ``beam-sample``
+and DSBD (fixed width, dynamic width, one KV cache), every prompt decoded alone (batch 1), the
+methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token,
+the speed ratio against the non-speculative method of the same output distribution
+(``spec-sample`` against ``sample``; DSBD against ``beam-sample``; ``topk-imp``, which samples
+another distribution, against ``sample``), the acceptance (Leviathan's ``alpha``: the mean of
+``sum min(p, q)`` over the tested positions; the share of drafted tokens or layers accepted),
+the average accepted length (drafted tokens or layers accepted per round), the quality (the
+target's mean log-likelihood per generated token), the peak memory of one prompt (measured in a
+separate process, :mod:`recspec.bench.memory`), and the speed-up predicted from the measured
+acceptance and cost ratio ``c`` (speculative_decoding.txt Theorem 3.8; for DSBD the steps per
+iteration of dsbd.txt Theorem 3.2 over ``1 + gamma c``) next to the measured one. A first table
+justifies the draft: acceptance, ``c`` and predicted speed-up of several layer subsets.
+
+**Recommendation** (with ``--rec-target`` / ``--rec-draft``): trie-constrained beam sampling of
+K items at batch 1: the target's ``beam-sample`` with independent draws (the distribution both
+speculative decoders sample exactly), AtSpeed's relaxed verification with independent draws,
+and DSBD (fixed width K, dynamic width, one KV cache): WS@K (speed-up over ``beam-sample``),
+accepted steps, and Recall / NDCG@K on ``quality_users`` test users.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.spec import _time_per_user
+from recspec.decoding.specsample import expected_speedup, expected_tokens_per_call
+from recspec.decoding.speculative import SpecStats
+from recspec.decoding.text_sampling import TextOptions, chat_prompts, generate, log_likelihood
+from recspec.decoding.warp import Warp
+from recspec.eval.metrics import recall_ndcg
+from recspec.models.hf import load_causal_lm, load_tokenizer
+from recspec.models.layer_draft import layer_draft, parse_layers
+from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
+
+#: label -> (method, option overrides, baseline label of the same output distribution)
+TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "sample": ("sample", {}, "sample"),
+    "spec-sample": ("spec-sample", {}, "sample"),
+    "topk-imp": ("topk-imp", {}, "sample"),
+    "beam-sample": ("beam-sample", {}, "beam-sample"),
+    "dsbd": ("dsbd", {}, "beam-sample"),
+    "dsbd-dynamic": ("dsbd", {"threshold": "t", "beams": 1}, "beam-sample"),
+    "dsbd-one-cache": ("dsbd", {"one_cache": True}, "beam-sample"),
+}
+
+
+def _options(base: TextOptions, overrides: dict[str, Any], threshold: float) -> TextOptions:
+    return replace(base, **{key: threshold if value == "t" else value for key, value in overrides.items()})
+
+
+def call_cost(target, draft, prompt: torch.Tensor, repeats: int = 20) -> tuple[float, float]:
+    """Median seconds of one single-token call after the prompt's cache, target and draft: the
+    ``T`` and ``c T`` of Theorem 3.8."""
+    from transformers import DynamicCache
+
+    seconds = []
+    with torch.inference_mode():
+        for model in (target, draft):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache)
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                model(input_ids=prompt[None, -1:], past_key_values=cache, use_cache=True)
+                runs.append(time.perf_counter() - start)
+                for layer in cache.layers:  # back to the prompt: the next call sees the same cache
+                    layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
+            seconds.append(statistics.median(runs))
+    return seconds[0], seconds[1]
+
+
+def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost: float) -> dict[str, Any]:
+    """Acceptance figures of one method over all prompts, and the speed-up the theorems predict."""
+    if stats is None:
+        return {}
+    total = {name: float(value.sum()) for name, value in vars(stats).items()}
+    gamma = options.gamma
+    row: dict[str, Any] = {"accept_share": total["accepted_steps"] / max(total["drafted_steps"], 1e-9),
+                           "accepted_per_round": total["accepted_steps"] / max(total["rounds"], 1e-9),
+                           "target_calls": total["target_calls"]}
+    if method == "dsbd":
+        beta = total["beta_sum"] / max(total["verified_layers"], 1e-9)
+        alpha = min(1.0 if options.threshold is None else options.threshold, beta)
+        row.update(alpha=alpha, steps_per_round=total["steps"] / max(total["rounds"], 1e-9),
+                   predicted_steps_per_round=expected_tokens_per_call(alpha, gamma),
+                   predicted_speedup=expected_speedup(alpha, gamma, cost), mean_width=total["width_sum"] /
+                   max(total["steps"], 1e-9))
+    else:
+        alpha = total["alpha_sum"] / max(total["tried"], 1e-9)
+        row.update(alpha=alpha, tokens_per_target_call=total["tokens"] / max(total["target_calls"], 1e-9))
+        if method == "spec-sample":
+            row["predicted_speedup"] = expected_speedup(alpha, gamma, cost)
+    return row
+
+
+def _memory_worker(target: str, layers: list[int], prompt: list[int], runs: list[tuple[str, TextOptions]],
+                   pad: int, eos: int) -> list[int]:
+    """In a fresh process: peak bytes of generating from one prompt with each (method, options)."""
+    from recspec.bench.memory import peak_memory, return_freed_memory
+
+    return_freed_memory()
+    torch.set_num_threads(1)
+    model = load_causal_lm(target)
+    draft = layer_draft(model, layers)
+    ids = torch.tensor(prompt)
+    peaks = []
+    for method, options in runs:
+        call = lambda: generate(method, model, draft, [ids], options, pad, eos)  # noqa: B023, E731
+        call()
+        peaks.append(peak_memory(call))
+    return peaks
+
+
+def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], prompts: int, base: TextOptions,
+               threshold: float, repeats: int) -> dict[str, Any]:
+    """The text half of the benchmark (see the module doc)."""
+    from recspec.data import load_dataset
+    from recspec.data.profiles import profile_prompts
+
+    tokenizer = load_tokenizer(target)
+    model = load_causal_lm(target)
+    count = model.config.num_hidden_layers
+    messages = profile_prompts(load_dataset("ml-100k"), "users", prompts)
+    ids = chat_prompts(tokenizer, messages)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    drafts = []
+    probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))
+    for layers in candidate_layers:
+        draft = layer_draft(model, parse_layers(layers, count))
+        seconds, draft_seconds = call_cost(model, draft, ids[0])
+        stats = generate("spec-sample", model, draft, ids[:3], probe, pad, eos).stats
+        alpha = float(stats.alpha_sum.sum() / stats.tried.sum())
+        drafts.append({"layers": layers, "alpha": alpha, "c": draft_seconds / seconds, "target_ms": 1e3 * seconds,
+                       "predicted_speedup": expected_speedup(alpha, base.gamma, draft_seconds / seconds)})
+    layers = parse_layers(draft_layers, count)
+    draft = layer_draft(model, layers)
+    target_s, draft_s = call_cost(model, draft, ids[0])
+    cost = draft_s / target_s
+    runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
+            TEXT_METHODS.items()}
+    calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
+             for label, (method, options) in runs.items()}
+    times, outputs = _time_per_user(calls, ids, repeats)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        peaks = dict(zip(runs, pool.apply(_memory_worker, (target, layers, ids[0].tolist(), list(runs.values()), pad,
+                                                           eos))))
+    rows = []
+    for label, (method, _, baseline) in TEXT_METHODS.items():
+        texts = [tokens for result in outputs[label] for tokens in result.tokens]
+        generated = sum(len(tokens) for tokens in texts)
+        per_token = statistics.median(times[label]) / generated
+        stats = [result.stats for result in outputs[label] if result.stats is not None]
+        quality = log_likelihood(model, ids, texts, pad)
+        rows.append({"method": label, "runs_s": times[label], "tokens": generated, "ms_per_token": 1e3 * per_token,
+                     "baseline": baseline, "quality": float(quality.nanmean()), "peak_mib": peaks[label] / 2**20,
+                     **_acceptance(method, type(stats[0]).cat(stats) if stats else None, runs[label][1], cost)})
+    by_label = {row["method"]: row for row in rows}
+    for row in rows:
+        row["speed_ratio"] = by_label[row["baseline"]]["ms_per_token"] / row["ms_per_token"]
+    return {"prompts": messages, "draft_layers": draft_layers, "c": cost, "target_ms": 1e3 * target_s,
+            "drafts": drafts, "rows": rows}
+
+
+def _recall(recommender: Recommender, name: str, k: int, options: DecodeOptions, users: int) -> dict[str, float]:
+    examples = recommender.examples("test", users)
+    decoded = run_decoder(name, recommender.model, recommender.draft, recommender.encoder.prompts(examples),
+                          recommender.trie, k, recommender.encoder.pad_id, options, batch_size=64)
+    items = decoded.topk.items.cpu().numpy()
+    table = item_rows(recommender.dataset.item_ids, recommender.index.item_keys)
+    return recall_ndcg(np.where(items >= 0, table[items.clip(0)], -1),
+                       [examples.targets(i) for i in range(len(examples))], [k])
+
+
+def bench_recommend(target: Path, draft: Path, ks: Sequence[int], users: int, quality_users: int, repeats: int,
+                    temperature: float, threshold: float) -> list[dict[str, Any]]:
+    """The recommendation half of the benchmark (see the module doc)."""
+    recommender = Recommender.load(target, draft_dir=draft)
+    prompts = recommender.encoder.prompts(recommender.examples("test", users))
+    rows = []
+    for k in ks:
+        settings = {"beam-sample": ("beam-sample", DecodeOptions(temperature=temperature, replacement=True)),
+                    "spec-relaxed": ("spec-relaxed", DecodeOptions(temperature=temperature, replacement=True)),
+                    "dsbd": ("dsbd", DecodeOptions(temperature=temperature)),
+                    "dsbd-dynamic": ("dsbd", DecodeOptions(temperature=temperature, threshold=threshold, min_width=1)),
+                    "dsbd-one-cache": ("dsbd", DecodeOptions(temperature=temperature, one_cache=True))}
+        calls = {label: (lambda batch, n=name, o=opts: run_decoder(n, recommender.model, recommender.draft, batch,
+                                                                   recommender.trie, k, recommender.encoder.pad_id, o))
+                 for label, (name, opts) in settings.items()}
+        times, outputs = _time_per_user(calls, prompts, repeats)
+        base = statistics.median(times["beam-sample"])
+        for label, (name, opts) in settings.items():
+            stats = [decoded.stats for decoded in outputs[label] if decoded.stats is not None]
+            row = {"k": k, "decoder": label, "runs_s": times[label],
+                   "latency_ms": 1e3 * statistics.median(times[label]) / len(prompts),
+                   "ws": base / statistics.median(times[label]), **_recall(recommender, name, k, opts, quality_users)}
+            if stats:
+                summary = type(stats[0]).cat(stats).summary()
+                row.update(accepted_steps=summary["accepted_steps"], target_calls=summary["target_calls"],
+                           accept_share=summary["accepted_steps"] / max(summary["drafted_steps"], 1e-9))
+            rows.append(row)
+    return rows
+
+
+def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29",
+        candidate_layers: Sequence[str] = ("0-1,29", "0-3,29", "0-5,29", "0-9,29", "0-5,28-29"), prompts: int = 6,
+        max_new_tokens: int = 48, repeats: int = 3, gamma: int = 4, beams: int = 2, draft_width: int = 4,
+        threshold: float = 0.7, temperature: float = 1.0, candidates: int = 10, rec_target: Path | None = None,
+        rec_draft: Path | None = None, ks: Sequence[int] = (10,), users: int = 32, quality_users: int = 500,
+        text: bool = True, name: str = "sampling") -> str:
+    """Run the benchmark; write ``{name}.json`` / ``{name}.md``; return the Markdown."""
+    reuse_freed_memory()
+    base = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature), gamma=gamma, candidates=candidates,
+                       beams=beams, draft_width=draft_width)
+    results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": repeats, "gamma": gamma,
+                               "beams": beams, "draft_width": draft_width, "threshold": threshold,
+                               "temperature": temperature, "max_new_tokens": max_new_tokens}
+    parts = ["# Sampling decoders: speculative sampling, TopK-ImpSpecDec, DSBD"]
+    if text:
+        results["text"] = bench_text(target, draft_layers, candidate_layers, prompts, base, threshold, repeats)
+        t = results["text"]
+        parts += [
+            f"## Text: {len(t['prompts'])} MovieLens user-profile prompts, {target}, up to {max_new_tokens} new tokens",
+            f"Batch 1, median of {repeats} runs (methods alternate run by run), T = {temperature}, gamma = {gamma}, "
+            f"W = {beams}, W_S = {draft_width}, dynamic width t = {threshold} with W_min = 1, TopK K = {candidates}. "
+            f"Draft: layers {t['draft_layers']} of the target (c = {t['c']:.3f}; a target call "
+            f"{t['target_ms']:.1f} ms).",
+            "### Draft choice (spec-sample on 3 prompts, 32 tokens)",
+            markdown_table(["layers", "alpha", "c", "predicted speed-up (Thm 3.8)"],
+                           [[d["layers"], d["alpha"], d["c"], f"{d['predicted_speedup']:.2f}x"] for d in t["drafts"]]),
+            "### Methods",
+            markdown_table(
+                ["method", "ms/token", "vs", "speed ratio", "predicted", "alpha", "accepted share", "accepted/round",
+                 "steps/round (pred.)", "log-lik/token", "peak MiB"],
+                [[r["method"], r["ms_per_token"], r["baseline"], f"{r['speed_ratio']:.2f}x",
+                  f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "", r.get("alpha", ""),
+                  r.get("accept_share", ""), r.get("accepted_per_round", ""),
+                  f"{r['steps_per_round']:.2f} ({r['predicted_steps_per_round']:.2f})" if "steps_per_round" in r
+                  else "", r["quality"], f"{r['peak_mib']:.1f}"] for r in t["rows"]]),
+        ]
+    if rec_target is not None and rec_draft is not None:
+        results["recommend"] = bench_recommend(rec_target, rec_draft, ks, users, quality_users, repeats, temperature,
+                                               threshold)
+        parts += [
+            f"## Recommendation: {rec_target} with draft {rec_draft}",
+            f"Batch 1, {users} test users, median of {repeats} runs; quality on {quality_users} test users; "
+            f"T = {temperature}; WS = speed-up over beam-sample with independent draws.",
+            markdown_table(["K", "decoder", "ms/user", "WS", "accepted steps", "accepted share", "target calls",
+                            "recall", "ndcg"],
+                           [[r["k"], r["decoder"], r["latency_ms"], f"{r['ws']:.2f}x", r.get("accepted_steps", ""),
+                             r.get("accept_share", ""), r.get("target_calls", ""), r[f"recall@{r['k']}"],
+                             r[f"ndcg@{r['k']}"]] for r in results["recommend"]]),
+        ]
+    markdown = "\n\n".join(parts)
+    write_results(out, name, results, markdown)
+    return markdown
