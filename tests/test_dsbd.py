@@ -17,10 +17,11 @@ from recspec.decoding.text_sampling import TextOptions, generate
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from tests.test_specsample import fit
-from tests.test_speculative import (PAD, exact_beam_sampling, goodness_of_fit, one_thread, sampled_outcomes,
+from tests.test_speculative import (PAD, exact_beam_sampling, goodness_of_fit, sampled_outcomes,
                                     small_llama, step_table, tiny, total_variation)
 
-__all__ = ["one_thread", "tiny"]  # fixtures: one thread for the module (autouse), the 12-item trie
+__all__ = ["tiny"]  # fixture: the 12-item trie
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------- one layer, synthetic

@@ -17,9 +17,9 @@ from recspec.decoding.text_sampling import TextOptions, generate, log_likelihood
 from recspec.decoding.topk_imp import importance_proposal
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
-from tests.test_speculative import goodness_of_fit, one_thread, small_llama, total_variation
+from tests.test_speculative import goodness_of_fit, small_llama, total_variation
 
-__all__ = ["one_thread"]  # one thread for the module (autouse)
+pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, LENGTH = 6, 3
 PROMPT = torch.tensor([1, 4, 2, 5])
 
