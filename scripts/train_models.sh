@@ -3,8 +3,8 @@
 # (AtSpeed's released split and identifiers) and on MovieLens-100K (leave-one-out, RQ-KMeans
 # identifiers built from SmolLM2 embeddings), each within 20 minutes; then the LLM preset
 # (SmolLM2-135M fine-tuned on a subset of Beauty users, within an hour) and its draft.
-# One thread per run by default (THREADS=2 on an otherwise idle machine): two-thread training on a
-# 2-core machine slows 5-15x as soon as anything else runs.
+# Two threads per run by default; two-thread training on a 2-core machine slows 5-15x as soon as
+# anything else runs, so run it alone or set THREADS=1 (about 4x slower here).
 # Usage: scripts/train_models.sh [OUT_DIR] (default runs/models); BEAUTY_DIR overrides the data path.
 # Running it again resumes unfinished runs and skips finished ones.
 set -euo pipefail
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 train() {  # train NAME ARGS...: skip when a finished run is there
     local name=$1; shift
     if [ -f "$OUT/$name/finished" ]; then echo "$name: finished earlier"; return; fi
-    "$RECSPEC" train --out "$OUT/$name" --threads "${THREADS:-1}" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
+    "$RECSPEC" train --out "$OUT/$name" --threads "${THREADS:-2}" "$@" 2>&1 | tr '\r' '\n' | grep -v '^epoch [0-9]*: *[0-9]*%' || true
     [ -f "$OUT/$name/best/model.safetensors" ] && date -u +%FT%TZ > "$OUT/$name/finished"
 }
 
