@@ -33,8 +33,9 @@ demo: setup assets
 		print('spec-strict returned ' + ('the same items as beam search' if same else 'OTHER ITEMS than beam search'))"
 	$(VENV)/recspec eval --recs $(DEMO_OUT)/spec.jsonl --dataset ml-100k --split loo --k 5 --k 10
 
+# One worker per core, each test file on one worker (module fixtures such as trained models are made once).
 test: setup-test assets
-	$(VENV)/python -m pytest -q
+	$(VENV)/python -m pytest -q -n auto --dist loadfile
 
 bench: setup assets
 	$(VENV)/recspec bench ids

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +180,8 @@ class Recommender:
     def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16,
                   options: DecodeOptions = DecodeOptions(), progress: bool = False) -> Decoded:
         """Top-``k`` items (index rows) of every example by ``decoder``; with ``progress``, the users
-        go through in chunks of whole batches (about 256 users) under a progress bar."""
+        go through in chunks of whole batches (about 256 users) under a progress bar, chunk ``i``
+        of a sampling decoder seeded with ``seed + i`` (so chunks draw independent streams)."""
         prompts = self.encoder.prompts(examples)
         if not progress:
             return run_decoder(decoder, self.model, self.draft, prompts, self.trie, k, self.encoder.pad_id, options,
@@ -191,9 +192,9 @@ class Recommender:
         chunk = size * max(1, PROGRESS_CHUNK // size)
         parts = []
         with tqdm(total=len(prompts), unit="user", desc=decoder, dynamic_ncols=True) as bar:
-            for start in range(0, len(prompts), chunk):
+            for i, start in enumerate(range(0, len(prompts), chunk)):
                 parts.append(run_decoder(decoder, self.model, self.draft, prompts[start:start + chunk], self.trie, k,
-                                         self.encoder.pad_id, options, batch_size))
+                                         self.encoder.pad_id, replace(options, seed=options.seed + i), batch_size))
                 bar.update(len(prompts[start:start + chunk]))
         stats = None if parts[0].stats is None else SpecStats.cat([part.stats for part in parts])
         return Decoded(TopK.cat([part.topk for part in parts]), stats)

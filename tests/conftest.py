@@ -12,6 +12,13 @@ BEAUTY_DIR = Path(os.environ.get("RECSPEC_BEAUTY_DIR", Path(__file__).resolve().
                                  / "amazon-beauty"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files marked ``slow`` run first: under ``-n auto --dist loadfile`` (``make test``) each
+    file goes to one worker in collection order, so a long file left for last makes one worker
+    run alone for minutes while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny
