@@ -290,7 +290,8 @@ def generate_command(
     draft_layers: Annotated[Optional[str], typer.Option(help="Draft = these layers of the target, e.g. 0-3,29 "
                                                              "(default for drafted methods without --draft).")] = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="A prompt (repeatable); default: profile prompts.")] = None,
-    profiles: Annotated[str, typer.Option(help="users or items: MovieLens profile prompts.")] = "users",
+    side: Annotated[str, typer.Option(help="user or item: knowledge prompts (as `knowledge generate`) of random "
+                                           "users or items.")] = "user",
     dataset: Annotated[str, typer.Option(help="Data set of the profile prompts.")] = "ml-100k",
     count: Annotated[int, typer.Option(help="Number of profile prompts.")] = 8,
     max_new_tokens: int = 64,
@@ -313,8 +314,10 @@ def generate_command(
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
-    from recspec.data.profiles import profile_prompts
-    from recspec.decoding.text_sampling import DRAFTED, TextOptions, chat_prompts, check_request, generate, log_likelihood
+    import torch
+
+    from recspec.decoding.text_sampling import DRAFTED, TextOptions, check_request, generate, log_likelihood
+    from recspec.knowledge.prompts import chat_ids, random_prompt_texts
     from recspec.decoding.warp import Warp
     from recspec.fileio import write_text_atomic
     from recspec.models.hf import load_causal_lm, load_tokenizer
@@ -324,14 +327,14 @@ def generate_command(
                           lenience=lenience, candidates=candidates, beams=beams, draft_width=draft_width,
                           threshold=threshold, one_cache=one_cache, seed=seed)
     check_request(method, options, has_draft=True)
-    messages = prompt or profile_prompts(load_dataset(dataset), profiles, count)
+    messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target, device=device)
     draft_model = None
     if method in DRAFTED:
         draft_model = load_causal_lm(draft, device=device) if draft else layer_draft(
             model, parse_layers(draft_layers or DEFAULT_DRAFT_LAYERS, model.config.num_hidden_layers))
-    prompts = chat_prompts(tokenizer, messages)
+    prompts = [torch.tensor(chat_ids(tokenizer, message)) for message in messages]
     result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
                       batch_size)
     quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None

@@ -128,7 +128,8 @@ def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie:
     config = SpecConfig(draft_beams=options.draft_beams, gamma=options.gamma, verify=SPECULATIVE[name],
                         temperature=options.temperature, seed=options.seed, replacement=options.replacement)
     result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)
-    return Decoded(result.topk, result.stats)
+    independent = config.verify == "relaxed" and options.replacement  # independent draws may repeat an item
+    return Decoded(distinct_items(result.topk) if independent else result.topk, result.stats)
 
 
 @dataclass

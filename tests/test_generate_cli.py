@@ -1,4 +1,4 @@
-"""`recspec generate` on the real SmolLM2-135M-Instruct with MovieLens profile prompts, the
+"""`recspec generate` on the real SmolLM2-135M-Instruct with MovieLens knowledge prompts, the
 layer draft sharing the target's weights, and the command's bad-input errors (before loading)."""
 
 from __future__ import annotations
@@ -54,4 +54,4 @@ def test_generate_profiles_with_smollm2(smollm2_dir: Path, ml100k, tmp_path: Pat
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all(1 <= row["tokens"] <= 6 and row["log_likelihood"] < 0 for row in rows)
-    assert "A user recently rated these movies" in rows[0]["prompt"] and "accepted" in result.stdout
+    assert "the movies the user watched most recently" in rows[0]["prompt"] and "accepted" in result.stdout

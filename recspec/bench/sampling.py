@@ -39,7 +39,7 @@ from recspec.bench.report import markdown_table, reuse_freed_memory, write_resul
 from recspec.bench.spec import _time_per_user
 from recspec.decoding.specsample import expected_speedup, expected_tokens_per_call
 from recspec.decoding.speculative import SpecStats
-from recspec.decoding.text_sampling import TextOptions, chat_prompts, generate, log_likelihood
+from recspec.decoding.text_sampling import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.eval.metrics import recall_ndcg
 from recspec.models.hf import load_causal_lm, load_tokenizer
@@ -129,13 +129,13 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
                threshold: float, repeats: int) -> dict[str, Any]:
     """The text half of the benchmark (see the module doc)."""
     from recspec.data import load_dataset
-    from recspec.data.profiles import profile_prompts
+    from recspec.knowledge.prompts import chat_ids, random_prompt_texts
 
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target)
     count = model.config.num_hidden_layers
-    messages = profile_prompts(load_dataset("ml-100k"), "users", prompts)
-    ids = chat_prompts(tokenizer, messages)
+    messages = random_prompt_texts(load_dataset("ml-100k"), "user", prompts)
+    ids = [torch.tensor(chat_ids(tokenizer, message)) for message in messages]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     drafts = []
     probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))

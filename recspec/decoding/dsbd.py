@@ -66,7 +66,7 @@ from recspec.decoding.cache import require_full_attention
 from recspec.decoding.draft_tree import Level, child_level, feed
 from recspec.decoding.sampling import best_first, candidates, draw
 from recspec.decoding.speculative import (SpecStats, _advance, _Clock, _compact, _Frontier, _level_zero, _root,
-                                          _score, _select_users, check_draft_vocabulary)
+                                          _score, _select_users, check_draft_vocabulary, drafted_per_row)
 from recspec.decoding.topk import TopK
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -419,7 +419,7 @@ def dsbd_batch(target, draft, prompts: Prompts, space, k: int, config: DSBDConfi
         drafted = min(config.gamma or remaining, remaining - 1)
         feed_last = drafted < remaining - 1
         users = front.users.cpu()
-        own_drafted = (space.depth - 1 - front.depth).clamp(min=0, max=drafted).cpu().float()
+        own_drafted = drafted_per_row(front.depth, space.depth, drafted)
         mark = clock.now()
         levels = _draft_forest(draft, draft_cache, _level_zero(front, prompts if first else None),
                                root_log_q if first else None, front.depth, space, ends, config, drafted, feed_last,

@@ -163,6 +163,13 @@ def _root(prompts: Prompts, trie: ItemTrie) -> _Frontier:
                      users=torch.arange(batch, device=trie.device))
 
 
+def drafted_per_row(depth: torch.Tensor, max_depth: int, drafted: int) -> torch.Tensor:
+    """The steps each row of a round really drafts, float32 ``[B]`` on the CPU: the round drafts
+    ``drafted`` levels for the whole batch (from its shallowest row), a row ahead of the others
+    only those up to its identifiers' last step (``depth``: int64 ``[B]``, steps taken)."""
+    return (max_depth - depth).clamp(min=0, max=drafted).cpu().float()
+
+
 def _level_zero(front: _Frontier, prompts: Prompts | None) -> Level:
     """The round's first level: the pending beams, or (``prompts`` given, first round) the root,
     which is the prompt's last token and sees the prompt."""
@@ -335,7 +342,7 @@ def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
         drafted = min(config.gamma or remaining, remaining - 1)
         feed_last = drafted < remaining - 1  # a bonus step can then leave identifiers incomplete
         users = front.users.cpu()
-        own_drafted = (trie.depth - 1 - front.depth).clamp(min=0, max=drafted).cpu().float()
+        own_drafted = drafted_per_row(front.depth, trie.depth, drafted)
         mark = clock.now()
         level0 = _level_zero(front, prompts if first else None)
         levels = _draft(draft, draft_cache, level0, root_log_q if first else None, front, trie, config, k, sampler,

@@ -37,7 +37,7 @@ import torch
 from recspec.decoding.beam import Beams, Prompts, TreeCache, left_pad, prefill
 from recspec.decoding.cache import compact, select_rows
 from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
-from recspec.decoding.sampling import sample_step
+from recspec.decoding.sampling import candidates, draw
 from recspec.decoding.scorer import forward_visible, next_log_probs
 from recspec.decoding.specsample import check_lenience, verify_chain
 from recspec.decoding.speculative import SpecStats, check_draft_vocabulary
@@ -298,8 +298,13 @@ def beam_sample(model, prompts: Prompts, space: FreeText, width: int, warp: Warp
     state = TreeCache(model, prompts, width, cache)
     beams = Beams.start(len(prompts.lengths), space)
     for depth in range(space.depth):
-        beams = sample_step(beams, space.absorb(beams.nodes, log_probs), space, width, warp.temperature, generator,
-                            True, warp.top_k, warp.top_p)
+        step = candidates(beams, space.absorb(beams.nodes, log_probs), space, warp.temperature, warp.top_k,
+                          warp.top_p)
+        chosen = draw(step.log_beam, width, generator, replacement=True)
+        if depth > 0 and space.eos is not None:  # a row whose beams have all ended keeps them, as alone it would
+            kept = torch.arange(width, device=chosen.device) * step.fanout + space.eos
+            chosen = torch.where(space.complete(beams.nodes)[:, None], kept, chosen)
+        beams = step.extend(beams, chosen, space)
         if depth + 1 == space.depth or bool(space.complete(beams.nodes).all()):
             break
         log_probs = state.extend(beams, depth)
@@ -315,16 +320,6 @@ def best_texts(scores: torch.Tensor, tokens: torch.Tensor, eos: int | None) -> l
             row = row[:row.index(eos) + 1]
         texts.append(row)
     return texts
-
-
-def chat_prompts(tokenizer, messages: Sequence[str]) -> list[torch.Tensor]:
-    """Each message as a user turn in the tokenizer's chat template, the assistant's turn opened:
-    1-D int64 token ids per message."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise RecspecError("the target's tokenizer has no chat template; give prompts to a chat model (e.g. smollm2)")
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                           add_generation_prompt=True) for message in messages]
-    return [torch.tensor(ids, dtype=torch.int64) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
 
 
 def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], options: TextOptions, pad_token_id: int,

@@ -91,6 +91,25 @@ def item_prompt_text(dataset: Dataset, item: int) -> str:
             f"Describe its {FACTORS}, production quality and soundtrack, precisely and briefly.")
 
 
+def random_prompt_texts(dataset: Dataset, side: str, count: int, max_history: int = 10, seed: int = 0) -> list[str]:
+    """``count`` prompts (seeded, so the same call gives the same prompts) for distinct random
+    users (their last ``max_history`` interactions) or items: ``side`` is ``user`` or ``item``.
+    Text prompts for the sampling decoders and their benchmark (``recspec generate``)."""
+    if side not in ("user", "item"):
+        raise RecspecError(f"unknown prompt side {side!r}; choose user or item")
+    rng = np.random.default_rng(seed)
+    if side == "item":
+        return [item_prompt_text(dataset, int(item))
+                for item in rng.choice(dataset.num_items, size=min(count, dataset.num_items), replace=False)]
+    inter = dataset.interactions
+    texts = []
+    for user in rng.choice(dataset.num_users, size=min(count, dataset.num_users), replace=False):
+        rows = np.flatnonzero(inter.users == user)
+        rows = rows[np.argsort(inter.timestamps[rows], kind="stable")]
+        texts.append(user_prompt_text(dataset, int(user), rows[-max_history:]))
+    return texts
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     """``text`` as one user turn in the tokenizer's chat template, assistant turn opened."""
     if not getattr(tokenizer, "chat_template", None):
