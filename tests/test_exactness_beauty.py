@@ -1,0 +1,21 @@
+"""Exactness on trained Amazon Beauty models, every test user (the rules: tests/exactness.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recspec.recommend import Recommender
+from tests.exactness import reference_or_trained
+from tests.exactness import beams, test_beam_decoders_equal_hf, test_strict_speculative_equals_beam  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def model(beauty_dir: Path, tmp_path_factory) -> Recommender:
+    recommender = reference_or_trained("beauty", tmp_path_factory.mktemp("trained"), dataset_spec=str(beauty_dir))
+    assert len(recommender.examples("test")) == 3553
+    return recommender
+
