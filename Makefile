@@ -35,7 +35,7 @@ demo: setup assets
 
 # One worker per core, each test file on one worker (module fixtures such as trained models are made once).
 test: setup-test assets
-	$(VENV)/python -m pytest -q -n auto --dist loadfile
+	$(VENV)/python -m pytest -q -n auto --dist loadfile --durations=25
 
 bench: setup assets
 	$(VENV)/recspec bench ids
