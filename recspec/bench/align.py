@@ -139,7 +139,6 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
             for name in ("beam-sample", "spec-relaxed"):
                 quality.append({"k": k, "decoder": name, "temperature": temperature,
                                 **_recall(recommender, models["atspeed-r"], name, k, temperature, quality_users)})
-    _plot(out / "align_as.png", rows, ks)
     table_rows = []
     for verify in ("strict", "relaxed"):
         for method in METHODS:
@@ -162,4 +161,5 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
     ])
     write_results(out, "align", {"users": users, "repeats": repeats, "alpha": alpha, "rows": rows, "quality": quality,
                                  "alpha_curve": curve, "train_minutes": train_minutes}, markdown)
+    _plot(out / "align_as.png", rows, ks)  # after the figures are safe on disk
     return markdown
