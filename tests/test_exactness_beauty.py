@@ -1,4 +1,4 @@
-"""Exactness on trained Amazon Beauty models, every test user (the rules: tests/exactness.py)."""
+"""Exactness on trained Amazon Beauty models (the rules and the users checked: tests/exactness.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Exactness on trained MovieLens-100K models (leave-one-out), every test user (the rules:
+"""Exactness on trained MovieLens-100K models (leave-one-out) (the rules and the users checked:
 tests/exactness.py)."""
 
 from __future__ import annotations
