@@ -289,11 +289,11 @@ def generate_command(
     draft: Annotated[Optional[str], typer.Option(help="Draft causal LM with the target's tokenizer.")] = None,
     draft_layers: Annotated[Optional[str], typer.Option(help="Draft = these layers of the target, e.g. 0-3,29 "
                                                              "(default for drafted methods without --draft).")] = None,
-    prompt: Annotated[Optional[list[str]], typer.Option(help="A prompt (repeatable); default: profile prompts.")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option(help="A prompt (repeatable); default: knowledge prompts.")] = None,
     side: Annotated[str, typer.Option(help="user or item: knowledge prompts (as `knowledge generate`) of random "
                                            "users or items.")] = "user",
-    dataset: Annotated[str, typer.Option(help="Data set of the profile prompts.")] = "ml-100k",
-    count: Annotated[int, typer.Option(help="Number of profile prompts.")] = 8,
+    dataset: Annotated[str, typer.Option(help="Data set of the knowledge prompts.")] = "ml-100k",
+    count: Annotated[int, typer.Option(help="Number of knowledge prompts.")] = 8,
     max_new_tokens: int = 64,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_k: Annotated[Optional[int], typer.Option(help="Top-k warping.")] = None,
@@ -313,13 +313,13 @@ def generate_command(
     device: str = "cpu",
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
-    from recspec.data import load_dataset
     import torch
 
+    from recspec.data import load_dataset
     from recspec.decoding.text_sampling import DRAFTED, TextOptions, check_request, generate, log_likelihood
-    from recspec.knowledge.prompts import chat_ids, random_prompt_texts
     from recspec.decoding.warp import Warp
     from recspec.fileio import write_text_atomic
+    from recspec.knowledge.prompts import chat_ids, random_prompt_texts
     from recspec.models.hf import load_causal_lm, load_tokenizer
     from recspec.models.layer_draft import DEFAULT_DRAFT_LAYERS, layer_draft, parse_layers
 
