@@ -12,6 +12,18 @@ BEAUTY_DIR = Path(os.environ.get("RECSPEC_BEAUTY_DIR", Path(__file__).resolve().
                                  / "amazon-beauty"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker gets its share of the cores, for torch here and for the ``recspec``
+    sub-processes the tests start (``OMP_NUM_THREADS``): torch's default of one thread per core
+    in every worker oversubscribes the machine, and spinning OpenMP threads then slow every
+    worker several times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files marked ``slow`` run first: under ``-n auto --dist loadfile`` (``make test``) each
     file goes to one worker in collection order, so a long file left for last makes one worker

@@ -79,12 +79,14 @@ def test_our_greedy_loop_matches_transformers_generate(lm, prompts, greedy) -> N
     assert all(len(t) == MAX_NEW or t[-1] in eos for t in greedy)
 
 
-@pytest.mark.parametrize("nodes", [8, 64])
-def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nodes) -> None:
+@pytest.mark.parametrize(("nodes", "count"), [(8, 12), (64, 6)])
+def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nodes, count) -> None:
     """ReSD / greedy LASER over a pool of the other prompts' texts: the greedy tokens, with drafts
-    actually accepted (several tokens per target call) and rejected."""
+    actually accepted (several tokens per target call) and rejected (small trees on every prompt,
+    the largest on the first ``count``)."""
     model, _, eos = lm
     config = RetrievalConfig(max_nodes=nodes, max_depth=12, max_suffix=8)
+    prompts = prompts[:count]
     outputs, calls, accepted, drafted = [], 0, 0, 0
     for i, prompt in enumerate(prompts):
         pool = TokenTrie(config.window)
@@ -92,7 +94,7 @@ def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nod
         generation = speculative_generate(model, prompt, MAX_NEW, eos, RetrievalDrafter(pool, config))
         outputs.append(generation.tokens)
         calls, accepted, drafted = calls + generation.calls, accepted + generation.accepted, drafted + generation.drafted
-    assert_exact_up_to_near_ties(divergences(model, prompts, outputs, greedy), len(prompts))
+    assert_exact_up_to_near_ties(divergences(model, prompts, outputs, greedy[:count]), count)
     assert accepted > len(prompts) and drafted > accepted  # drafts were accepted and rejected
     assert sum(map(len, outputs)) / calls > 1.3
 
