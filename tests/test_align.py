@@ -155,6 +155,74 @@ def test_alignment_data_is_what_the_target_says(small_target, alignment_data: Pa
             torch.testing.assert_close(stored, expected, atol=2e-2, rtol=1e-3)
 
 
+@pytest.fixture(scope="module")
+def mixing_draft(small_target, tmp_path_factory) -> Path:
+    """A second draft-tiny on the same data, seeded differently and trained for one epoch."""
+    target_dir, data = small_target
+    out = tmp_path_factory.mktemp("align") / "mixing-draft"
+    config = TrainConfig(epochs=1, batch_size=32, lr=0.01, warmup_steps=5, precision="fp32", seed=1)
+    fit(str(data), out, "draft-tiny", ids=target_dir / "item_index.json", split_kind="loo", config=config,
+        progress=False)
+    return out
+
+
+def test_mixed_beam_search_scores_the_mixture_and_ends_in_each_model(small_target, mixing_draft: Path) -> None:
+    """lambda = 1 / 0 is the target's / the draft's own beam search; in between, every returned
+    sequence is scored by the mixture of the two models' plain forwards, best first."""
+    from recspec.align.mixed import mixed_beam_search
+    from recspec.decoding.beam import left_pad, tree_beam_search
+
+    target_dir, _ = small_target
+    recommender = Recommender.load(target_dir, draft_dir=mixing_draft)
+    target, draft, trie, pad = recommender.model, recommender.draft, recommender.trie, recommender.encoder.pad_id
+    prompts = recommender.encoder.prompts(recommender.examples("test"), np.arange(16))
+    padded = left_pad(prompts, pad, target.device)
+    with torch.inference_mode():
+        for model, lam in ((target, 1.0), (draft, 0.0)):
+            alone = tree_beam_search(model, prompts, trie, 5, pad)
+            mixed = mixed_beam_search(target, draft, padded, trie, 5, lam)
+            assert torch.equal(mixed.tokens, alone.tokens)
+            torch.testing.assert_close(mixed.scores, alone.scores)
+        mixed = mixed_beam_search(target, draft, padded, trie, 5, 0.3)
+    assert bool((mixed.scores[:, :-1] >= mixed.scores[:, 1:]).all())
+    target_top = tree_beam_search(target, prompts, trie, 5, pad).tokens
+    assert int((mixed.tokens != target_top).any(dim=2).any(dim=1).sum()) >= 8  # the draft does move them
+    for user in range(0, 16, 5):
+        for beam in range(5):
+            tokens = mixed.tokens[user, beam].tolist()
+            expected = sum(float(torch.logaddexp(forward_log_probs(target, prompts[user], tokens[:t])[tokens[t]]
+                                                 + LOG(0.3),
+                                                 forward_log_probs(draft, prompts[user], tokens[:t])[tokens[t]]
+                                                 + LOG(0.7)))
+                           for t in range(trie.depth))
+            assert float(mixed.scores[user, beam]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_target_mixed_data_keeps_the_target_scores_and_order(small_target, mixing_draft: Path,
+                                                             tmp_path: Path) -> None:
+    target_dir, _ = small_target
+    config = DataConfig(k=5, max_prompts=48, valid_prompts=8, shard_size=64, batch_size=16, mix_lambda=0.3)
+    manifest = generate(target_dir, tmp_path / "mixed", config, progress=False, mix_draft=mixing_draft)
+    assert manifest["complete"] and manifest["mix_draft"] == str(mixing_draft.resolve())
+    recommender = Recommender.load(target_dir)
+    task = AlignmentTask.load(tmp_path / "mixed", recommender.encoder, recommender.trie, "atspeed-s", 0.5)
+    train = task.data["train"]
+    assert (np.diff(train.seq_scores, axis=1) <= 0).all()  # best first under the target: the last is y_K
+    for row in range(0, len(train), 7):
+        prompt = recommender.encoder.prompts(task.examples["train"], np.array([int(train.example[row])]))[0]
+        for beam in range(5):
+            tokens = train.seq_tokens[row, beam].tolist()
+            expected = sum(float(forward_log_probs(recommender.model, prompt, tokens[:t])[tokens[t]])
+                           for t in range(len(tokens)))
+            assert float(train.seq_scores[row, beam]) == pytest.approx(expected, abs=1e-3)
+    for bad, message in ((dict(mix_draft=None), "need both a mixing draft"),
+                         (dict(mix_draft=mixing_draft, config=DataConfig(k=5)), "need both a mixing draft")):
+        with pytest.raises(RecspecError, match=message):
+            generate(target_dir, tmp_path / "bad", **{"config": config, "progress": False, **bad})
+    with pytest.raises(RecspecError, match="mix_lambda"):
+        DataConfig(mix_lambda=1.5)
+
+
 def test_task_batch_draft_forward_and_sft_equal_plain_training(small_target, alignment_data: Path) -> None:
     target_dir, _ = small_target
     recommender = Recommender.load(target_dir)

@@ -1,7 +1,9 @@
 """Alignment data (atspeed.txt D' of Eq. 3 and Eq. 8): what the target says about each prompt.
 
 For every selected training prompt (and a validation set): the target's top-K sequences by
-trie-constrained beam search, and the target's log-probabilities of the *valid* next tokens at
+trie-constrained beam search (or, with ``mix_lambda < 1`` and a mixing draft, the top-K under the
+target-mixed distribution of Eq. 3, :mod:`recspec.align.mixed`, ordered by the target's sequence
+probability so that the last one is ``y_K``), and the target's log-probabilities of the *valid* next tokens at
 every prefix the losses look at, the *nodes*: the prefixes (depth 0 .. L-1) of the K sequences and
 of the ground-truth answer. Prefixes shared by several sequences are stored once, and only valid
 tokens are kept (a few hundred values per prompt instead of L x V), in float16.
@@ -17,7 +19,7 @@ Arrays of a shard (n prompts, N nodes in all, V values in all):
 ``nodes`` int32 [N] (trie node ids, root first, ascending), ``value_offsets`` int64 [N + 1],
 ``values`` float16 [V] (the target's log-probs of each node's trie children, in the trie's child
 order), ``seq_nodes`` int16 [n, K, L] (index of the prefix ``y_{<t}`` among the prompt's nodes),
-``seq_tokens`` int32 [n, K, L], ``seq_scores`` float32 [n, K], ``gt_nodes`` int16 [n, L],
+``seq_tokens`` int32 [n, K, L], ``seq_scores`` float32 [n, K] (the target's sequence log-probs), ``gt_nodes`` int16 [n, L],
 ``gt_tokens`` int32 [n, L].
 """
 
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from recspec.data import Dataset, Examples, split_dataset
+from recspec.align.mixed import mixed_beam_search
 from recspec.decoding.beam import left_pad, tree_beam_search
 from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.tree import ancestor_matrix, node_depths
@@ -51,7 +54,8 @@ PARTS = ("train", "valid")
 class DataConfig:
     """``k``: target sequences per prompt; ``max_prompts``: a seeded subsample of the training
     prompts (None: all); ``valid_prompts``: validation prompts (one target each);
-    ``shard_size``: prompts per shard; ``batch_size``: prompts decoded together."""
+    ``shard_size``: prompts per shard; ``batch_size``: prompts decoded together; ``mix_lambda``: the
+    target's weight lambda in the sequences' mixture (1: the target alone; below 1 needs a draft)."""
 
     k: int = 20
     max_prompts: int | None = None
@@ -59,11 +63,13 @@ class DataConfig:
     shard_size: int = 4096
     batch_size: int = 64
     seed: int = 0
+    mix_lambda: float = 1.0
 
     def __post_init__(self) -> None:
         bad = [name for name, ok in {"k": self.k >= 1, "valid_prompts": self.valid_prompts >= 0,
                                      "shard_size": self.shard_size >= 1, "batch_size": self.batch_size >= 1,
-                                     "max_prompts": self.max_prompts is None or self.max_prompts >= 1}.items()
+                                     "max_prompts": self.max_prompts is None or self.max_prompts >= 1,
+                                     "mix_lambda": 0.0 <= self.mix_lambda <= 1.0}.items()
                if not ok]
         if bad:
             raise RecspecError(f"bad alignment data option(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
@@ -171,35 +177,46 @@ def children_values(trie: ItemTrie, log_probs: torch.Tensor, nodes: torch.Tensor
 
 
 @torch.inference_mode()
-def _decode_batch(recommender: Recommender, examples: Examples, rows: np.ndarray, k: int) -> dict[str, np.ndarray]:
+def _decode_batch(recommender: Recommender, examples: Examples, rows: np.ndarray, k: int,
+                  mix_lambda: float) -> dict[str, np.ndarray]:
     """Alignment records of the examples ``rows``: the shard arrays of those prompts."""
     model, trie, encoder = recommender.model, recommender.trie, recommender.encoder
     prompts = encoder.prompts(examples, rows)
     device = model.device
-    topk = tree_beam_search(model, prompts, trie, k, encoder.pad_id)
+    padded = left_pad(prompts, encoder.pad_id, device)
+    if mix_lambda < 1.0:
+        topk = mixed_beam_search(model, recommender.draft, padded, trie, k, mix_lambda)
+    else:
+        topk = tree_beam_search(model, prompts, trie, k, encoder.pad_id)
     answers = encoder.answer_tokens(examples.target_items[examples.target_offsets[rows]]).to(device)
     seq_ids, gt_ids = prefix_nodes(trie, topk.tokens), prefix_nodes(trie, answers)
     batch, length = answers.shape
     pad_id = trie.num_nodes
     nodes, counts = unique_rows(torch.cat((seq_ids.view(batch, -1), gt_ids), dim=1), pad_id)
     tree = NodeTree.build(trie, nodes, counts, encoder.pad_id)
-    padded = left_pad(prompts, encoder.pad_id, device)
     visible, depths = tree.visible(padded.attention_mask)
     logits = forward_prompt_and_tree(model, None, padded.input_ids, padded.attention_mask, padded.position_ids,
                                      tree.tokens, visible, padded.lengths[:, None] + depths)
-    _, real, values = children_values(trie, next_log_probs(logits), nodes, tree.real)
+    log_probs = next_log_probs(logits)
+    _, real, values = children_values(trie, log_probs, nodes, tree.real)
     node_counts = counts.cpu().numpy()
     kept_values = values[real & tree.real[:, :, None]]
+    seq_at = torch.searchsorted(nodes, seq_ids.view(batch, -1)).view(batch, k, length)
+    seq_tokens, seq_scores = topk.tokens, topk.scores
+    if mix_lambda < 1.0:  # the target's sequence log-probs, and its order
+        token_log_probs = log_probs[torch.arange(batch, device=device)[:, None, None], seq_at, seq_tokens]
+        seq_scores, order = token_log_probs.sum(dim=2).sort(dim=1, descending=True, stable=True)
+        seq_at = seq_at.gather(1, order[:, :, None].expand(-1, -1, length))
+        seq_tokens = seq_tokens.gather(1, order[:, :, None].expand(-1, -1, length))
     return {
         "example": np.asarray(rows, dtype=np.int64),
         "node_counts": node_counts,
         "nodes": nodes[tree.real].cpu().numpy().astype(np.int32),
         "value_counts": real[tree.real].sum(dim=1).cpu().numpy(),
         "values": kept_values.cpu().numpy().astype(np.float16),
-        "seq_nodes": torch.searchsorted(nodes, seq_ids.view(batch, -1)).view(batch, k, length).cpu().numpy()
-        .astype(np.int16),
-        "seq_tokens": topk.tokens.cpu().numpy().astype(np.int32),
-        "seq_scores": topk.scores.cpu().numpy().astype(np.float32),
+        "seq_nodes": seq_at.cpu().numpy().astype(np.int16),
+        "seq_tokens": seq_tokens.cpu().numpy().astype(np.int32),
+        "seq_scores": seq_scores.cpu().numpy().astype(np.float32),
         "gt_nodes": torch.searchsorted(nodes, gt_ids).cpu().numpy().astype(np.int16),
         "gt_tokens": answers.cpu().numpy().astype(np.int32),
     }
@@ -218,11 +235,15 @@ def _write_shard(path: Path, records: list[dict[str, np.ndarray]]) -> dict[str, 
             "sha256": file_sha256(path)}
 
 
-def provenance(recommender: Recommender, target_dir: Path, k: int) -> dict[str, Any]:
-    """What the data depends on: refused for mixing when any of it differs."""
+def provenance(recommender: Recommender, target_dir: Path, k: int, draft_dir: Path | None = None) -> dict[str, Any]:
+    """What the data depends on: refused for mixing when any of it differs (the mixing draft's
+    weights too, when there is one)."""
     from recspec.models.train import WEIGHTS_FILE, trained_model_dir
 
-    return {"format": FORMAT, "target": str(Path(target_dir).resolve()),
+    mixing = {} if draft_dir is None else {
+        "mix_draft": str(Path(draft_dir).resolve()),
+        "mix_draft_sha256": file_sha256(trained_model_dir(draft_dir) / WEIGHTS_FILE)}
+    return {**mixing, "format": FORMAT, "target": str(Path(target_dir).resolve()),
             "target_sha256": file_sha256(trained_model_dir(target_dir) / WEIGHTS_FILE),
             "index_fingerprint": index_fingerprint(recommender.index), "dataset": recommender.info["dataset"],
             "format_of_dataset": recommender.info.get("format"), "split": recommender.info.get("split"),
@@ -231,22 +252,27 @@ def provenance(recommender: Recommender, target_dir: Path, k: int) -> dict[str, 
 
 
 def generate(target_dir: Path, out_dir: Path, config: DataConfig = DataConfig(), device: str = "cpu",
-             progress: bool = True) -> dict[str, Any]:
-    """Write (or complete) the alignment data of a trained target into ``out_dir``; the manifest."""
+             progress: bool = True, mix_draft: Path | None = None) -> dict[str, Any]:
+    """Write (or complete) the alignment data of a trained target into ``out_dir``; the manifest.
+    ``mix_draft``: the draft of the target-mixed sequences (needed exactly when
+    ``config.mix_lambda < 1``)."""
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    recommender = Recommender.load(target_dir, device=device)
+    if (mix_draft is None) != (config.mix_lambda == 1.0):
+        raise RecspecError("target-mixed sequences need both a mixing draft and mix_lambda below 1; "
+                           f"got mix_lambda={config.mix_lambda} and {'a' if mix_draft else 'no'} draft")
+    recommender = Recommender.load(target_dir, device=device, draft_dir=mix_draft)
     if config.k > recommender.trie.num_items:
         raise RecspecError(f"k={config.k} exceeds the number of items ({recommender.trie.num_items})")
-    made_by = provenance(recommender, target_dir, config.k)
+    made_by = provenance(recommender, target_dir, config.k, mix_draft)
     manifest_path = out_dir / MANIFEST
     manifest: dict[str, Any] = {**made_by, "config": vars(config), "shards": {part: [] for part in PARTS},
                                 "seconds": 0.0}
     if manifest_path.is_file():
         manifest = read_json(manifest_path)
         differ = [key for key, value in made_by.items() if manifest.get(key) != value]
-        if differ or manifest.get("config") != vars(config):
+        if differ or {**vars(DataConfig()), **manifest.get("config", {})} != vars(config):
             raise RecspecError(f"{out_dir}: holds alignment data made by another target, data set or setting "
                                f"({', '.join(differ) or 'options'} differ); choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +293,7 @@ def generate(target_dir: Path, out_dir: Path, config: DataConfig = DataConfig(),
             records = []
             for start in range(0, len(shard), config.batch_size):
                 rows = shard[start:start + config.batch_size]
-                records.append(_decode_batch(recommender, examples, rows, config.k))
+                records.append(_decode_batch(recommender, examples, rows, config.k, config.mix_lambda))
                 bar.update(len(rows))
             entry = _write_shard(out_dir / name, records)
             manifest["shards"][part].append(entry)

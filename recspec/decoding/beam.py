@@ -274,8 +274,16 @@ def beam_decode(
     state ``make_state(model, prompts, k, cache)`` (a :class:`PerBeamCache` or a
     :class:`TreeCache`)."""
     log_probs, cache = prefill(model, prompts)
-    state = make_state(model, prompts, k, cache)
-    beams = Beams.start(len(prompts.lengths), trie)
+    return beam_steps(log_probs, make_state(model, prompts, k, cache), trie, k, select)
+
+
+def beam_steps(
+    log_probs: torch.Tensor, state, trie: ItemTrie, k: int,
+    select: Callable[[Beams, torch.Tensor, ItemTrie, int], Beams] = select_top_k,
+) -> TopK:
+    """The ``L`` steps of beam search from the first token's log-probs ``[B, 1, V]``: ``select``
+    the beams, then ``state.extend(beams, depth)`` gives the next log-probs ``[B, K, V]``."""
+    beams = Beams.start(log_probs.shape[0], trie)
     for depth in range(trie.depth):
         beams = select(beams, log_probs, trie, k)
         if depth + 1 < trie.depth:
