@@ -169,16 +169,20 @@ def align_data(
     valid_prompts: Annotated[int, typer.Option(help="Validation prompts.")] = 512,
     shard_size: Annotated[int, typer.Option(help="Prompts per shard.")] = 4096,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    mix_draft: Annotated[Optional[Path], typer.Option(help="Draft of target-mixed sequences (Eq. 3): the top-K "
+                                                           "under (1 - lambda) q + lambda p.")] = None,
+    mix_lambda: Annotated[float, typer.Option(help="lambda, the target's weight in the mixture (1: the target "
+                                                   "alone; below 1 needs --mix-draft).")] = 1.0,
     seed: int = 0,
     device: str = "cpu",
 ) -> None:
-    """For every training prompt: the target's top-K sequences and its log-probs of the valid
-    tokens at their prefixes and at the ground truth's (sharded, resumable)."""
+    """For every training prompt: the target's top-K sequences (or the target-mixed top-K) and its
+    log-probs of the valid tokens at their prefixes and at the ground truth's (sharded, resumable)."""
     from recspec.align.data import DataConfig, generate
 
     config = DataConfig(k=k, max_prompts=max_prompts, valid_prompts=valid_prompts, shard_size=shard_size,
-                        batch_size=batch_size, seed=seed)
-    manifest = generate(target, out, config, device=device)
+                        batch_size=batch_size, seed=seed, mix_lambda=mix_lambda)
+    manifest = generate(target, out, config, device=device, mix_draft=mix_draft)
     prompts = {part: sum(s["prompts"] for s in shards) for part, shards in manifest["shards"].items()}
     size = sum(s["bytes"] for shards in manifest["shards"].values() for s in shards)
     typer.echo(f"{prompts['train']} training + {prompts['valid']} validation prompts in {manifest['seconds']:.0f} s; "
@@ -313,13 +317,11 @@ def generate_command(
     device: str = "cpu",
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
-    import torch
-
     from recspec.data import load_dataset
     from recspec.decoding.text_sampling import DRAFTED, TextOptions, check_request, generate, log_likelihood
     from recspec.decoding.warp import Warp
     from recspec.fileio import write_text_atomic
-    from recspec.knowledge.prompts import chat_ids, random_prompt_texts
+    from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
     from recspec.models.hf import load_causal_lm, load_tokenizer
     from recspec.models.layer_draft import DEFAULT_DRAFT_LAYERS, layer_draft, parse_layers
 
@@ -334,7 +336,7 @@ def generate_command(
     if method in DRAFTED:
         draft_model = load_causal_lm(draft, device=device) if draft else layer_draft(
             model, parse_layers(draft_layers or DEFAULT_DRAFT_LAYERS, model.config.num_hidden_layers))
-    prompts = [torch.tensor(chat_ids(tokenizer, message)) for message in messages]
+    prompts = chat_prompts(tokenizer, messages)
     result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
                       batch_size)
     quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
@@ -352,6 +354,38 @@ def generate_command(
         summary = result.stats.summary()
         typer.echo(f"accepted {summary['accepted_steps']:.1f} of {summary['drafted_steps']:.1f} drafted per prompt, "
                    f"target calls {summary['target_calls']:.1f}/prompt, rounds {summary['rounds']:.1f}/prompt")
+
+
+@app.command("distill")
+def distill_command(
+    out: Annotated[Path, typer.Option(help="Folder of the run (running again resumes); the draft goes to OUT/best.")],
+    target: Annotated[str, typer.Option(help="Target causal LM: asset name or HF folder.")] = "smollm2",
+    layers: Annotated[str, typer.Option(help="Target layers the draft starts from, e.g. 0,29.")] = "0,29",
+    prompts: Annotated[int, typer.Option(help="Knowledge prompts of the corpus (half users, half movies).")] = 384,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens the target samples per prompt.")] = 128,
+    epochs: int = 6,
+    batch_size: int = 8,
+    lr: float = 3e-4,
+    warmup_steps: int = 20,
+    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
+    seed: int = 0,
+) -> None:
+    """Distill a small text draft from the target (for spec-sample, topk-imp and dsbd): the
+    target's own samples on knowledge prompts, forward KL, the draft kept by validation acceptance."""
+    import torch
+
+    from recspec.models.text_draft import DistillConfig, distill
+
+    config = DistillConfig(layers=layers, prompts=prompts, max_new_tokens=max_new_tokens, epochs=epochs,
+                           batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    result = distill(target, out, config, max_minutes=max_minutes)
+    typer.echo(f"{result['stopped']}: validation acceptance " + " -> ".join(
+        f"{row['valid_acceptance']:.3f}" for row in result["history"]) +
+        f"; best {result['best_acceptance']:.3f} in {result['best_dir']} ({result['train_pairs']} training and "
+        f"{result['valid_pairs']} validation texts, {result['tokens_per_s']:.0f} tokens/s)")
 
 
 @app.command("eval")
@@ -451,6 +485,8 @@ def bench_sampling(
     out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
     target: Annotated[str, typer.Option(help="Text target (asset name or HF folder).")] = "smollm2",
     draft_layers: Annotated[str, typer.Option(help="The text draft: these layers of the target.")] = "0-5,29",
+    draft: Annotated[Optional[str], typer.Option(help="The text draft: this model folder instead (e.g. "
+                                                      "`recspec distill`'s OUT/best).")] = None,
     candidate_layers: Annotated[list[str], typer.Option(help="Layer sets compared for the draft choice "
                                                              "(repeatable).")] = ["0-1,29", "0-3,29", "0-5,29",
                                                                                   "0-9,29", "0-5,28-29"],
@@ -482,7 +518,7 @@ def bench_sampling(
     if (rec_target is None) != (rec_draft is None):
         raise RecspecError("give --rec-target and --rec-draft together")
     torch.set_num_threads(threads)
-    typer.echo(run(out, target, draft_layers, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
+    typer.echo(run(out, target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
                    draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
                    text, name))
 

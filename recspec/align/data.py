@@ -25,7 +25,6 @@ order), ``seq_nodes`` int16 [n, K, L] (index of the prefix ``y_{<t}`` among the 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from recspec.decoding.beam import left_pad, tree_beam_search
 from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError
-from recspec.fileio import atomic_path, read_json, write_json_atomic
+from recspec.fileio import atomic_path, read_json, sha256_file, write_json_atomic
 from recspec.itemids.trie import ItemTrie
 from recspec.models.tokenizer import index_fingerprint
 from recspec.recommend import INDEX_FILE, Recommender
@@ -73,14 +72,6 @@ class DataConfig:
                if not ok]
         if bad:
             raise RecspecError(f"bad alignment data option(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def part_examples(dataset: Dataset, split_kind: str | None, max_history: int, part: str,
@@ -232,7 +223,7 @@ def _write_shard(path: Path, records: list[dict[str, np.ndarray]]) -> dict[str, 
         with open(tmp, "wb") as handle:
             np.savez(handle, **merged)
     return {"file": path.name, "prompts": int(len(merged["example"])), "bytes": path.stat().st_size,
-            "sha256": file_sha256(path)}
+            "sha256": sha256_file(path)}
 
 
 def provenance(recommender: Recommender, target_dir: Path, k: int, draft_dir: Path | None = None) -> dict[str, Any]:
@@ -242,9 +233,9 @@ def provenance(recommender: Recommender, target_dir: Path, k: int, draft_dir: Pa
 
     mixing = {} if draft_dir is None else {
         "mix_draft": str(Path(draft_dir).resolve()),
-        "mix_draft_sha256": file_sha256(trained_model_dir(draft_dir) / WEIGHTS_FILE)}
+        "mix_draft_sha256": sha256_file(trained_model_dir(draft_dir) / WEIGHTS_FILE)}
     return {**mixing, "format": FORMAT, "target": str(Path(target_dir).resolve()),
-            "target_sha256": file_sha256(trained_model_dir(target_dir) / WEIGHTS_FILE),
+            "target_sha256": sha256_file(trained_model_dir(target_dir) / WEIGHTS_FILE),
             "index_fingerprint": index_fingerprint(recommender.index), "dataset": recommender.info["dataset"],
             "format_of_dataset": recommender.info.get("format"), "split": recommender.info.get("split"),
             "max_history": recommender.info.get("max_history", 20), "preset": recommender.info.get("preset"),

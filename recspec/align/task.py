@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from recspec.align import losses
-from recspec.align.data import FORMAT, MANIFEST, PARTS, NodeTree, file_sha256, part_examples, tree_view
+from recspec.align.data import FORMAT, MANIFEST, PARTS, NodeTree, part_examples, tree_view
 from recspec.data import Examples
 from recspec.decoding.scorer import forward_prompt_and_tree
 from recspec.errors import RecspecError
-from recspec.fileio import read_json
+from recspec.fileio import read_json, sha256_file
 from recspec.itemids.trie import ItemTrie
 from recspec.models.examples import PromptEncoder
 
@@ -68,7 +68,7 @@ def load_part(data_dir: Path, manifest: dict[str, Any], part: str) -> AlignmentP
     shards = []
     for entry in manifest["shards"][part]:
         path = Path(data_dir) / entry["file"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
             raise RecspecError(f"{path}: missing, truncated or altered shard; run `recspec align data` into a new "
                                f"folder")
         try:

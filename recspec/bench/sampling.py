@@ -107,15 +107,23 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
     return row
 
 
-def _memory_worker(target: str, layers: list[int], prompt: list[int], runs: list[tuple[str, TextOptions]],
-                   pad: int, eos: int) -> list[int]:
+def text_draft(model, draft: str | None, layers: str):
+    """The text draft: the model folder ``draft`` (e.g. `recspec distill`'s), else ``layers`` of
+    ``model`` (:func:`~recspec.models.layer_draft.layer_draft`)."""
+    if draft is not None:
+        return load_causal_lm(draft, device=model.device)
+    return layer_draft(model, parse_layers(layers, model.config.num_hidden_layers))
+
+
+def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: list[int],
+                   runs: list[tuple[str, TextOptions]], pad: int, eos: int) -> list[int]:
     """In a fresh process: peak bytes of generating from one prompt with each (method, options)."""
     from recspec.bench.memory import peak_memory, return_freed_memory
 
     return_freed_memory()
     torch.set_num_threads(1)
     model = load_causal_lm(target)
-    draft = layer_draft(model, layers)
+    draft = text_draft(model, draft_spec, layers)
     ids = torch.tensor(prompt)
     peaks = []
     for method, options in runs:
@@ -125,29 +133,32 @@ def _memory_worker(target: str, layers: list[int], prompt: list[int], runs: list
     return peaks
 
 
+def _draft_probe(model, draft, ids: list[torch.Tensor], probe: TextOptions, pad: int, eos: int) -> dict[str, Any]:
+    """Acceptance, cost ratio and predicted speed-up of ``draft`` (spec-sample on 3 prompts)."""
+    seconds, draft_seconds = call_cost(model, draft, ids[0])
+    stats = generate("spec-sample", model, draft, ids[:3], probe, pad, eos).stats
+    alpha = float(stats.alpha_sum.sum() / stats.tried.sum())
+    return {"alpha": alpha, "c": draft_seconds / seconds, "target_ms": 1e3 * seconds,
+            "predicted_speedup": expected_speedup(alpha, probe.gamma, draft_seconds / seconds)}
+
+
 def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], prompts: int, base: TextOptions,
-               threshold: float, repeats: int) -> dict[str, Any]:
+               threshold: float, repeats: int, draft_spec: str | None = None) -> dict[str, Any]:
     """The text half of the benchmark (see the module doc)."""
     from recspec.data import load_dataset
-    from recspec.knowledge.prompts import chat_ids, random_prompt_texts
+    from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
 
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target)
-    count = model.config.num_hidden_layers
     messages = random_prompt_texts(load_dataset("ml-100k"), "user", prompts)
-    ids = [torch.tensor(chat_ids(tokenizer, message)) for message in messages]
+    ids = chat_prompts(tokenizer, messages)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    drafts = []
     probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))
-    for layers in candidate_layers:
-        draft = layer_draft(model, parse_layers(layers, count))
-        seconds, draft_seconds = call_cost(model, draft, ids[0])
-        stats = generate("spec-sample", model, draft, ids[:3], probe, pad, eos).stats
-        alpha = float(stats.alpha_sum.sum() / stats.tried.sum())
-        drafts.append({"layers": layers, "alpha": alpha, "c": draft_seconds / seconds, "target_ms": 1e3 * seconds,
-                       "predicted_speedup": expected_speedup(alpha, base.gamma, draft_seconds / seconds)})
-    layers = parse_layers(draft_layers, count)
-    draft = layer_draft(model, layers)
+    drafts = [{"layers": layers, **_draft_probe(model, text_draft(model, None, layers), ids, probe, pad, eos)}
+              for layers in candidate_layers]
+    draft = text_draft(model, draft_spec, draft_layers)
+    if draft_spec is not None:
+        drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos)})
     target_s, draft_s = call_cost(model, draft, ids[0])
     cost = draft_s / target_s
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
@@ -156,8 +167,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
              for label, (method, options) in runs.items()}
     times, outputs = _time_per_user(calls, ids, repeats)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        peaks = dict(zip(runs, pool.apply(_memory_worker, (target, layers, ids[0].tolist(), list(runs.values()), pad,
-                                                           eos))))
+        peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
+                                                           list(runs.values()), pad, eos))))
     rows = []
     for label, (method, _, baseline) in TEXT_METHODS.items():
         texts = [tokens for result in outputs[label] for tokens in result.tokens]
@@ -171,7 +182,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     by_label = {row["method"]: row for row in rows}
     for row in rows:
         row["speed_ratio"] = by_label[row["baseline"]]["ms_per_token"] / row["ms_per_token"]
-    return {"prompts": messages, "draft_layers": draft_layers, "c": cost, "target_ms": 1e3 * target_s,
+    return {"prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost, "target_ms": 1e3 * target_s,
             "drafts": drafts, "rows": rows}
 
 
@@ -215,7 +226,7 @@ def bench_recommend(target: Path, draft: Path, ks: Sequence[int], users: int, qu
     return rows
 
 
-def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29",
+def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_spec: str | None = None,
         candidate_layers: Sequence[str] = ("0-1,29", "0-3,29", "0-5,29", "0-9,29", "0-5,28-29"), prompts: int = 6,
         max_new_tokens: int = 48, repeats: int = 3, gamma: int = 4, beams: int = 2, draft_width: int = 4,
         threshold: float = 0.7, temperature: float = 1.0, candidates: int = 10, rec_target: Path | None = None,
@@ -230,16 +241,17 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29",
                                "temperature": temperature, "max_new_tokens": max_new_tokens}
     parts = ["# Sampling decoders: speculative sampling, TopK-ImpSpecDec, DSBD"]
     if text:
-        results["text"] = bench_text(target, draft_layers, candidate_layers, prompts, base, threshold, repeats)
+        results["text"] = bench_text(target, draft_layers, candidate_layers, prompts, base, threshold, repeats,
+                                     draft_spec)
         t = results["text"]
         parts += [
             f"## Text: {len(t['prompts'])} MovieLens user-profile prompts, {target}, up to {max_new_tokens} new tokens",
             f"Batch 1, median of {repeats} runs (methods alternate run by run), T = {temperature}, gamma = {gamma}, "
             f"W = {beams}, W_S = {draft_width}, dynamic width t = {threshold} with W_min = 1, TopK K = {candidates}. "
-            f"Draft: layers {t['draft_layers']} of the target (c = {t['c']:.3f}; a target call "
+            f"Draft: {t['draft']} (c = {t['c']:.3f}; a target call "
             f"{t['target_ms']:.1f} ms).",
             "### Draft choice (spec-sample on 3 prompts, 32 tokens)",
-            markdown_table(["layers", "alpha", "c", "predicted speed-up (Thm 3.8)"],
+            markdown_table(["draft (target layers)", "alpha", "c", "predicted speed-up (Thm 3.8)"],
                            [[d["layers"], d["alpha"], d["c"], f"{d['predicted_speedup']:.2f}x"] for d in t["drafts"]]),
             "### Methods",
             markdown_table(

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from recspec.data.dataset import Dataset
 from recspec.errors import RecspecError
@@ -118,6 +119,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+def chat_prompts(tokenizer, texts: Sequence[str]) -> list[torch.Tensor]:
+    """Each of ``texts`` as :func:`chat_ids`, a 1-D int64 tensor: the text decoders' prompts."""
+    return [torch.tensor(chat_ids(tokenizer, text)) for text in texts]
 
 
 def user_prompt_ids(tokenizer, dataset: Dataset, user: int, interactions: np.ndarray, max_history: int,
