@@ -55,7 +55,7 @@ def reference_or_trained(name: str, tmp_root: Path, **fit_args) -> Recommender:
         return Recommender.load(target, draft_dir=draft)
     target, draft = tmp_root / f"{name}-target", tmp_root / f"{name}-draft"
     for out, examples, seed in ((target, 60_000, 0), (draft, 20_000, 1)):
-        config = TrainConfig(epochs=1, batch_size=256, lr=3e-3, warmup_steps=50, threads=2,
+        config = TrainConfig(epochs=1, batch_size=256, lr=3e-3, warmup_steps=50,
                              max_train_examples=examples, seed=seed)
         fit(out_dir=out, preset="draft-tiny", config=config, valid_users=64, progress=False, **fit_args)
     return Recommender.load(target, draft_dir=draft)
