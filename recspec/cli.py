@@ -323,7 +323,7 @@ def generate_command(
     from recspec.fileio import write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
     from recspec.models.hf import load_causal_lm, load_tokenizer
-    from recspec.models.layer_draft import DEFAULT_DRAFT_LAYERS, layer_draft, parse_layers
+    from recspec.models.layer_draft import text_draft_model
 
     options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
                           lenience=lenience, candidates=candidates, beams=beams, draft_width=draft_width,
@@ -334,8 +334,7 @@ def generate_command(
     model = load_causal_lm(target, device=device)
     draft_model = None
     if method in DRAFTED:
-        draft_model = load_causal_lm(draft, device=device) if draft else layer_draft(
-            model, parse_layers(draft_layers or DEFAULT_DRAFT_LAYERS, model.config.num_hidden_layers))
+        draft_model = text_draft_model(model, draft, draft_layers)
     prompts = chat_prompts(tokenizer, messages)
     result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
                       batch_size)

@@ -35,7 +35,7 @@ import torch
 
 from recspec.data import Dataset, Examples, split_dataset
 from recspec.align.mixed import mixed_beam_search
-from recspec.decoding.beam import left_pad, tree_beam_search
+from recspec.decoding.beam import TreeCache, beam_decode, left_pad
 from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError
@@ -177,8 +177,8 @@ def _decode_batch(recommender: Recommender, examples: Examples, rows: np.ndarray
     padded = left_pad(prompts, encoder.pad_id, device)
     if mix_lambda < 1.0:
         topk = mixed_beam_search(model, recommender.draft, padded, trie, k, mix_lambda)
-    else:
-        topk = tree_beam_search(model, prompts, trie, k, encoder.pad_id)
+    else:  # tree_beam_search on the batch padded once for both uses
+        topk = beam_decode(TreeCache, model, padded, trie, k)
     answers = encoder.answer_tokens(examples.target_items[examples.target_offsets[rows]]).to(device)
     seq_ids, gt_ids = prefix_nodes(trie, topk.tokens), prefix_nodes(trie, answers)
     batch, length = answers.shape

@@ -43,7 +43,7 @@ from recspec.decoding.text_sampling import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.eval.metrics import recall_ndcg
 from recspec.models.hf import load_causal_lm, load_tokenizer
-from recspec.models.layer_draft import layer_draft, parse_layers
+from recspec.models.layer_draft import text_draft_model
 from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
 
 #: label -> (method, option overrides, baseline label of the same output distribution)
@@ -107,14 +107,6 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
     return row
 
 
-def text_draft(model, draft: str | None, layers: str):
-    """The text draft: the model folder ``draft`` (e.g. `recspec distill`'s), else ``layers`` of
-    ``model`` (:func:`~recspec.models.layer_draft.layer_draft`)."""
-    if draft is not None:
-        return load_causal_lm(draft, device=model.device)
-    return layer_draft(model, parse_layers(layers, model.config.num_hidden_layers))
-
-
 def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: list[int],
                    runs: list[tuple[str, TextOptions]], pad: int, eos: int) -> list[int]:
     """In a fresh process: peak bytes of generating from one prompt with each (method, options)."""
@@ -123,7 +115,7 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
     return_freed_memory()
     torch.set_num_threads(1)
     model = load_causal_lm(target)
-    draft = text_draft(model, draft_spec, layers)
+    draft = text_draft_model(model, draft_spec, layers)
     ids = torch.tensor(prompt)
     peaks = []
     for method, options in runs:
@@ -154,9 +146,9 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     ids = chat_prompts(tokenizer, messages)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))
-    drafts = [{"layers": layers, **_draft_probe(model, text_draft(model, None, layers), ids, probe, pad, eos)}
+    drafts = [{"layers": layers, **_draft_probe(model, text_draft_model(model, None, layers), ids, probe, pad, eos)}
               for layers in candidate_layers]
-    draft = text_draft(model, draft_spec, draft_layers)
+    draft = text_draft_model(model, draft_spec, draft_layers)
     if draft_spec is not None:
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos)})
     target_s, draft_s = call_cost(model, draft, ids[0])

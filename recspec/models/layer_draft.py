@@ -51,3 +51,14 @@ def layer_draft(model, layers: Sequence[int]):
             shared[name] = tensor
     draft.load_state_dict(shared, assign=True)
     return draft
+
+
+def text_draft_model(model, draft: str | None, layers: str | None = None):
+    """The draft of the text decoders: the causal-LM folder or asset ``draft`` (e.g. `recspec
+    distill`'s ``OUT/best``) when given, else ``layers`` of ``model`` (default
+    :data:`DEFAULT_DRAFT_LAYERS`) as :func:`layer_draft`."""
+    if draft is not None:
+        from recspec.models.hf import load_causal_lm
+
+        return load_causal_lm(draft, device=model.device)
+    return layer_draft(model, parse_layers(layers or DEFAULT_DRAFT_LAYERS, model.config.num_hidden_layers))

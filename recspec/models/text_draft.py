@@ -44,7 +44,7 @@ from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, atomic_path, write_json_atomic
 from recspec.models.hf import keep_last_logits
 from recspec.models.layer_draft import layer_draft, parse_layers
-from recspec.models.train import lr_lambda
+from recspec.models.train import TrainConfig, lr_lambda
 
 CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint.pt", "best", "distill.json", "draft.json"
 CHUNK = 8  # prompts sampled together (one seeded chunk of corpus.jsonl)
@@ -200,7 +200,7 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     total = steps_per_epoch * config.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_lambda(step, config.warmup_steps, total, 0.05))
+        optimizer, lambda step: lr_lambda(step, config.warmup_steps, total, TrainConfig.min_lr_ratio))
     state = {"epoch": 0, "step_in_epoch": 0, "history": [], "best": -1.0}
     if (out_dir / CHECKPOINT).is_file():
         saved = torch.load(out_dir / CHECKPOINT, weights_only=False)
