@@ -550,7 +550,8 @@ def bench_align(
 
 def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], k: int, p: float,
                       max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
-                      draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int):
+                      draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
+                      batch_size: int = 1):
     from recspec.knowledge.job import KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
     from recspec.knowledge.verify import Verification
@@ -560,7 +561,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
     return KnowledgeConfig(side=side, part=part, method=method, verification=verification,
                            max_new_tokens=max_new_tokens, grouping=grouping, groups=groups,
                            min_interactions=min_interactions, retrieval=retrieval, max_history=max_history,
-                           max_prompt_tokens=max_prompt_tokens)
+                           max_prompt_tokens=max_prompt_tokens, batch_size=batch_size)
 
 
 @knowledge_app.command("generate")
@@ -583,6 +584,7 @@ def knowledge_generate(
     max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
     max_history: Annotated[int, typer.Option(help="Movies listed in a user prompt (the most recent).")] = 10,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts drop their oldest movies, else are refused.")] = 1024,
+    batch_size: Annotated[int, typer.Option(help="Method hf: requests per generate call (bulk knowledge, e.g. the pools).")] = 1,
     model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
@@ -594,7 +596,7 @@ def knowledge_generate(
 
     set_threads(threads)
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
-                               draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens)
+                               draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size)
     task = KnowledgeTask(model, dataset, seed=seed, device=device)
     typer.echo(run_job(task, config, out, pool, limit).line())
 

@@ -53,8 +53,7 @@ def _store(path, split, side: str, texts: dict[str, str]) -> str:
     settings = {"model": {"name": "smollm2", "fingerprint": "test"}, "prompt_version": PROMPT_VERSION,
                 "dataset": "ml-100k", "split": split.settings, "side": side, "part": "new"}
     with KnowledgeStore(path, settings) as store:
-        for entity, text in texts.items():
-            store.add(entity, text, Generation([1], 1, 1, 0, 0, 1, 0.0, 0.0, 0.1))
+        store.add([(entity, text, Generation([1], 1, 1, 0, 0, 1, 0.0, 0.0, 0.1)) for entity, text in texts.items()])
     return str(path)
 
 

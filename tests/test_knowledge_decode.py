@@ -74,9 +74,26 @@ def assert_exact_up_to_near_ties(found: list[tuple[int, int, float]], total: int
 
 def test_our_greedy_loop_matches_transformers_generate(lm, prompts, greedy) -> None:
     model, _, eos = lm
-    hf = [hf_generate(model, p, MAX_NEW, eos).tokens for p in prompts[:4]]
+    hf = [hf_generate(model, [p], MAX_NEW, eos)[0].tokens for p in prompts[:4]]
     assert_exact_up_to_near_ties(divergences(model, prompts[:4], greedy[:4], hf), 4)
     assert all(len(t) == MAX_NEW or t[-1] in eos for t in greedy)
+
+
+def test_batched_generate_is_greedy_decoding_per_text(lm, prompts, greedy) -> None:
+    """A left-padded batch of prompts of different lengths: each row is its prompt's greedy text
+    (up to near-ties), cut after its own end-of-sequence token, and the batch's time is shared."""
+    model, _, eos = lm
+    batch = prompts[-4:]  # two item prompts, two (longer) user prompts
+    assert len({len(p) for p in batch}) > 1
+    generations = hf_generate(model, batch, MAX_NEW, eos)
+    assert [g.prompt_tokens for g in generations] == [len(p) for p in batch]
+    assert_exact_up_to_near_ties(divergences(model, batch, greedy[-4:], [g.tokens for g in generations]), 4)
+    for g in generations:
+        assert g.calls == len(g.tokens) and g.accepted == 0
+        assert all(t not in eos for t in g.tokens[:-1])
+    assert len({round(g.wall_s, 9) for g in generations}) == 1
+    short = hf_generate(model, batch[:2], 3, eos)
+    assert [len(g.tokens) for g in short] == [3, 3]
 
 
 @pytest.mark.parametrize(("nodes", "count"), [(8, 12), (64, 6)])
@@ -124,7 +141,7 @@ def test_empty_prompt_and_bad_budget_are_refused(lm) -> None:
     with pytest.raises(RecspecError, match="empty prompt"):
         speculative_generate(model, [], MAX_NEW, eos)
     with pytest.raises(RecspecError, match="max_new_tokens"):
-        hf_generate(model, [1, 2], 0, eos)
+        hf_generate(model, [[1, 2]], 0, eos)
 
 
 def test_compact_tail_equals_gathering_the_prefix_and_the_path() -> None:

@@ -36,23 +36,30 @@ def old_store(task, tmp_path_factory) -> Path:
     return out
 
 
+def crash_on_second_add(monkeypatch) -> list[list[str]]:
+    """Make :meth:`KnowledgeStore.add` raise KeyboardInterrupt on its second call, before storing
+    anything of it; returns the entities of each call (filled as the job runs)."""
+    original = KnowledgeStore.add
+    calls: list[list[str]] = []
+
+    def add(self, results) -> None:
+        calls.append([entity for entity, _, _ in results])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        original(self, results)
+
+    monkeypatch.setattr(KnowledgeStore, "add", add)
+    return calls
+
+
 def test_crash_loses_only_the_request_in_flight_and_resume_adds_no_duplicates(task, old_store, tmp_path,
                                                                                monkeypatch) -> None:
     out = tmp_path / "items.db"
-    original = KnowledgeStore.add
-    calls = []
-
-    def crash_on_second(self, entity, text, generation) -> None:
-        calls.append(entity)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        original(self, entity, text, generation)
-
-    monkeypatch.setattr(KnowledgeStore, "add", crash_on_second)
+    calls = crash_on_second_add(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         run_job(task, OLD_ITEMS, out, limit=3, progress=False)
-    monkeypatch.setattr(KnowledgeStore, "add", original)
-    assert [r.entity for r in read_rows(out)] == calls[:1]
+    monkeypatch.undo()
+    assert [r.entity for r in read_rows(out)] == calls[0]
     summary = run_job(task, OLD_ITEMS, out, limit=3, progress=False)
     assert (summary.skipped, summary.requests) == (1, 2)
     rows = list(read_rows(out))
@@ -61,6 +68,32 @@ def test_crash_loses_only_the_request_in_flight_and_resume_adds_no_duplicates(ta
         r.tokens for r in sorted(read_rows(old_store), key=lambda r: r.entity)]  # same greedy texts
     assert run_job(task, OLD_ITEMS, out, limit=3, progress=False).requests == 0
     assert all(r.new_tokens == len(r.tokens) <= 6 and r.calls >= 1 and r.wall_s > 0 for r in rows)
+
+
+def test_batched_hf_job_persists_whole_batches_and_resumes(task, tmp_path, monkeypatch) -> None:
+    """--batch-size: one transaction per batch (a crash loses the batch in flight only), resume
+    without duplicates, greedy texts (these 6-token ones have no near-tie), batch size recorded."""
+    config = replace(OLD_ITEMS, method="hf", batch_size=2)
+    out = tmp_path / "batched.db"
+    batches = crash_on_second_add(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(task, config, out, limit=5, progress=False)
+    monkeypatch.undo()
+    assert [len(b) for b in batches] == [2, 2]
+    assert [r.entity for r in read_rows(out)] == batches[0]
+    summary = run_job(task, config, out, limit=5, progress=False)
+    assert (summary.skipped, summary.requests) == (2, 3)
+    assert read_settings(out)["batch_size"] == 2
+    single = tmp_path / "single.db"
+    run_job(task, OLD_ITEMS, single, limit=5, progress=False)
+    by_entity = {r.entity: r.tokens for r in read_rows(single)}
+    assert {r.entity: r.tokens for r in read_rows(out)} == by_entity
+    with pytest.raises(RecspecError, match="batch_size=2, this job has batch_size=None"):
+        run_job(task, replace(config, batch_size=1), out, limit=5, progress=False)
+    with pytest.raises(RecspecError, match="method laser decodes one request at a time"):
+        KnowledgeConfig(method="laser", batch_size=4)
+    with pytest.raises(RecspecError, match="--batch-size must be a positive integer"):
+        replace(config, batch_size=0)
 
 
 def test_a_store_of_other_settings_is_refused(task, old_store, monkeypatch) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recspec.decoding.beam import left_pad
 from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import ancestor_matrix
@@ -186,14 +187,25 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
 
 
 @torch.inference_mode()
-def hf_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
-                prompt_lookup_tokens: int | None = None) -> Generation:
-    """transformers ``generate``: greedy, or prompt lookup decoding when ``prompt_lookup_tokens``
-    (draft length) is given. Forward calls are counted with hooks (for the AAL), which also time
-    the first one (the prefill)."""
+def hf_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int],
+                prompt_lookup_tokens: int | None = None) -> list[Generation]:
+    """transformers ``generate`` over ``prompts`` (token ids; several are one left-padded batch):
+    greedy, or prompt lookup decoding when ``prompt_lookup_tokens`` (draft length; one prompt
+    at a time) is given. Forward calls are counted with hooks (for the AAL), which also time the
+    first one (the prefill).
+
+    A batch shares its time: each text gets the batch's wall and prefill seconds divided by the
+    batch size (so a store's tokens/s is the batch throughput), and as calls the steps that
+    produced its own tokens (one per token; rows that ended early ride along in the batch's
+    later calls). A text is cut after its first end-of-sequence token, as ``generate`` returns it
+    for a single prompt.
+    """
     from transformers import GenerationConfig
 
-    check_prompt(prompt, max_new_tokens)
+    for prompt in prompts:
+        check_prompt(prompt, max_new_tokens)
+    if prompt_lookup_tokens is not None and len(prompts) != 1:
+        raise RecspecError("prompt lookup decoding runs one prompt at a time")
     calls, prefill_end = 0, 0.0
 
     def count(*_) -> None:
@@ -205,22 +217,33 @@ def hf_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozense
         if calls == 1:
             prefill_end = time.perf_counter()
 
+    pad = min(eos)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              eos_token_id=sorted(eos), pad_token_id=min(eos),
+                              eos_token_id=sorted(eos), pad_token_id=pad,
                               prompt_lookup_num_tokens=prompt_lookup_tokens)
+    batch = left_pad([torch.tensor(list(prompt)) for prompt in prompts], pad, model.device)
+    width = batch.input_ids.shape[1]
     hooks = [model.register_forward_pre_hook(count), model.register_forward_hook(first_done)]
     try:
         started = time.perf_counter()
-        ids = torch.tensor([list(prompt)], device=model.device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             generation_config=config)
         wall = time.perf_counter() - started
     finally:
         for hook in hooks:
             hook.remove()
-    tokens = out[0, len(prompt):].tolist()
-    return Generation(tokens=tokens, prompt_tokens=len(prompt), calls=calls, accepted=len(tokens) - calls,
-                      drafted=0, ceiling_tokens=len(tokens), retrieval_s=0.0, prefill_s=prefill_end - started,
-                      wall_s=wall)
+    share, new = len(prompts), out[:, width:]
+    ended = torch.isin(new, torch.tensor(sorted(eos), device=new.device))
+    lengths = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, new.shape[1]).tolist()
+    generations = []
+    for prompt, row, length in zip(prompts, new.tolist(), lengths):
+        tokens = row[:length]
+        own_calls = calls if share == 1 else length
+        generations.append(Generation(tokens=tokens, prompt_tokens=len(prompt), calls=own_calls,
+                                      accepted=len(tokens) - own_calls, drafted=0, ceiling_tokens=len(tokens),
+                                      retrieval_s=0.0, prefill_s=(prefill_end - started) / share,
+                                      wall_s=wall / share))
+    return generations
 
 
 def eos_ids(model, tokenizer) -> frozenset[int]:

@@ -10,7 +10,9 @@ Methods:
 
 * ``ar``: recspec's plain greedy loop (:func:`~recspec.knowledge.decode.speculative_generate`
   without drafts);
-* ``hf``: transformers ``generate``, greedy;
+* ``hf``: transformers ``generate``, greedy; with ``batch_size`` > 1 a left-padded batch of
+  requests per call, the throughput path for bulk knowledge such as the old-part pools (each
+  batch is persisted in one transaction, so a crash loses at most the batch in flight);
 * ``prompt-lookup``: transformers prompt lookup decoding (``prompt_lookup_num_tokens``), greedy;
 * ``resd``: REST-style retrieval drafting from one global pool of earlier knowledge (plus the
   request's temporary branches), greedy verification;
@@ -70,6 +72,7 @@ class KnowledgeConfig:
     prompt_lookup_tokens: int = 10
     max_history: int = 10
     max_prompt_tokens: int = 1024
+    batch_size: int = 1
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)
@@ -87,6 +90,11 @@ class KnowledgeConfig:
                                f"suffix {r.max_suffix}")
         if self.max_history < 1 or self.max_prompt_tokens < 1:
             raise RecspecError("--max-history and --max-prompt-tokens must be positive")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise RecspecError(f"--batch-size must be a positive integer, got {self.batch_size!r}")
+        if self.batch_size > 1 and self.method != "hf":
+            raise RecspecError(f"--batch-size batches transformers generate (method hf), for bulk knowledge such as "
+                               f"the old-part pools; method {self.method} decodes one request at a time")
 
     @property
     def pool_grouping(self) -> str:
@@ -104,6 +112,8 @@ class KnowledgeConfig:
                 settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)
         if self.method == "prompt-lookup":
             settings["prompt_lookup_tokens"] = self.prompt_lookup_tokens
+        if self.batch_size > 1:  # padding may change a near-tie, so batched texts are kept apart
+            settings["batch_size"] = self.batch_size
         return settings
 
 
@@ -180,7 +190,7 @@ def make_generator(task: KnowledgeTask, config: KnowledgeConfig,
         return (lambda entity, prompt: speculative_generate(model, prompt, budget, eos)), None
     if config.method in ("hf", "prompt-lookup"):
         lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
-        return (lambda entity, prompt: hf_generate(model, prompt, budget, eos, lookup)), None
+        return (lambda entity, prompt: hf_generate(model, [prompt], budget, eos, lookup)[0]), None
     routing = route_pools(task.dataset, task.split, config.side, config.pool_grouping, config.groups,
                           config.min_interactions, task.seed)
     pools = PoolSet(routing, pool_texts or {}, config.retrieval.window)
@@ -238,17 +248,26 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
         texts = task.pool_texts(config, pool) if pool is not None else (
             task.stored_texts(config.side, out) if own else None)
         generate, pools = make_generator(task, config, texts)
-        bar = tqdm(todo, desc=f"{config.side} {config.part} knowledge ({config.method})", unit="request",
+        bar = tqdm(total=len(todo), desc=f"{config.side} {config.part} knowledge ({config.method})", unit="request",
                    disable=not progress)
-        for entity in bar:
-            generation = generate(entity, task.prompt(config, entity))
-            store.add(task.entity_id(config.side, entity), task.tokenizer.decode(generation.tokens,
-                                                                                 skip_special_tokens=True),
-                      generation)
-            summary.add(generation)
-            if own:
-                pools.add(entity, generation.tokens)
+        prompt_of = {entity: task.prompt(config, entity) for entity in todo}
+        if config.batch_size > 1:  # batch prompts of similar lengths: less padding
+            todo.sort(key=lambda entity: len(prompt_of[entity]))
+        for start in range(0, len(todo), config.batch_size):
+            batch = todo[start:start + config.batch_size]
+            prompts = [prompt_of[entity] for entity in batch]
+            generations = (hf_generate(task.model, prompts, config.max_new_tokens, task.eos) if len(batch) > 1
+                           else [generate(batch[0], prompts[0])])
+            store.add([(task.entity_id(config.side, entity),
+                        task.tokenizer.decode(generation.tokens, skip_special_tokens=True), generation)
+                       for entity, generation in zip(batch, generations)])
+            for entity, generation in zip(batch, generations):
+                summary.add(generation)
+                if own:
+                    pools.add(entity, generation.tokens)
+            bar.update(len(batch))
             bar.set_postfix_str(f"{summary.tokens / summary.wall_s:.1f} tok/s, AAL {summary.tokens / summary.calls:.2f}")
+        bar.close()
         summary.pool_build_s = pools.build_s if pools is not None else 0.0
     return summary
 

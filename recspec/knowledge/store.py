@@ -19,7 +19,7 @@ import hashlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,14 +111,15 @@ class KnowledgeStore:
     def done(self) -> set[str]:
         return {entity for (entity,) in self.db.execute("SELECT entity FROM knowledge")}
 
-    def add(self, entity: str, text: str, generation: Generation) -> None:
-        """Insert one result in its own transaction (committed before returning)."""
-        g = generation
+    def add(self, results: Sequence[tuple[str, str, Generation]]) -> None:
+        """Insert ``(entity, text, generation)`` results in one transaction (committed before
+        returning): one request, or one batch of them."""
+        created = time.strftime("%Y-%m-%dT%H:%M:%S")
         with self.db:
-            self.db.execute(f"INSERT INTO knowledge VALUES ({', '.join('?' * len(COLUMNS))})",
-                            (entity, text, json.dumps(g.tokens), g.prompt_tokens, len(g.tokens), g.calls,
-                             g.accepted, g.drafted, g.ceiling_tokens, g.retrieval_s, g.wall_s,
-                             time.strftime("%Y-%m-%dT%H:%M:%S")))
+            self.db.executemany(f"INSERT INTO knowledge VALUES ({', '.join('?' * len(COLUMNS))})",
+                                [(entity, text, json.dumps(g.tokens), g.prompt_tokens, len(g.tokens), g.calls,
+                                  g.accepted, g.drafted, g.ceiling_tokens, g.retrieval_s, g.wall_s, created)
+                                 for entity, text, g in results])
 
 
 def read_settings(path: Path) -> dict[str, Any]:

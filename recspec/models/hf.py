@@ -9,6 +9,7 @@ import torch
 
 from recspec.assets import ASSETS, require
 from recspec.errors import RecspecError
+from recspec.models.small_rows import use_small_row_products
 
 
 def resolve_model_dir(spec: str | Path) -> Path:
@@ -38,12 +39,13 @@ def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype:
 
 def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                    attn_implementation: str | None = None):
-    """A causal LM (with its LM head) by asset name or HF model folder, in eval mode."""
+    """A causal LM (with its LM head) by asset name or HF model folder, in eval mode; its linear
+    layers compute a few rows through the fast CPU path (:mod:`recspec.models.small_rows`)."""
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec), dtype=dtype, **extra)
-    return model.to(device).eval()
+    return use_small_row_products(model.to(device).eval())
 
 
 def keep_last_logits(model, count: int) -> dict[str, int]:

@@ -1,0 +1,45 @@
+"""The small-row linear forward: the same product as ``F.linear`` for every row count and shape,
+on a real SmolLM2 model too (logits of one call over a few rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from recspec.models.small_rows import MAX_SMALL_ROWS, use_small_row_products
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 5, 48), (1, MAX_SMALL_ROWS, 48), (MAX_SMALL_ROWS + 1, 48),
+                                   (0, 48)])
+def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(shape)
+    expected = F.linear(x, layer.weight, layer.bias)
+    use_small_row_products(layer)
+    out = layer(x)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_flow_through_the_small_row_forward() -> None:
+    torch.manual_seed(0)
+    layer = use_small_row_products(nn.Linear(16, 8))
+    layer(torch.randn(4, 16)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from recspec.models.hf import load_causal_lm
+
+    patched = load_causal_lm(smollm2_dir)
+    plain = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    assert patched.lm_head.forward.__func__.__name__ == "_small_row_forward"
+    ids = torch.arange(100, 116)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(patched(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
