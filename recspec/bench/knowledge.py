@@ -80,13 +80,13 @@ def bench_side(task: KnowledgeTask, base: KnowledgeConfig, pool: Path, limit: in
             for e in entities:
                 pools.trie_for(e)
             build_s[name], pool_sizes[name] = pools.build_s, pools.sizes()
-    generators["hf"](entities[0], prompts[entities[0]])  # warm-up
+    generators["hf"](entities[:1], [prompts[entities[0]]])  # warm-up
     runs: dict[str, dict[int, list[Generation]]] = {name: {e: [] for e in entities} for name in variants}
     load_before = os.getloadavg()
     for e in tqdm(entities, desc=f"bench {base.side} knowledge", unit=base.side):
         for _ in range(repeats):
             for name in variants:
-                runs[name][e].append(generators[name](e, prompts[e]))
+                runs[name][e] += generators[name]([e], [prompts[e]])
     load_after = os.getloadavg()
     rows = {name: _summarise(runs[name], runs.get("hf")) for name in variants}
     reference = rows["hf"]["tokens_per_s"] if "hf" in rows else None

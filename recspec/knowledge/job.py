@@ -3,8 +3,9 @@
 :class:`KnowledgeTask` holds what every method needs (the data set and its streaming split, the
 target model and tokenizer); :class:`KnowledgeConfig` names what determines the texts (side,
 part, method, verification, token budget, pools); :func:`make_generator` turns both into a
-function from an entity to a :class:`~recspec.knowledge.decode.Generation`; :func:`run_job` runs
-it over the entities still missing from a store.
+function from a batch of entities (one, except for batched ``hf``) to their
+:class:`~recspec.knowledge.decode.Generation`; :func:`run_job` runs it over the entities still
+missing from a store.
 
 Methods:
 
@@ -178,26 +179,29 @@ class KnowledgeTask:
         return self.stored_texts(config.side, pool)
 
 
-Generator = Callable[[int, list[int]], Generation]
+#: (entities, their prompt ids) -> one Generation each
+Generator = Callable[[list[int], list[list[int]]], list[Generation]]
 
 
 def make_generator(task: KnowledgeTask, config: KnowledgeConfig,
                    pool_texts: dict[int, list[int]] | None) -> tuple[Generator, PoolSet | None]:
-    """A function ``(entity, prompt ids) -> Generation`` for ``config.method``, and the pools it
-    drafts from (None for the non-drafting methods)."""
+    """A :data:`Generator` for ``config.method`` (``hf`` decodes its batch in one ``generate``
+    call, every other method one request at a time), and the pools it drafts from (None for the
+    non-drafting methods)."""
     model, budget, eos = task.model, config.max_new_tokens, task.eos
     if config.method == "ar":
-        return (lambda entity, prompt: speculative_generate(model, prompt, budget, eos)), None
+        return (lambda entities, prompts: [speculative_generate(model, p, budget, eos) for p in prompts]), None
     if config.method in ("hf", "prompt-lookup"):
         lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
-        return (lambda entity, prompt: hf_generate(model, [prompt], budget, eos, lookup)[0]), None
+        return (lambda entities, prompts: hf_generate(model, prompts, budget, eos, lookup)), None
     routing = route_pools(task.dataset, task.split, config.side, config.pool_grouping, config.groups,
                           config.min_interactions, task.seed)
     pools = PoolSet(routing, pool_texts or {}, config.retrieval.window)
 
-    def generate(entity: int, prompt: list[int]) -> Generation:
-        drafter = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
-        return speculative_generate(model, prompt, budget, eos, drafter, config.verification)
+    def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
+        return [speculative_generate(model, prompt, budget, eos,
+                                     RetrievalDrafter(pools.trie_for(entity), config.retrieval), config.verification)
+                for entity, prompt in zip(entities, prompts)]
 
     return generate, pools
 
@@ -255,9 +259,7 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
             todo.sort(key=lambda entity: len(prompt_of[entity]))
         for start in range(0, len(todo), config.batch_size):
             batch = todo[start:start + config.batch_size]
-            prompts = [prompt_of[entity] for entity in batch]
-            generations = (hf_generate(task.model, prompts, config.max_new_tokens, task.eos) if len(batch) > 1
-                           else [generate(batch[0], prompts[0])])
+            generations = generate(batch, [prompt_of[entity] for entity in batch])
             store.add([(task.entity_id(config.side, entity),
                         task.tokenizer.decode(generation.tokens, skip_special_tokens=True), generation)
                        for entity, generation in zip(batch, generations)])
