@@ -644,6 +644,8 @@ def bench_knowledge(
     max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
     k: Annotated[int, typer.Option("--k", help="Relaxed verification top-k.")] = 2,
     p: Annotated[float, typer.Option("--p", help="Relaxed verification probability threshold.")] = 0.1,
+    groups: Annotated[int, typer.Option(help="k-means groups of the collaborative pools.")] = 5,
+    min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
     variant: Annotated[Optional[list[str]], typer.Option(
         help="Variants to run (repeatable; default all: hf, prompt-lookup, ar, resd, rrp, laser-greedy, rv+grp, "
              "rv+rrp, laser, laser@8, laser@32, laser@64).")] = None,
@@ -657,8 +659,8 @@ def bench_knowledge(
     pools = {side: path for side, path in (("user", user_pool), ("item", item_pool)) if path is not None}
     if not pools:
         raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`)")
-    base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", 5, 10, draft_nodes,
-                             draft_depth, max_suffix, 10, 1024)
+    base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", groups,
+                             min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024)
     variants = tuple(variant or VARIANTS)
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "hf" not in variants:

@@ -198,3 +198,22 @@ def test_any_hugging_face_causal_lm_folder_plugs_in(smollm2_dir, ml100k, tmp_pat
     assert [r.tokens for r in read_rows(tmp_path / "greedy.db")] == [r.tokens for r in read_rows(tmp_path / "ar.db")]
     assert len(list(read_rows(tmp_path / "relaxed.db"))) == 3
     assert read_settings(tmp_path / "ar.db")["model"]["name"] == "tiny"
+
+
+def test_bench_knowledge_reports_every_variant_against_hf(task, old_store, tmp_path) -> None:
+    """`bench knowledge` on two new items: every variant's row, speed-ups against hf, greedy
+    variants reproducing hf's tokens, and the pool settings (groups) in the results."""
+    import json
+
+    from recspec.bench.knowledge import run
+
+    base = KnowledgeConfig(groups=3, min_interactions=4)
+    markdown = run(tmp_path, {"item": old_store}, limit=2, repeats=1, max_new_tokens=6, base=base,
+                   variants=("hf", "resd", "laser-greedy", "laser"), model=str(task.model_dir))
+    results = json.loads((tmp_path / "knowledge.json").read_text())
+    assert (results["groups"], results["min_interactions"]) == (3, 4)
+    rows = results["sides"][0]["rows"]
+    assert list(rows) == ["hf", "resd", "laser-greedy", "laser"] and rows["hf"]["speedup"] == 1.0
+    assert rows["hf"]["aal"] == 1.0 and rows["hf"]["tokens"] == 12 and rows["laser"]["speedup"] > 0
+    assert rows["resd"]["same_as_hf"] == rows["laser-greedy"]["same_as_hf"] == 2
+    assert "3 k-means groups, routed from 4 interactions" in markdown and "LASER (relaxed) tokens/s ratio" in markdown

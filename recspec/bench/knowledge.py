@@ -154,6 +154,7 @@ def run(out: Path, pools: dict[str, Path], limit: int = 8, repeats: int = 3, max
     markdown = render(sides, limit, repeats, max_new_tokens, base)
     write_results(out, "knowledge", {"limit": limit, "repeats": repeats, "max_new_tokens": max_new_tokens,
                                      "retrieval": vars(base.retrieval), "verification": vars(base.verification),
+                                     "groups": base.groups, "min_interactions": base.min_interactions,
                                      "sides": sides}, markdown)
     return markdown
 
@@ -164,7 +165,8 @@ def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens
              f"SmolLM2-135M-Instruct, MovieLens-100K, first {limit} new-part users / new items per side, "
              f"{max_new_tokens} new tokens at most; median of {repeats} interleaved runs per text. Drafts: at most "
              f"{r.max_nodes} nodes, {r.max_depth} deep, suffix <= {r.max_suffix}; relaxed verification "
-             f"k={base.verification.top_k}, p={base.verification.min_prob:g}. x hf: tokens/s over `generate`'s "
+             f"k={base.verification.top_k}, p={base.verification.min_prob:g}; LASER's collaborative pools: "
+             f"{base.groups} k-means groups, routed from {base.min_interactions} interactions. x hf: tokens/s over `generate`'s "
              f"(whole requests, prefill included); decode x hf: the same after the prefill; ceiling: the speed-up "
              f"had every step accepted its longest draft branch."]
     for side in sides:

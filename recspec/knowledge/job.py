@@ -44,7 +44,7 @@ from recspec.knowledge.decode import (Generation, RetrievalDrafter, eos_ids, hf_
 from recspec.knowledge.pools import PoolSet
 from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import MAX_DEPTH, MAX_NODES, RetrievalConfig
-from recspec.knowledge.router import route_pools
+from recspec.knowledge.router import PoolRouting, route_pools
 from recspec.knowledge.store import KnowledgeStore, model_fingerprint, read_rows, read_settings
 from recspec.knowledge.stream import check_side_part, stream_split
 from recspec.knowledge.verify import Verification
@@ -130,6 +130,7 @@ class KnowledgeTask:
         self.model = load_causal_lm(self.model_dir, device=device)
         self.eos = eos_ids(self.model, self.tokenizer)
         self.seed = seed
+        self._routings: dict[tuple[str, str, int, int], PoolRouting] = {}
         self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
                          "split": self.split.settings}
@@ -163,6 +164,14 @@ class KnowledgeTask:
         return user_prompt_ids(self.tokenizer, self.dataset, entity, part[entity], config.max_history,
                                config.max_prompt_tokens)
 
+    def routing(self, config: KnowledgeConfig) -> PoolRouting:
+        """The pool routing of ``config``'s side and pool settings, computed once per task (the
+        collaborative pools train an MF-BPR model)."""
+        key = (config.side, config.pool_grouping, config.groups, config.min_interactions)
+        if key not in self._routings:
+            self._routings[key] = route_pools(self.dataset, self.split, *key, self.seed)
+        return self._routings[key]
+
     def store_settings(self, config: KnowledgeConfig) -> dict[str, Any]:
         return {**self.identity, **config.settings()}
 
@@ -194,9 +203,7 @@ def make_generator(task: KnowledgeTask, config: KnowledgeConfig,
     if config.method in ("hf", "prompt-lookup"):
         lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
         return (lambda entities, prompts: hf_generate(model, prompts, budget, eos, lookup)), None
-    routing = route_pools(task.dataset, task.split, config.side, config.pool_grouping, config.groups,
-                          config.min_interactions, task.seed)
-    pools = PoolSet(routing, pool_texts or {}, config.retrieval.window)
+    pools = PoolSet(task.routing(config), pool_texts or {}, config.retrieval.window)
 
     def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
         return [speculative_generate(model, prompt, budget, eos,

@@ -16,8 +16,18 @@ parent, ``q = softmax(logits[parent])``:
 
 * greedy (laser.txt Eq. 4): ``token == argmax q`` (``torch.argmax``: the first maximal id, the
   same tie rule as greedy ``generate``), so the output is the greedy decoding's;
-* relaxed (Eq. 8): ``token`` is among the ``k`` most probable tokens of ``q`` (its probability is
-  at least the ``k``-th largest) **and** ``q(token) > p``.
+* relaxed (Eq. 8, as a relaxation of greedy): ``token`` is the greedy token (``argmax q``), **or**
+  it is among the ``k`` most probable tokens of ``q`` (its probability is at least the ``k``-th
+  largest) **and** ``q(token) > p``.
+
+Why the greedy token always passes: read literally, Eq. 8 rejects the argmax when ``q(argmax) <=
+p`` (a flat distribution). The step then emits that very token anyway, as the target's correction,
+and only throws the rest of the branch away. Accepting it keeps the same guarantee on every output
+token (the greedy token, or a top-``k`` token above ``p``: the threshold exists to stop low-probability
+non-greedy tokens, laser.txt 3.4) with fewer target calls, and makes relaxed acceptance a superset
+of greedy acceptance, as the paper describes it ("expand the verification criteria from the
+highest probability token to the top-k probable tokens"; its top-p variant likewise keeps the
+highest-probability token).
 
 A node counts only if its whole root path is accepted; the decoder keeps the deepest such node
 (the first in node order among equally deep ones: the most frequent draft) and appends the
@@ -74,14 +84,15 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
 
 def relaxed_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, top_k: int,
                    min_prob: float) -> torch.Tensor:
-    """bool ``[B, N]``: Eq. 8, ``tokens[b, n]`` in the top ``top_k`` of ``q = softmax(logits[b,
-    parent])`` (probability >= the ``top_k``-th largest) and ``q(token) > min_prob``; root True."""
+    """bool ``[B, N]``: Eq. 8 as a relaxation of greedy (module docstring): ``tokens[b, n]`` is
+    the greedy token of ``q = softmax(logits[b, parent])``, or it is in the top ``top_k`` of ``q``
+    (probability >= the ``top_k``-th largest) with ``q(token) > min_prob``; root True."""
     probs = torch.softmax(logits.float(), dim=-1)  # [B, N, V]
     kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[..., -1]  # [B, N]
     parent = parents.clamp_min(0)
     token_prob = probs.flatten(1).gather(1, parent * probs.shape[-1] + tokens)  # [B, N]: q_parent(token)
     ok = (token_prob >= kth.gather(1, parent)) & (token_prob > min_prob)
-    return ok | (parents < 0)
+    return ok | greedy_accept(tokens, parents, logits)
 
 
 def accepted_path(accept: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
