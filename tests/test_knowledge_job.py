@@ -115,7 +115,7 @@ def test_drafting_methods_use_a_matching_old_part_pool(task, old_store, tmp_path
         run_job(task, laser, tmp_path / "a.db", limit=1, progress=False)
     summary = run_job(task, laser, tmp_path / "a.db", pool=old_store, limit=2, progress=False)
     assert summary.requests == 2
-    assert read_settings(tmp_path / "a.db")["verify"] == "relaxed (k=2, p=0.1)"
+    assert read_settings(tmp_path / "a.db")["verify"] == "relaxed (the argmax, or top-2 with p > 0.1)"
     new_items = tmp_path / "b.db"
     run_job(task, replace(OLD_ITEMS, part="new"), new_items, limit=1, progress=False)
     with pytest.raises(RecspecError, match="part=new"):

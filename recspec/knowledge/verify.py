@@ -69,7 +69,10 @@ class Verification:
         return relaxed_accept(tokens, parents, logits, self.top_k, self.min_prob)
 
     def describe(self) -> str:
-        return "greedy" if self.kind == "greedy" else f"relaxed (k={self.top_k}, p={self.min_prob:g})"
+        # the rule is spelled out, so a store of the literal Eq. 8 (before the argmax was always kept)
+        # is refused rather than resumed
+        return ("greedy" if self.kind == "greedy"
+                else f"relaxed (the argmax, or top-{self.top_k} with p > {self.min_prob:g})")
 
 
 def _at_parents(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
