@@ -3,6 +3,7 @@ duplicates after a crash, refusal to mix stores, pool checks, prompt truncation,
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import sys
 from dataclasses import replace
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import typer.testing
 
+from recspec.bench.knowledge import run as bench_knowledge
 from recspec.cli import app, main
 from recspec.errors import RecspecError
 from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, run_job
@@ -203,12 +205,8 @@ def test_any_hugging_face_causal_lm_folder_plugs_in(smollm2_dir, ml100k, tmp_pat
 def test_bench_knowledge_reports_every_variant_against_hf(task, old_store, tmp_path) -> None:
     """`bench knowledge` on two new items: every variant's row, speed-ups against hf, greedy
     variants reproducing hf's tokens, and the pool settings (groups) in the results."""
-    import json
-
-    from recspec.bench.knowledge import run
-
     base = KnowledgeConfig(groups=3, min_interactions=4)
-    markdown = run(tmp_path, {"item": old_store}, limit=2, repeats=1, max_new_tokens=6, base=base,
+    markdown = bench_knowledge(tmp_path, {"item": old_store}, limit=2, repeats=1, max_new_tokens=6, base=base,
                    variants=("hf", "resd", "laser-greedy", "laser"), model=str(task.model_dir))
     results = json.loads((tmp_path / "knowledge.json").read_text())
     assert (results["groups"], results["min_interactions"]) == (3, 4)

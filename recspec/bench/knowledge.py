@@ -166,8 +166,8 @@ def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens
              f"{max_new_tokens} new tokens at most; median of {repeats} interleaved runs per text. Drafts: at most "
              f"{r.max_nodes} nodes, {r.max_depth} deep, suffix <= {r.max_suffix}; relaxed verification "
              f"k={base.verification.top_k}, p={base.verification.min_prob:g}; LASER's collaborative pools: "
-             f"{base.groups} k-means groups, routed from {base.min_interactions} interactions. x hf: tokens/s over `generate`'s "
-             f"(whole requests, prefill included); decode x hf: the same after the prefill; ceiling: the speed-up "
+             f"{base.groups} k-means groups, routed from {base.min_interactions} interactions. x hf: tokens/s "
+             f"over `generate`'s (whole requests, prefill included); decode x hf: the same after the prefill; ceiling: the speed-up "
              f"had every step accepted its longest draft branch."]
     for side in sides:
         rows = side["rows"]
