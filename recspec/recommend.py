@@ -26,7 +26,7 @@ from recspec.decoding.speculative import SpecConfig, SpecStats, speculative_beam
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
-from recspec.fileio import atomic_path, read_json, write_json_atomic
+from recspec.fileio import atomic_path, dumps_strict, read_json, write_json_atomic
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
 from recspec.models.examples import PromptEncoder, saved_template
@@ -147,14 +147,20 @@ class Recommender:
 
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
-             draft_dir: str | Path | None = None) -> Recommender:
+             draft_dir: str | Path | None = None, k: int | None = None) -> Recommender:
         """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained
         one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
-        trained with the same item index and tokenizer."""
+        trained with the same item index and tokenizer. ``k``: the number of items to be asked
+        for, refused before any model is loaded when the index has fewer items."""
         from recspec.models.train import load_trained, trained_model_dir
 
         folder, info = run_info(Path(model_dir))
         index = ItemIndex.load(folder / INDEX_FILE)
+        if k is not None and not 1 <= k <= len(index.item_keys):
+            raise RecspecError(f"k={k} is outside [1, {len(index.item_keys)}]: the item index of {folder} has "
+                               f"{len(index.item_keys)} items")
+        if draft_dir is not None:
+            trained_model_dir(draft_dir)  # a damaged draft is named before the target is loaded
         model, tokenizer = load_trained(folder, index, device=device)
         template = saved_template(trained_model_dir(folder), tokenizer)
         draft = None
@@ -174,6 +180,8 @@ class Recommender:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
         split = split_dataset(self.dataset, self.info.get("split"), self.info.get("max_history", 20))
         examples = evaluation_part(split, part)
+        if users is not None and users < 1:
+            raise RecspecError(f"users must be at least 1, got {users}")
         if users is not None:
             examples = examples.subset(np.arange(min(users, len(examples))))
         return examples
@@ -202,15 +210,26 @@ class Recommender:
 
 
 
+def check_finite_scores(topk: TopK, user_ids: Sequence[str]) -> None:
+    """Refuse results whose real items (index >= 0) carry a NaN or infinite score: a damaged or
+    diverged model, whose items are garbage. ``user_ids``: the raw user id of each row."""
+    bad = ((topk.items >= 0) & ~topk.scores.isfinite()).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise RecspecError(f"user {user_ids[bad[0]]} (and {len(bad) - 1} more): the model gave non-finite scores "
+                           f"(NaN or inf); its weights are damaged or diverged, so nothing was written")
+
+
 def write_recs(path: Path, recommender: Recommender, examples: Examples, topk: TopK) -> None:
-    """One JSON line per example (user, items as raw ids best first, scores), written atomically."""
+    """One JSON line per example (user, items as raw ids best first, scores), written atomically;
+    non-finite scores are refused (see :func:`check_finite_scores`), so every line is valid JSON."""
     keys = recommender.index.item_keys
+    users = [recommender.dataset.user_ids[user] for user in examples.users.tolist()]
+    check_finite_scores(topk, users)
     rows, scores = topk.items.cpu().tolist(), topk.scores.cpu().tolist()
     with atomic_path(Path(path)) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        for user, items, values in zip(examples.users.tolist(), rows, scores):
-            handle.write(json.dumps({"user": recommender.dataset.user_ids[user],
-                                     "items": [keys[i] for i in items if i >= 0],
-                                     "scores": [round(v, 6) for v, i in zip(values, items) if i >= 0]}) + "\n")
+        for user, items, values in zip(users, rows, scores):
+            handle.write(dumps_strict({"user": user, "items": [keys[i] for i in items if i >= 0],
+                                       "scores": [round(v, 6) for v, i in zip(values, items) if i >= 0]}) + "\n")
 
 
 def read_recs(path: Path) -> list[dict[str, Any]]:

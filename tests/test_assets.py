@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -21,26 +23,95 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def fake_recbole_wheel(path: Path) -> Path:
-    with zipfile.ZipFile(path, "w") as archive:
-        for suffix, text in (("inter", "user_id:token\titem_id:token\ttimestamp:float\n1\t2\t3\n"),
-                             ("item", "item_id:token\tmovie_title:token_seq\n2\tHeat\n"),
-                             ("user", "user_id:token\tage:token\n1\t30\n")):
-            archive.writestr(f"recbole/dataset_example/ml-100k/ml-100k.{suffix}", text)
-    return path
+@pytest.fixture(scope="session")
+def recbole_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real ``recbole==1.2.1`` wheel (2 MB) from the package index, downloaded once."""
+    into = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                             "-d", str(into), "recbole==1.2.1"], capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        pytest.skip(f"the package index cannot be reached here ({result.stderr.strip()[-200:]}); CI reaches it")
+    return wheels[0]
 
 
-def test_fetch_from_wheel_writes_manifest(tmp_cache: Path, tmp_path: Path) -> None:
-    folder = assets.fetch("ml-100k", wheel=fake_recbole_wheel(tmp_path / "r.whl"), progress=lambda _: None)
+def _copy_with(wheel: Path, into: Path, change: dict[str, bytes]) -> Path:
+    """A copy of ``wheel`` with the members of ``change`` replaced (a repacked, altered wheel)."""
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(into, "w") as out:
+        for item in source.infolist():
+            out.writestr(item, change.get(item.filename, source.read(item.filename)))
+    return into
+
+
+def test_fetch_from_wheel_writes_manifest(tmp_cache: Path, recbole_wheel: Path) -> None:
+    folder = assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
     assert folder == tmp_cache / "ml-100k"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert set(manifest["files"]) == {"ml-100k.inter", "ml-100k.item", "ml-100k.user"}
     for name, entry in manifest["files"].items():
         assert entry["sha256"] == sha256_file(folder / name)
+        assert entry["sha256"] == assets.ASSETS["ml-100k"].sources[f"recbole/dataset_example/ml-100k/{name}"]
     assert assets.require("ml-100k") == folder
     assert [r["status"].split()[0] for r in assets.list_assets()] == ["ok", "not"]
     # no temporary folders left behind
     assert sorted(p.name for p in tmp_cache.iterdir()) == ["ml-100k"]
+
+
+def test_only_the_pinned_wheel_is_accepted(tmp_cache: Path, tmp_path: Path, recbole_wheel: Path) -> None:
+    member = "recbole/dataset_example/ml-100k/ml-100k.item"
+    with zipfile.ZipFile(recbole_wheel) as archive:
+        original = archive.read(member)
+    altered = bytearray(original)
+    altered[100] ^= 0x01  # one bit of one data file
+    repacked = _copy_with(recbole_wheel, tmp_path / "recbole-1.2.1-py3-none-any.whl", {member: bytes(altered)})
+    with pytest.raises(RecspecError, match=r"not the recbole==1.2.1 wheel recspec pins \(sha256 .*expected 9c994820"):
+        assets.fetch("ml-100k", wheel=repacked, progress=lambda _: None)
+    flipped = tmp_path / "flipped.whl"
+    data = bytearray(recbole_wheel.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(RecspecError, match="recspec pins"):
+        assets.fetch("ml-100k", wheel=flipped, progress=lambda _: None)
+    other = tmp_path / "other.whl"
+    with zipfile.ZipFile(other, "w") as archive:
+        archive.writestr(member, original)
+    with pytest.raises(RecspecError, match="recspec pins"):
+        assets.fetch("ml-100k", wheel=other, progress=lambda _: None)
+    assert not (tmp_cache / "ml-100k").exists()
+
+
+def test_same_size_edit_with_mtime_restored_is_detected(tmp_cache: Path, recbole_wheel: Path) -> None:
+    folder = assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
+    assets.require("ml-100k")  # a successful check stamps the files
+    target = folder / "ml-100k.inter"
+    stat = target.stat()
+    data = bytearray(target.read_bytes())
+    data[-3] = ord("9") if data[-3] != ord("9") else ord("8")  # another digit: same size
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert target.stat().st_mtime_ns == stat.st_mtime_ns and target.stat().st_size == stat.st_size
+    with pytest.raises(RecspecError, match=r"ml-100k.inter: checksum mismatch .*--force"):
+        assets.require("ml-100k")
+
+
+def test_assets_verify_rehashes_everything(tmp_cache: Path, recbole_wheel: Path) -> None:
+    from tests.test_cli import recspec
+
+    env = {"RECSPEC_CACHE": str(tmp_cache)}
+    folder = assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
+    result = recspec("assets", "verify", env=env)
+    assert result.returncode == 0 and result.stdout.split() == ["ml-100k", "ok"], result.stderr
+    # an edit that the quick check could only see through the stamp: forge the stamp, verify still finds it
+    target = folder / "ml-100k.user"
+    target.write_bytes(target.read_bytes().replace(b"technician", b"tech1ician", 1))
+    stat = target.stat()
+    (folder / ".verified.json").write_text(json.dumps({"ml-100k.user": [stat.st_size, stat.st_mtime_ns,
+                                                                         stat.st_ctime_ns, stat.st_ino]}))
+    assets.require("ml-100k")  # the quick check trusts the (forged) stamp
+    result = recspec("assets", "verify", "ml-100k", env=env)
+    assert result.returncode == 2 and "ml-100k.user: checksum mismatch" in result.stdout
+    assert result.stderr.strip().splitlines() == ["error: damaged or missing: ml-100k; run `recspec assets fetch "
+                                                  "NAME --force`"]
 
 
 def test_missing_asset_says_what_to_fetch(tmp_cache: Path) -> None:
@@ -52,15 +123,14 @@ def test_missing_asset_says_what_to_fetch(tmp_cache: Path) -> None:
         load_dataset("ml-100k")
 
 
-def test_corrupted_file_is_detected_and_refetched(tmp_cache: Path, tmp_path: Path) -> None:
-    wheel = fake_recbole_wheel(tmp_path / "r.whl")
-    folder = assets.fetch("ml-100k", wheel=wheel, progress=lambda _: None)
+def test_corrupted_file_is_detected_and_refetched(tmp_cache: Path, recbole_wheel: Path) -> None:
+    folder = assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
     target = folder / "ml-100k.item"
-    target.write_text(target.read_text().replace("Heat", "Hean"))  # same size, other bytes
+    target.write_text(target.read_text(encoding="utf-8").replace("Heat", "Hean"), encoding="utf-8")  # same size
     with pytest.raises(RecspecError, match=r"ml-100k.item: checksum mismatch .*--force"):
         assets.require("ml-100k")
     messages: list[str] = []
-    assets.fetch("ml-100k", wheel=wheel, progress=messages.append)
+    assets.fetch("ml-100k", wheel=recbole_wheel, progress=messages.append)
     assert any("damaged" in m for m in messages)
     assert assets.require("ml-100k") == folder
     (folder / "ml-100k.user").unlink()
@@ -81,11 +151,11 @@ def test_failed_download_is_one_clear_error(tmp_cache: Path, monkeypatch: pytest
 def test_bad_wheel_and_unknown_asset(tmp_cache: Path, tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.whl"
     bogus.write_text("not a zip")
-    with pytest.raises(RecspecError, match="not a valid wheel"):
+    with pytest.raises(RecspecError, match="recspec pins"):
         assets.fetch("ml-100k", wheel=bogus, progress=lambda _: None)
     empty = tmp_path / "empty.whl"
     zipfile.ZipFile(empty, "w").close()
-    with pytest.raises(RecspecError, match="has no recbole/dataset_example"):
+    with pytest.raises(RecspecError, match="recspec pins"):
         assets.fetch("ml-100k", wheel=empty, progress=lambda _: None)
     assert not (tmp_cache / "ml-100k").exists()
     with pytest.raises(RecspecError, match="unknown asset"):
@@ -100,3 +170,35 @@ def test_real_smollm2_folder_is_a_normal_hf_model(smollm2_dir: Path) -> None:
     config = AutoConfig.from_pretrained(smollm2_dir)
     assert config.model_type == "llama" and config.hidden_size == 576 and config.num_hidden_layers == 30
     assert getattr(config, "quantization_config", None) is None
+
+
+@pytest.mark.slow
+def test_damaged_embedding_caches_are_rebuilt_not_used(smollm2_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from recspec.itemids.embed import embed_texts
+
+    monkeypatch.setenv("RECSPEC_CACHE", str(tmp_path / "cache"))
+    texts = ["Heat (1995); genres: Action", "Toy Story (1995)", "Alien (1979); genres: Horror, Sci-Fi"]
+    fresh = embed_texts(texts, smollm2_dir, progress=False)
+    (cache_file,) = (tmp_path / "cache" / "embeddings").glob("*.npy")
+    assert np.array_equal(embed_texts(texts, smollm2_dir, progress=False), fresh)  # read back intact
+
+    def truncate(data: bytes) -> bytes:
+        return data[: len(data) // 2]
+
+    def zero(data: bytes) -> bytes:
+        return bytes(len(data))
+
+    def alter(data: bytes) -> bytes:  # same size: the last float's bytes flipped
+        return data[:-4] + bytes(b ^ 0xFF for b in data[-4:])
+
+    for damage in (truncate, zero, alter):
+        cache_file.write_bytes(damage(cache_file.read_bytes()))
+        again = embed_texts(texts, smollm2_dir, progress=False)
+        assert np.allclose(again, fresh, atol=1e-5), damage.__name__
+        assert np.array_equal(np.load(cache_file, allow_pickle=False), again), damage.__name__  # rebuilt on disk
+    cache_file.with_suffix(".json").unlink()  # an array with no record is not trusted either
+    cache_file.write_bytes(zero(cache_file.read_bytes()))
+    assert np.allclose(embed_texts(texts, smollm2_dir, progress=False), fresh, atol=1e-5)

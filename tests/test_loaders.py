@@ -186,3 +186,60 @@ def test_real_movielens(ml100k) -> None:
     assert ml100k.item_info.text(0) == "Toy Story (1995); genres: Animation, Children's, Comedy"
     assert set(np.unique(ml100k.interactions.ratings)) == {1, 2, 3, 4, 5}
     assert len(ml100k.user_info.occupations) == 943
+
+
+# one interaction file per format: (file name, header, row template with {user} {item} {time})
+_FORMATS = {
+    "recbole": ("mini/mini.inter", "user_id:token\titem_id:token\ttimestamp:float\n", "{user}\t{item}\t{time}\n"),
+    "grouplens": ("ml/u.data", "", "{user}\t{item}\t4\t{time}\n"),
+    "csv": ("data/interactions.csv", "user,item,timestamp\n", "{user},{item},{time}\n"),
+    "amazon-json": ("reviews.json", "",
+                    '{{"reviewerID": "{user}", "asin": "{item}", "overall": 4, "unixReviewTime": "{time}"}}\n'),
+}
+
+
+def _bad_file(tmp_path: Path, kind: str, user: str = "u1", item: str = "i1", time: str = "300") -> Path:
+    name, header, row = _FORMATS[kind]
+    good = [row.format(user="u1", item="i2", time="100"), row.format(user="u2", item="i1", time="200")]
+    path = write(tmp_path / name, header + "".join(good) + row.format(user=user, item=item, time=time))
+    return path.parent if kind in ("recbole", "grouplens") else path
+
+
+@pytest.mark.parametrize("kind", sorted(_FORMATS))
+@pytest.mark.parametrize("time", ["nan", "inf", "-inf", "1e300"])
+def test_non_finite_timestamps_are_refused_with_file_and_line(tmp_path: Path, kind: str, time: str) -> None:
+    path = _bad_file(tmp_path, kind, time=time)
+    line = 3 if kind in ("grouplens", "amazon-json") else 4
+    with pytest.raises(RecspecError, match=rf":{line}: .*{time}.*(not a finite number|out of range)"):
+        load_dataset(path)
+
+
+@pytest.mark.parametrize("kind", sorted(_FORMATS))
+@pytest.mark.parametrize("field", ["user", "item"])
+def test_empty_ids_are_refused_with_file_and_line(tmp_path: Path, kind: str, field: str) -> None:
+    path = _bad_file(tmp_path, kind, **{field: " " if kind == "amazon-json" else ""})
+    line = 3 if kind in ("grouplens", "amazon-json") else 4
+    with pytest.raises(RecspecError, match=rf":{line}: empty {field} id"):
+        load_dataset(path)
+
+
+def test_valid_files_of_every_format_still_load(tmp_path: Path) -> None:
+    for kind in _FORMATS:
+        data = load_dataset(_bad_file(tmp_path / kind, kind, time="-5"))  # a time before 1970 is fine
+        assert (data.num_users, data.num_items, len(data.interactions)) == (2, 2, 3)
+
+
+def test_empty_item_id_in_an_item_file_is_refused(recbole_dir: Path) -> None:
+    path = recbole_dir / "mini.item"
+    path.write_text(path.read_text() + "\tNameless\t2000\tDrama\n")
+    with pytest.raises(RecspecError, match=r"mini.item:5: empty item id"):
+        load_dataset(recbole_dir)
+
+
+def test_cli_refuses_a_nan_timestamp_in_one_line(tmp_path: Path) -> None:
+    from tests.test_cli import recspec
+
+    result = recspec("data", "show", str(_bad_file(tmp_path, "csv", time="nan")))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'data' / 'interactions.csv'}:4: 'nan' is not "
+                                                  f"a finite number"]

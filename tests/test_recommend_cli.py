@@ -58,7 +58,7 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
         lists[decoder] = [r["items"] for r in rows]
     assert lists["hf"] == lists["beam"] == lists["tree-beam"]
     result = recspec("recommend", "--target", str(out), "--k", "41", "--out", str(tmp_path / "r.jsonl"))
-    assert result.returncode == 2 and "k=41 exceeds the number of items in the trie (40)" in result.stderr
+    assert result.returncode == 2 and "k=41 is outside [1, 40]" in result.stderr
 
     # speculative decoders with a second, differently seeded draft-tiny as the draft
     draft, foreign = tmp_path / "draft", tmp_path / "foreign"
@@ -86,7 +86,7 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
                            (["--decoder", "spec-strict", "--draft", str(draft), "--draft-beams", "3"], "at least k=5"),
                            (["--decoder", "spec-strict", "--draft", str(draft), "--gamma", "3"], "gamma=3 is outside"),
                            (["--decoder", "spec-relaxed", "--draft", str(draft), "--temperature", "0"],
-                            "temperature must be positive"),
+                            "temperature must be a positive number"),
                            (["--decoder", "spec-strict", "--draft", str(foreign)], "trained for another item index")):
         result = recspec("recommend", "--target", str(out), "--k", "5", "--out", str(tmp_path / "x.jsonl"), *extra)
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)

@@ -87,7 +87,7 @@ def test_bad_settings_fail_before_any_work() -> None:
     cases = [(SpecConfig(draft_beams=4), 5, "must be at least k=5"),
              (SpecConfig(gamma=0), 2, r"gamma=0 is outside \[1, 2\]"),
              (SpecConfig(gamma=3), 2, r"gamma=3 is outside \[1, 2\]"),
-             (SpecConfig(verify="relaxed", temperature=0.0), 2, "temperature must be positive"),
+             (SpecConfig(verify="relaxed", temperature=0.0), 2, "temperature must be a positive number"),
              (SpecConfig(verify="lenient"), 2, "unknown verification")]
     for config, k, message in cases:
         with pytest.raises(RecspecError, match=message):

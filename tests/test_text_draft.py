@@ -13,6 +13,7 @@ import torch
 from recspec.errors import RecspecError
 from recspec.models.text_draft import (BEST, CHECKPOINT, CORPUS, DistillConfig, acceptance, distill, forward_kl,
                                        trainable_draft)
+from recspec.statefile import has_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,7 +51,7 @@ def test_distill_end_to_end_resumes_and_drafts(smollm2_dir, ml100k, tmp_path: Pa
 
     config = DistillConfig(prompts=16, max_new_tokens=6, epochs=1, batch_size=7, lr=1e-3, warmup_steps=1)
     stopped = distill(str(smollm2_dir), tmp_path, config, max_minutes=1e-6, progress=False)  # stops after a step
-    assert stopped["stopped"] == "time budget" and (tmp_path / CHECKPOINT).is_file()
+    assert stopped["stopped"] == "time budget" and has_state(tmp_path, CHECKPOINT)
     rows = [json.loads(line) for line in (tmp_path / CORPUS).read_text().splitlines()]
     assert len(rows) == 16 and all(1 <= len(row["response"]) <= 6 for row in rows)
     result = distill(str(smollm2_dir), tmp_path, config, progress=False)  # the rest, from the checkpoint

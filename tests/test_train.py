@@ -17,6 +17,7 @@ from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model
 from recspec.models.tokenizer import build_tokenizer
 from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, load_trained, lr_lambda, train
+from recspec.statefile import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,7 +123,7 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
     with pytest.raises(KeyboardInterrupt):
         train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "b", config, progress=False,
               callback=stop_at(7))
-    saved = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=True)
+    saved = load_state(tmp_path / "b" / "checkpoint", "trainer_state", "")
     assert saved["train"]["step"] == 7 and saved["train"]["batch_in_epoch"] == 7
 
     # 2. Ctrl-C (SIGINT) in the middle of a forward pass of epoch 2: deferred to the end of that step
@@ -137,7 +138,7 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
     model.register_forward_hook(hook)
     with pytest.raises(KeyboardInterrupt):
         train(model, SupervisedTask(encoder, split, config), tmp_path / "b", config, progress=False)
-    saved = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=True)
+    saved = load_state(tmp_path / "b" / "checkpoint", "trainer_state", "")
     # the step running when SIGINT came completed: 7 + 20 steps, in epoch 2
     assert saved["train"]["step"] == 27 > steps_per_epoch and saved["train"]["epoch"] == 1
 

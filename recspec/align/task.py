@@ -72,7 +72,7 @@ def load_part(data_dir: Path, manifest: dict[str, Any], part: str) -> AlignmentP
             raise RecspecError(f"{path}: missing, truncated or altered shard; run `recspec align data` into a new "
                                f"folder")
         try:
-            with np.load(path) as shard:
+            with np.load(path) as shard:  # numpy refuses object arrays by default
                 shards.append({name: shard[name] for name in _ARRAYS})
         except (OSError, ValueError, KeyError) as err:
             raise RecspecError(f"{path}: unreadable shard ({err})") from None

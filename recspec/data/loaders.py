@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 
 from recspec.data.dataset import Dataset, Interactions, ItemInfo, UserInfo
 from recspec.errors import RecspecError
+from recspec.fileio import read_json
 
 KNOWN_DATASETS = ("ml-100k",)
 
@@ -65,11 +67,36 @@ def _rows(path: Path, sep: str | None, width: int, encoding: str = "utf-8",
             yield lineno, fields
 
 
-def _number(path: Path, lineno: int, value: str, kind: Callable[[str], float | int]) -> float | int:
+def _number(path: Path, lineno: int, value: object, kind: Callable[[str], float | int]) -> float | int:
+    """``value`` as a finite number of ``kind``; anything else (text, ``nan``, ``inf``) is refused
+    with the file and line."""
     try:
-        return kind(value)
+        number = kind(str(value))
     except ValueError:
         raise RecspecError(f"{path}:{lineno}: {value!r} is not a valid number") from None
+    if not math.isfinite(number):
+        raise RecspecError(f"{path}:{lineno}: {value!r} is not a finite number")
+    return number
+
+
+MAX_TIMESTAMP = 2**62  # far beyond any real time in seconds or milliseconds, well inside int64
+
+
+def _timestamp(path: Path, lineno: int, value: object) -> int:
+    """A timestamp (an integer, or a number truncated to one) within +-2^62; negative times (before
+    1970) are fine, since only their order matters."""
+    number = int(_number(path, lineno, value, float))
+    if abs(number) >= MAX_TIMESTAMP:
+        raise RecspecError(f"{path}:{lineno}: timestamp {value!r} is out of range")
+    return number
+
+
+def _id(path: Path, lineno: int, value: object, what: str) -> str:
+    """A user or item id: non-empty text (an empty one would create a phantom user or item)."""
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise RecspecError(f"{path}:{lineno}: empty {what} id")
+    return text
 
 
 def _single(directory: Path, pattern: str) -> Path | None:
@@ -121,9 +148,9 @@ def load_recbole_atomic(directory: Path) -> Dataset:
     cr = names.index("rating") if "rating" in names else None
     users, items, times, ratings = [], [], [], []
     for lineno, f in rows:
-        users.append(f[cu])
-        items.append(f[ci])
-        times.append(int(_number(inter_path, lineno, f[ct], float)))
+        users.append(_id(inter_path, lineno, f[cu], "user"))
+        items.append(_id(inter_path, lineno, f[ci], "item"))
+        times.append(_timestamp(inter_path, lineno, f[ct]))
         if cr is not None:
             ratings.append(float(_number(inter_path, lineno, f[cr], float)))
     inter, user_ids, item_ids = _interactions(users, items, times, ratings if cr is not None else None)
@@ -134,7 +161,7 @@ def load_recbole_atomic(directory: Path) -> Dataset:
     if item_path is not None:
         names, rows = _atomic_table(item_path)
         ci = _column(item_path, names, "item_id")
-        table = {f[ci]: f for _, f in rows}
+        table = {_id(item_path, lineno, f[ci], "item"): f for lineno, f in rows}
         title_col = next((names.index(c) for c in ("movie_title", "title") if c in names), None)
         year_col = names.index("release_year") if "release_year" in names else None
         genre_col = next((names.index(c) for c in ("class", "genre", "genres") if c in names), None)
@@ -177,10 +204,10 @@ def load_grouplens(directory: Path) -> Dataset:
     data = directory / "u.data"
     users, items, times, ratings = [], [], [], []
     for lineno, f in _rows(data, "\t", 4):
-        users.append(f[0])
-        items.append(f[1])
+        users.append(_id(data, lineno, f[0], "user"))
+        items.append(_id(data, lineno, f[1], "item"))
         ratings.append(float(_number(data, lineno, f[2], float)))
-        times.append(int(_number(data, lineno, f[3], int)))
+        times.append(_timestamp(data, lineno, f[3]))
     inter, user_ids, item_ids = _interactions(users, items, times, ratings)
     _check_nonempty(data, inter)
     item_info = user_info = None
@@ -188,7 +215,8 @@ def load_grouplens(directory: Path) -> Dataset:
     if (directory / "u.genre").is_file():
         genre_names = [f[0] for _, f in _rows(directory / "u.genre", "|", 2, encoding="latin-1")]
     if (directory / "u.item").is_file():
-        table = {f[0]: f for _, f in _rows(directory / "u.item", "|", 5 + len(genre_names), encoding="latin-1")}
+        table = {_id(directory / "u.item", lineno, f[0], "item"): f
+                 for lineno, f in _rows(directory / "u.item", "|", 5 + len(genre_names), encoding="latin-1")}
         titles, years, genres = [], [], []
         for item in item_ids:
             f = table.get(item)
@@ -202,7 +230,8 @@ def load_grouplens(directory: Path) -> Dataset:
             genres.append([g for g, flag in zip(genre_names, flags) if flag == "1"])
         item_info = ItemInfo(titles=titles, years=years, genres=genres)
     if (directory / "u.user").is_file():
-        table = {f[0]: f for _, f in _rows(directory / "u.user", "|", 5, encoding="latin-1")}
+        table = {_id(directory / "u.user", lineno, f[0], "user"): f
+                 for lineno, f in _rows(directory / "u.user", "|", 5, encoding="latin-1")}
         rows = [table.get(u, ["", "-1", "", "", ""]) for u in user_ids]
         user_info = UserInfo(ages=[int(r[1]) for r in rows], genders=[r[2] for r in rows],
                              occupations=[r[3] for r in rows])
@@ -225,7 +254,7 @@ def load_atspeed(directory: Path) -> Dataset:
     released global-time split as ``given_split``.
     """
     index_path = directory / "item_index.json"
-    universe = list(json.loads(index_path.read_text()).keys()) if index_path.is_file() else None
+    universe = list(read_json(index_path).keys()) if index_path.is_file() else None
     users, items, times, labels = [], [], [], []
     offsets: dict[str, int] = {}
     for label, name in enumerate(ATSPEED_FILES):
@@ -288,10 +317,10 @@ def load_amazon_json(path: Path) -> Dataset:
         missing = [k for k in ("reviewerID", "asin", "unixReviewTime") if k not in row]
         if missing:
             raise RecspecError(f"{review_path}:{lineno}: missing field(s) {', '.join(missing)}")
-        users.append(str(row["reviewerID"]))
-        items.append(str(row["asin"]))
-        times.append(int(row["unixReviewTime"]))
-        ratings.append(float(row.get("overall", 0.0)))
+        users.append(_id(review_path, lineno, row["reviewerID"], "user"))
+        items.append(_id(review_path, lineno, row["asin"], "item"))
+        times.append(_timestamp(review_path, lineno, row["unixReviewTime"]))
+        ratings.append(float(_number(review_path, lineno, row.get("overall", 0.0), float)))
     inter, user_ids, item_ids = _interactions(users, items, times, ratings)
     _check_nonempty(review_path, inter)
     item_info = None
@@ -334,9 +363,9 @@ def load_csv(path: Path) -> Dataset:
             lineno = reader.line_num
             if row.get("timestamp") is None or row.get("item") is None:
                 raise RecspecError(f"{path}:{lineno}: too few fields")
-            users.append(row["user"])
-            items.append(row["item"])
-            times.append(int(_number(path, lineno, row["timestamp"], float)))
+            users.append(_id(path, lineno, row["user"], "user"))
+            items.append(_id(path, lineno, row["item"], "item"))
+            times.append(_timestamp(path, lineno, row["timestamp"]))
             if has_rating:
                 ratings.append(float(_number(path, lineno, row["rating"], float)))
     inter, user_ids, item_ids = _interactions(users, items, times, ratings if has_rating else None)
@@ -347,7 +376,7 @@ def load_csv(path: Path) -> Dataset:
             reader = csv.DictReader(handle)
             if "item" not in (reader.fieldnames or []) or "title" not in (reader.fieldnames or []):
                 raise RecspecError(f"{items_path}:1: need columns item,title[,year][,genres]")
-            table = {row["item"]: row for row in reader}
+            table = {_id(items_path, reader.line_num, row["item"], "item"): row for row in reader}
         rows = [table.get(i, {}) for i in item_ids]
         item_info = ItemInfo(
             titles=[r.get("title", "") or "" for r in rows],

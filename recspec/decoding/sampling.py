@@ -105,8 +105,7 @@ def sampling_beam_search(
     distribution relaxed verification approximates; see the module doc), with tree attention as
     :func:`~recspec.decoding.beam.tree_beam_search`. Results best first (by the model's joint
     log-probability); ``seed`` fixes the draws."""
-    if not temperature > 0:
-        raise RecspecError(f"temperature must be positive for sampling, got {temperature}")
+    Warp(temperature).check()
     generator = torch.Generator(device=model.device).manual_seed(seed)
 
     def select(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) -> Beams:

@@ -46,6 +46,7 @@ from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.topk import TopK
 from recspec.decoding.sampling import best_first
 from recspec.decoding.verify import RelaxedSampler, strict_accepted
+from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
@@ -387,9 +388,8 @@ def check_config(config: SpecConfig, k: int, trie: ItemTrie) -> None:
     if config.gamma is not None and not 1 <= config.gamma <= trie.depth - 1:
         raise RecspecError(f"gamma={config.gamma} is outside [1, {trie.depth - 1}]: an identifier of length "
                            f"{trie.depth} leaves at most {trie.depth - 1} steps to draft after the first")
-    if config.verify == "relaxed" and not config.temperature > 0:
-        raise RecspecError(f"temperature must be positive for relaxed (sampling) verification, got "
-                           f"{config.temperature}")
+    if config.verify == "relaxed":
+        Warp(config.temperature).check()
 
 
 def check_draft_vocabulary(target, draft) -> None:

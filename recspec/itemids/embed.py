@@ -2,7 +2,9 @@
 
 Embeddings are cached under ``$RECSPEC_CACHE/embeddings/<key>.npy`` where the key hashes the
 model folder's identity (its asset manifest or config), the pooling settings and the texts, so
-the same items are embedded once.
+the same items are embedded once. Beside each array, ``<key>.json`` records its sha256 and shape;
+an entry that does not match them (truncated, zeroed, altered), or that holds non-finite values,
+is ignored and rebuilt, never used. Arrays are plain float32 (numpy refuses object arrays on load).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from recspec.assets import MANIFEST, cache_dir
-from recspec.fileio import atomic_path
+from recspec.errors import RecspecError
+from recspec.fileio import atomic_path, read_json, sha256_file, write_json_atomic
 from recspec.models.hf import load_base_model, load_tokenizer, resolve_model_dir
 
 
@@ -26,6 +29,36 @@ def _model_identity(model_dir: Path) -> str:
         if (model_dir / name).is_file():
             return hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
     return str(model_dir.resolve())
+
+
+def read_cached(cache_file: Path, rows: int) -> np.ndarray | None:
+    """The float32 ``[rows, hidden]`` array cached in ``cache_file`` if it is intact (sha256 and
+    shape as its ``.json`` records, finite values), else None."""
+    record_file = cache_file.with_suffix(".json")
+    if not (cache_file.is_file() and record_file.is_file()):
+        return None
+    try:
+        record = read_json(record_file)
+    except RecspecError:
+        return None
+    if not isinstance(record, dict) or sha256_file(cache_file) != record.get("sha256"):
+        return None
+    try:
+        array = np.load(cache_file)
+    except (OSError, ValueError):
+        return None
+    if array.dtype != np.float32 or array.ndim != 2 or array.shape[0] != rows or not np.isfinite(array).all():
+        return None
+    return array
+
+
+def write_cached(cache_file: Path, array: np.ndarray) -> None:
+    """Cache ``array`` in ``cache_file`` (atomically), then its sha256 and shape beside it."""
+    with atomic_path(cache_file) as tmp:
+        with open(tmp, "wb") as handle:
+            np.save(handle, array)
+    write_json_atomic(cache_file.with_suffix(".json"), {"sha256": sha256_file(cache_file), "shape": list(array.shape),
+                                                        "dtype": str(array.dtype)})
 
 
 @torch.inference_mode()
@@ -45,8 +78,9 @@ def embed_texts(texts: Sequence[str], model: str | Path = "smollm2", batch_size:
     model_dir = resolve_model_dir(model)
     key = hashlib.sha256(json.dumps([_model_identity(model_dir), max_length, "mean", list(texts)]).encode()).hexdigest()
     cache_file = cache_dir() / "embeddings" / f"{key[:32]}.npy"
-    if use_cache and cache_file.is_file():
-        return np.load(cache_file)
+    cached = read_cached(cache_file, len(texts)) if use_cache else None
+    if cached is not None:
+        return cached
     tokenizer = load_tokenizer(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -62,7 +96,5 @@ def embed_texts(texts: Sequence[str], model: str | Path = "smollm2", batch_size:
                           return_tensors="pt").to(device)
         out[index] = mean_pooled(encoder, batch["input_ids"], batch["attention_mask"]).cpu().numpy()
     if use_cache:
-        with atomic_path(cache_file) as tmp:
-            with open(tmp, "wb") as handle:
-                np.save(handle, out)
+        write_cached(cache_file, out)
     return out

@@ -251,33 +251,39 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
                            f"old-part store of side {config.side}")
     entities = task.entities(config.side, config.part, limit)
     summary = JobSummary()
-    with KnowledgeStore(out, task.store_settings(config)) as store:
-        done = store.done()
-        todo = [int(e) for e in entities if task.entity_id(config.side, int(e)) not in done]
-        summary.skipped = len(entities) - len(todo)
-        own = pool is None and config.method in DRAFTING
-        texts = task.pool_texts(config, pool) if pool is not None else (
-            task.stored_texts(config.side, out) if own else None)
-        generate, pools = make_generator(task, config, texts)
-        bar = tqdm(total=len(todo), desc=f"{config.side} {config.part} knowledge ({config.method})", unit="request",
-                   disable=not progress)
-        prompt_of = {entity: task.prompt(config, entity) for entity in todo}
-        if config.batch_size > 1:  # batch prompts of similar lengths: less padding
-            todo.sort(key=lambda entity: len(prompt_of[entity]))
-        for start in range(0, len(todo), config.batch_size):
-            batch = todo[start:start + config.batch_size]
-            generations = generate(batch, [prompt_of[entity] for entity in batch])
-            store.add([(task.entity_id(config.side, entity),
-                        task.tokenizer.decode(generation.tokens, skip_special_tokens=True), generation)
-                       for entity, generation in zip(batch, generations)])
-            for entity, generation in zip(batch, generations):
-                summary.add(generation)
-                if own:
-                    pools.add(entity, generation.tokens)
-            bar.update(len(batch))
-            bar.set_postfix_str(f"{summary.tokens / summary.wall_s:.1f} tok/s, AAL {summary.tokens / summary.calls:.2f}")
-        bar.close()
-        summary.pool_build_s = pools.build_s if pools is not None else 0.0
+    own = pool is None and config.method in DRAFTING
+    texts = task.pool_texts(config, pool) if pool is not None else (
+        task.stored_texts(config.side, out) if own and Path(out).is_file() else {} if own else None)
+    generate, pools = make_generator(task, config, texts)  # bad settings fail before the store exists
+    fresh = not Path(out).exists()
+    try:
+        with KnowledgeStore(out, task.store_settings(config)) as store:
+            done = store.done()
+            todo = [int(e) for e in entities if task.entity_id(config.side, int(e)) not in done]
+            summary.skipped = len(entities) - len(todo)
+            prompt_of = {entity: task.prompt(config, entity) for entity in todo}
+            if config.batch_size > 1:  # batch prompts of similar lengths: less padding
+                todo.sort(key=lambda entity: len(prompt_of[entity]))
+            with tqdm(total=len(todo), desc=f"{config.side} {config.part} knowledge ({config.method})",
+                      unit="request", disable=not progress) as bar:
+                for start in range(0, len(todo), config.batch_size):
+                    batch = todo[start:start + config.batch_size]
+                    generations = generate(batch, [prompt_of[entity] for entity in batch])
+                    store.add([(task.entity_id(config.side, entity),
+                                task.tokenizer.decode(generation.tokens, skip_special_tokens=True), generation)
+                               for entity, generation in zip(batch, generations)])
+                    for entity, generation in zip(batch, generations):
+                        summary.add(generation)
+                        if own:
+                            pools.add(entity, generation.tokens)
+                    bar.update(len(batch))
+                    bar.set_postfix_str(f"{summary.tokens / summary.wall_s:.1f} tok/s, "
+                                        f"AAL {summary.tokens / summary.calls:.2f}")
+    except BaseException:
+        if fresh and Path(out).is_file() and next(iter(read_rows(out)), None) is None:  # new and empty: leave none
+            Path(out).unlink()
+        raise
+    summary.pool_build_s = pools.build_s if pools is not None else 0.0
     return summary
 
 

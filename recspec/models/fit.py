@@ -12,6 +12,7 @@ import numpy as np
 from recspec.data import load_dataset, split_dataset
 from recspec.data.loaders import KNOWN_DATASETS
 from recspec.errors import RecspecError
+from recspec.fileio import check_writable_dir
 from recspec.eval.metrics import recall_ndcg
 from recspec.itemids.build import dataset_identifiers
 from recspec.models.examples import PromptEncoder
@@ -25,6 +26,9 @@ def prepare_training_dir(out_dir: Path, overwrite: bool) -> Path:
     """``out_dir`` for a training run: resumed if it holds a checkpoint, else it must be empty or
     absent (an occupied folder is replaced only with ``overwrite``)."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecspecError(f"{out_dir}: is a file; --out takes a folder")
+    check_writable_dir(out_dir)
     resuming = (out_dir / CHECKPOINT_DIR).is_dir()
     if out_dir.exists() and any(out_dir.iterdir()) and not resuming:
         if not overwrite:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from recspec.assets import ASSETS, require
 from recspec.errors import RecspecError
+from recspec.fileio import CHECKSUMS, verify_checksums
 from recspec.models.small_rows import use_small_row_products
 
 
@@ -20,20 +24,48 @@ def resolve_model_dir(spec: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise RecspecError(f"model {spec!r}: not a cached asset ({', '.join(ASSETS)}) "
                            f"and not a Hugging Face model folder (no config.json)")
+    if (path / CHECKSUMS).is_file():  # a folder recspec wrote (e.g. `recspec distill`'s best/)
+        verify_checksums(path, "the model folder is damaged; make it again or restore it from a copy")
     return path
+
+
+@contextlib.contextmanager
+def loading_errors(folder: Path) -> Iterator[None]:
+    """Turn what transformers raises on a damaged or mismatched model folder (a config cut short,
+    a truncated safetensors file, weights of another shape) into one line naming the folder."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, json.JSONDecodeError, SafetensorError) as err:
+        detail = " ".join(str(err).split())[:200]
+        raise RecspecError(f"{folder}: cannot load the model ({detail}); the folder is damaged or not a model "
+                           f"of this kind") from None
+
+
+def check_finite_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Refuse a model with a NaN or infinite weight (damaged weights decode to garbage)."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise RecspecError(f"{folder}: weight {name} holds NaN or infinite values; the model file is damaged")
 
 
 def load_tokenizer(spec: str | Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(spec))
+    folder = resolve_model_dir(spec)
+    with loading_errors(folder):
+        return AutoTokenizer.from_pretrained(folder)
 
 
 def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """The transformer body without its LM head (for embeddings), in eval mode."""
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(resolve_model_dir(spec), dtype=dtype)
+    folder = resolve_model_dir(spec)
+    with loading_errors(folder):
+        model = AutoModel.from_pretrained(folder, dtype=dtype)
+    check_finite_weights(model, folder)
     return model.to(device).eval()
 
 
@@ -44,7 +76,10 @@ def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: 
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec), dtype=dtype, **extra)
+    folder = resolve_model_dir(spec)
+    with loading_errors(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
+    check_finite_weights(model, folder)
     return use_small_row_products(model.to(device).eval())
 
 

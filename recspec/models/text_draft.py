@@ -21,8 +21,9 @@ sampling` measures it), so the draft is trained instead.
   Definition 3.1 / Corollary 3.6), after every epoch; the best draft is kept in ``best/`` (a
   Hugging Face model folder with the target's tokenizer, for ``--draft``).
 
-Resumable: ``checkpoint.pt`` (trainable weights, optimizer, schedule, epoch and step, history) is
-written atomically at every epoch end and when the time budget runs out; a second call continues
+Resumable: ``checkpoint.{safetensors,json}`` (trainable weights, optimizer, schedule, epoch and
+step, history; tensors and JSON, never a serialized object) is written atomically at every epoch end and
+when the time budget runs out; a second call continues
 from it (the epoch's batch order depends only on ``(seed, epoch)``, so steps done are skipped).
 """
 
@@ -41,12 +42,13 @@ import torch
 
 from recspec.decoding.beam import left_pad
 from recspec.errors import RecspecError
-from recspec.fileio import atomic_dir, atomic_path, write_json_atomic
+from recspec.fileio import atomic_dir, atomic_path, check_writable_dir, read_json, record_checksums, write_json_atomic
 from recspec.models.hf import keep_last_logits
 from recspec.models.layer_draft import layer_draft, parse_layers
 from recspec.models.train import TrainConfig, lr_lambda
+from recspec.statefile import has_state, load_state, refuse_object_files, save_state
 
-CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint.pt", "best", "distill.json", "draft.json"
+CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint", "best", "distill.json", "draft.json"
 CHUNK = 8  # prompts sampled together (one seeded chunk of corpus.jsonl)
 
 
@@ -71,8 +73,9 @@ class DistillConfig:
     def __post_init__(self) -> None:
         checks = {"prompts": self.prompts >= 2 * CHUNK, "max_new_tokens": self.max_new_tokens >= 1,
                   "valid_fraction": 0 < self.valid_fraction < 1, "epochs": self.epochs >= 1,
-                  "batch_size": self.batch_size >= 1, "lr": self.lr > 0, "warmup_steps": self.warmup_steps >= 0,
-                  "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm > 0}
+                  "batch_size": self.batch_size >= 1, "lr": 0 < self.lr < math.inf,
+                  "warmup_steps": self.warmup_steps >= 0, "weight_decay": 0 <= self.weight_decay < math.inf,
+                  "max_grad_norm": 0 < self.max_grad_norm < math.inf}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise RecspecError(f"bad distillation option(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
@@ -87,6 +90,21 @@ def trainable_draft(target, layers: list[int]):
     for name, parameter in draft.named_parameters():
         parameter.requires_grad_(name.startswith(("model.layers.", "model.norm.")))
     return draft
+
+
+def _complete_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``path`` up to the first one that is not a whole ``{"prompt", "response"}``
+    line (an append torn by a crash, or a damaged line: from there on the corpus is redone)."""
+    rows: list[dict[str, Any]] = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(row, dict) or not all(isinstance(row.get(key), list) for key in ("prompt", "response")):
+            break
+        rows.append(row)
+    return rows
 
 
 def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: int, seed: int,
@@ -104,7 +122,7 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     items = random_prompt_texts(dataset, "item", prompts - len(users), seed=1)
     texts = [text for pair in zip(users, items) for text in pair] + items[len(users):]
     ids = [chat_ids(tokenizer, text) for text in texts]
-    done = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    done = _complete_rows(path)
     done = done[:len(done) - len(done) % CHUNK]  # a chunk cut short by an interruption is redone
     if [row["prompt"] for row in done] != ids[:len(done)]:
         raise RecspecError(f"{path}: made from other prompts; remove it or choose another --out")
@@ -167,6 +185,7 @@ def _save_best(path: Path, draft, tokenizer, info: dict[str, Any]) -> None:
         draft.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / DRAFT_INFO, info)
+        record_checksums(tmp)
 
 
 def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConfig(),
@@ -177,9 +196,13 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
     from recspec.models.hf import load_causal_lm, load_tokenizer
 
     out_dir = Path(out_dir)
+    remedy = "delete it to start over, or choose another --out"
+    if out_dir.is_dir():
+        refuse_object_files(out_dir, remedy)
+    check_writable_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"target": str(target_spec), **asdict(config)}
-    if (out_dir / SETTINGS).is_file() and json.loads((out_dir / SETTINGS).read_text()) != settings:
+    if (out_dir / SETTINGS).is_file() and read_json(out_dir / SETTINGS) != settings:
         raise RecspecError(f"{out_dir}: holds a distillation with other settings; choose another --out")
     write_json_atomic(out_dir / SETTINGS, settings)
     target, tokenizer = load_causal_lm(target_spec), load_tokenizer(target_spec)
@@ -202,8 +225,8 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, config.warmup_steps, total, TrainConfig.min_lr_ratio))
     state = {"epoch": 0, "step_in_epoch": 0, "history": [], "best": -1.0}
-    if (out_dir / CHECKPOINT).is_file():
-        saved = torch.load(out_dir / CHECKPOINT, weights_only=False)
+    if has_state(out_dir, CHECKPOINT):
+        saved = load_state(out_dir, CHECKPOINT, remedy)
         draft.load_state_dict(saved["weights"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -214,9 +237,8 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
 
     def checkpoint() -> None:
         weights = {name: p.detach() for name, p in draft.named_parameters() if p.requires_grad}
-        with atomic_path(out_dir / CHECKPOINT) as tmp:
-            torch.save({"weights": weights, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                        "state": state}, tmp)
+        save_state(out_dir, CHECKPOINT, {"weights": weights, "optimizer": optimizer.state_dict(),
+                                         "scheduler": scheduler.state_dict(), "state": state})
 
     started, stopped = time.perf_counter(), "epochs"
     tokens = 0

@@ -160,12 +160,15 @@ def load_tokenizer_dir(folder: Path, index: ItemIndex | None = None):
     """Load a tokenizer saved by :func:`save_tokenizer`, checking it against ``index`` when given."""
     from transformers import AutoTokenizer
 
+    from recspec.models.hf import loading_errors
+
     folder = Path(folder)
     if index is not None:
         check_index(folder, index)
     if not (folder / "tokenizer.json").is_file():
         raise RecspecError(f"{folder}: no tokenizer.json")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with loading_errors(folder):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     if index is not None:
         identifier_token_ids(tokenizer, index)
     return tokenizer

@@ -26,8 +26,10 @@ training far more than their share (5-15x measured); set ``threads=1`` on a shar
 Output folder::
 
     out_dir/checkpoint/   model.safetensors + config.json, tokenizer + recspec.json,
-                          trainer_state.pt (optimizer, scheduler, RNG, counters, history)
-    out_dir/best/         the best model so far + tokenizer + recspec.json (metric, epoch)
+                          trainer_state.{safetensors,json} (optimizer, scheduler, RNG, counters,
+                          history: tensors and JSON, never a serialized object), checksums.json
+    out_dir/best/         the best model so far + tokenizer + recspec.json (metric, epoch),
+                          checksums.json (sha256 of every file, checked on load)
     out_dir/train_log.jsonl   one line per evaluation (normally once per epoch)
 
 Both folders are written whole under a temporary name and renamed into place. ``train`` with an
@@ -52,7 +54,6 @@ import dataclasses
 import json
 import math
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -65,13 +66,15 @@ import numpy as np
 import torch
 
 from recspec.data.splits import Examples, SplitData
+from recspec.devices import resolve_device
 from recspec.errors import RecspecError
-from recspec.fileio import atomic_dir, write_text_atomic
+from recspec.fileio import CHECKSUMS, atomic_dir, record_checksums, verify_checksums, write_text_atomic
 from recspec.models.hf import keep_last_logits
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
 from recspec.models.tokenizer import check_index, read_metadata, save_tokenizer
+from recspec.statefile import has_state, load_state, refuse_object_files, save_state
 
-CHECKPOINT_DIR, BEST_DIR, LOG_FILE, STATE_FILE = "checkpoint", "best", "train_log.jsonl", "trainer_state.pt"
+CHECKPOINT_DIR, BEST_DIR, LOG_FILE, STATE_NAME = "checkpoint", "best", "train_log.jsonl", "trainer_state"
 WEIGHTS_FILE = "model.safetensors"
 RECALL_METRIC, LOSS_METRIC = "recall@10", "valid_loss"
 
@@ -106,10 +109,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks = {
-            "lr": self.lr > 0, "batch_size": self.batch_size >= 1, "epochs": self.epochs >= 1,
-            "warmup_steps": self.warmup_steps >= 0, "weight_decay": self.weight_decay >= 0,
+            "lr": 0 < self.lr < math.inf, "batch_size": self.batch_size >= 1, "epochs": self.epochs >= 1,
+            "warmup_steps": self.warmup_steps >= 0, "weight_decay": 0 <= self.weight_decay < math.inf,
             "patience": self.patience >= 1, "bucket_batches": self.bucket_batches >= 0,
-            "max_grad_norm": self.max_grad_norm > 0, "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "max_grad_norm": 0 < self.max_grad_norm < math.inf, "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "betas": len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas),
+            "checkpoint_minutes": 0 < self.checkpoint_minutes < math.inf,
             "max_valid_examples": self.max_valid_examples >= 1,
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 1,
             "last_per_user": self.last_per_user is None or self.last_per_user >= 1,
@@ -165,15 +170,6 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
     return torch.bfloat16 if device.type == "cpu" and _cpu_has_bf16() else None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RecspecError(f"device {name!r} asked for but CUDA is not available")
-    return device
 
 
 def select_training_examples(examples: Examples, config: TrainConfig) -> Examples:
@@ -307,7 +303,8 @@ def _fill_model_dir(tmp: Path, model, tokenizer, encoder: PromptEncoder, extra: 
         raise RuntimeError(f"save_pretrained wrote no {WEIGHTS_FILE} (sharded?); the model is too large")
     save_tokenizer(tokenizer, encoder.index, tmp, {"prompt": encoder.template.to_json(), **extra})
     if state is not None:
-        torch.save(state, tmp / STATE_FILE)
+        save_state(tmp, STATE_NAME, state)
+    record_checksums(tmp)
 
 
 def _write_log(out_dir: Path, history: list[dict[str, Any]]) -> None:
@@ -427,9 +424,13 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
         "epoch_examples": 0, "epoch_seconds": 0.0, "partial_evaluated_at": -1,
     }
     checkpoint = out_dir / CHECKPOINT_DIR
-    if (checkpoint / STATE_FILE).is_file():
+    remedy = "delete the checkpoint folder to start over, or choose another output folder"
+    if checkpoint.is_dir():
+        refuse_object_files(checkpoint, remedy)
+    if has_state(checkpoint, STATE_NAME):
+        verify_checksums(checkpoint, remedy)
         check_index(checkpoint, encoder.index)
-        saved = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+        saved = load_state(checkpoint, STATE_NAME, remedy)
         differ = {k: (saved["config"].get(k), v) for k, v in config.trajectory().items()
                   if saved["config"].get(k) != v}
         if differ:
@@ -602,8 +603,8 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
     except KeyboardInterrupt:
         if consistent and not saving["now"]:
             save_checkpoint()
-            print(f"\ninterrupted: checkpoint saved at epoch {state['epoch'] + 1}, step {state['step']} in "
-                  f"{checkpoint}; run again with the same output folder to resume", file=sys.stderr)
+            raise KeyboardInterrupt(f"checkpoint saved at epoch {state['epoch'] + 1}, step {state['step']} in "
+                                    f"{checkpoint}; run again with the same output folder to resume") from None
         raise
     finally:
         torch.set_num_threads(threads_before)
@@ -635,13 +636,15 @@ def _progress(enabled: bool, total: int, state: dict[str, Any]):
 
 def trained_model_dir(path: str | Path) -> Path:
     """The model folder of a training ``out_dir`` (its ``best/``), or ``path`` itself (a ``best/`` or
-    ``checkpoint/`` folder); a folder holding no trained model is an error."""
+    ``checkpoint/`` folder), its files checked against its ``checksums.json``; a folder holding no
+    trained model, or a damaged one, is an error naming the file."""
     path = Path(path)
     if not path.exists():
         raise RecspecError(f"{path}: no such folder; train a model first")
     folder = path / BEST_DIR if (path / BEST_DIR).is_dir() else path
-    if not (folder / "config.json").is_file() or not (folder / WEIGHTS_FILE).is_file():
+    if not any((folder / name).is_file() for name in (CHECKSUMS, "config.json", WEIGHTS_FILE)):
         raise RecspecError(f"{path}: not a trained model folder (no {BEST_DIR}/ and no config.json + {WEIGHTS_FILE})")
+    verify_checksums(folder, "the model folder is damaged; train it again or restore it from a copy")
     read_metadata(folder)
     return folder
 
@@ -651,12 +654,15 @@ def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu
     folder built for another item index is refused."""
     from transformers import AutoModelForCausalLM
 
+    from recspec.models.hf import check_finite_weights, loading_errors
     from recspec.models.tokenizer import load_tokenizer_dir
 
     folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with loading_errors(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if model.config.vocab_size != len(tokenizer):
         raise RecspecError(f"{folder}: model vocabulary ({model.config.vocab_size}) and tokenizer ({len(tokenizer)}) "
                            f"differ")
+    check_finite_weights(model, folder)
     return model.to(device).eval(), tokenizer
