@@ -24,10 +24,10 @@ demo: setup assets
 		$(VENV)/recspec ids build --dataset ml-100k --out $(DEMO_OUT)/ml-100k-ids
 	$(VENV)/recspec train $(DEMO_TRAIN) --preset target-small --out $(DEMO_OUT)/target
 	$(VENV)/recspec train $(DEMO_TRAIN) --preset draft-tiny --out $(DEMO_OUT)/draft
-	$(VENV)/recspec recommend --target $(DEMO_OUT)/target --decoder beam --k 10 --users 200 --batch-size 1 \
+	$(VENV)/recspec recommend --target $(DEMO_OUT)/target --decoder beam --k 10 --users 200 --batch-size 1 --overwrite \
 		--out $(DEMO_OUT)/beam.jsonl
 	$(VENV)/recspec recommend --target $(DEMO_OUT)/target --draft $(DEMO_OUT)/draft --decoder spec-strict \
-		--draft-beams 20 --k 10 --users 200 --batch-size 1 --out $(DEMO_OUT)/spec.jsonl
+		--draft-beams 20 --k 10 --users 200 --batch-size 1 --overwrite --out $(DEMO_OUT)/spec.jsonl
 	$(VENV)/python -c "import json; read = lambda p: [json.loads(l)['items'] for l in open(p)]; \
 		same = read('$(DEMO_OUT)/beam.jsonl') == read('$(DEMO_OUT)/spec.jsonl'); \
 		print('spec-strict returned ' + ('the same items as beam search' if same else 'OTHER ITEMS than beam search'))"

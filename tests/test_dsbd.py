@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from recspec.decoding.dsbd import DSBDConfig, acceptance_counts, dsbd_beam_search, layer_widths, verify_layer
+from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
+from recspec.decoding.verify import acceptance_counts, layer_widths, verify_layer
 from recspec.decoding.text_sampling import TextOptions, generate
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
-from recspec.bench.spec import _time_per_user
+from recspec.bench.spec import time_per_user
 from recspec.decoding.specsample import expected_speedup, expected_tokens_per_call
-from recspec.decoding.speculative import SpecStats
+from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text_sampling import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.eval.metrics import recall_ndcg
@@ -157,7 +157,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
             TEXT_METHODS.items()}
     calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
              for label, (method, options) in runs.items()}
-    times, outputs = _time_per_user(calls, ids, repeats)
+    times, outputs = time_per_user(calls, ids, repeats)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
                                                            list(runs.values()), pad, eos))))
@@ -203,7 +203,7 @@ def bench_recommend(target: Path, draft: Path, ks: Sequence[int], users: int, qu
         calls = {label: (lambda batch, n=name, o=opts: run_decoder(n, recommender.model, recommender.draft, batch,
                                                                    recommender.trie, k, recommender.encoder.pad_id, o))
                  for label, (name, opts) in settings.items()}
-        times, outputs = _time_per_user(calls, prompts, repeats)
+        times, outputs = time_per_user(calls, prompts, repeats)
         base = statistics.median(times["beam-sample"])
         for label, (name, opts) in settings.items():
             stats = [decoded.stats for decoded in outputs[label] if decoded.stats is not None]

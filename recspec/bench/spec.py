@@ -35,7 +35,7 @@ import torch
 
 from recspec.bench.decode import same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
-from recspec.decoding.speculative import SpecStats
+from recspec.decoding.rounds import SpecStats
 from recspec.eval.metrics import recall_ndcg
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
 
@@ -59,7 +59,7 @@ def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
     return decoders
 
 
-def _time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
+def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
                    repeats: int) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
     """Per decoder: total seconds of each run over all users (one call per user) and the last
     run's outputs. The ceiling counts only its verification phase (see the module doc)."""
@@ -141,7 +141,7 @@ def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 3
         label = f"{recommender.dataset.name}/{recommender.info.get('preset', Path(target_dir).name)}"
         prompts = recommender.encoder.prompts(recommender.examples("test", users))
         for k in ks:
-            runs, outputs = _time_per_user(_decoders(recommender, k, draft_beams, gamma), prompts, repeats)
+            runs, outputs = time_per_user(_decoders(recommender, k, draft_beams, gamma), prompts, repeats)
             speed += _speed_rows(label, k, runs, outputs)
         for k in quality_ks:
             quality += [{"target": label, **row}

@@ -111,7 +111,7 @@ def leave_one_out_labels(users: np.ndarray, timestamps: np.ndarray) -> np.ndarra
     return labels
 
 
-def _windows(items: np.ndarray, ends: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+def history_windows(items: np.ndarray, ends: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     """int64 [m, width]: ``items[max(start, end - width):end]`` per row, left-padded with PAD_ITEM."""
     cols = ends[:, None] - np.arange(width, 0, -1)[None, :]
     valid = cols >= starts[:, None]
@@ -149,7 +149,7 @@ def split_dataset(dataset: Dataset, kind: str | None = None, max_history: int = 
     train_rows = np.flatnonzero((lab == SPLIT_TRAIN) & (np.arange(len(users)) > user_start))
     train = Examples(
         users=users[train_rows],
-        history=_windows(items, train_rows, user_start[train_rows], max_history),
+        history=history_windows(items, train_rows, user_start[train_rows], max_history),
         target_offsets=np.arange(len(train_rows) + 1, dtype=np.int64),
         target_items=items[train_rows].astype(np.int64),
     )
@@ -164,7 +164,7 @@ def split_dataset(dataset: Dataset, kind: str | None = None, max_history: int = 
         counts = last - first
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         gather = np.repeat(first - offsets[:-1], counts) + np.arange(offsets[-1])
-        examples = Examples(part_users.astype(np.int64), _windows(items, first, starts, max_history),
+        examples = Examples(part_users.astype(np.int64), history_windows(items, first, starts, max_history),
                             offsets, items[gather].astype(np.int64))
         return examples, int((~keep).sum())
 

@@ -40,9 +40,10 @@ the final ranking or, rarely, at the ``K``-th place of an intermediate step.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 from transformers import GenerationConfig
@@ -54,6 +55,8 @@ from recspec.decoding.tree import additive_mask, append_children, self_only_rows
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 from recspec.models.hf import keep_last_logits
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -349,6 +352,29 @@ def _allowed_tokens_table(trie: ItemTrie) -> dict[tuple[int, ...], list[int]]:
     return _ALLOWED_TABLES[trie]
 
 
+def prompt_batches(prompts: Sequence[torch.Tensor], pad_token_id: int, device: torch.device,
+                   batch_size: int | None) -> Iterator[Prompts]:
+    """Consecutive batches of ``batch_size`` prompts (all at once if None), left-padded on ``device``."""
+    size = batch_size or len(prompts)
+    for start in range(0, len(prompts), size):
+        yield left_pad(prompts[start:start + size], pad_token_id, device)
+
+
+def decode_batches(model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
+                   batch_size: int | None, decode: Callable[[Prompts, ItemTrie], R],
+                   check: Callable[[], None] | None = None) -> list[R]:
+    """Validate the request (then the decoder's own ``check``), then ``decode(batch, trie)`` every
+    batch of prompts (the trie on the model's device, no autograd): the one batch wrapper of the
+    item decoders."""
+    validate_request(model, prompts, trie, k, pad_token_id, batch_size)
+    if check is not None:
+        check()
+    device = model.device
+    trie = trie if trie.device == device else trie.to(device)
+    with torch.inference_mode():
+        return [decode(batch, trie) for batch in prompt_batches(prompts, pad_token_id, device, batch_size)]
+
+
 def decode_in_batches(
     decode: Callable[..., TopK],
     model,
@@ -360,16 +386,8 @@ def decode_in_batches(
 ) -> TopK:
     """Validate, then run ``decode(model, Prompts, trie, k)`` on consecutive batches of
     ``batch_size`` users (all at once if None) and concatenate the results."""
-    validate_request(model, prompts, trie, k, pad_token_id, batch_size)
-    device = model.device
-    trie = trie if trie.device == device else trie.to(device)
-    size = batch_size or len(prompts)
-    with torch.inference_mode():
-        parts = [
-            decode(model, left_pad(prompts[start : start + size], pad_token_id, device), trie, k)
-            for start in range(0, len(prompts), size)
-        ]
-    return TopK.cat(parts)
+    return TopK.cat(decode_batches(model, prompts, trie, k, pad_token_id, batch_size,
+                                   lambda batch, on_device: decode(model, batch, on_device, k)))
 
 
 def validate_request(

@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
-from recspec.decoding.beam import Beams, Prompts, TreeCache, left_pad, prefill
+from recspec.decoding.beam import Beams, Prompts, TreeCache, left_pad, prefill, prompt_batches
 from recspec.decoding.cache import compact, select_rows
 from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
 from recspec.decoding.sampling import candidates, draw
 from recspec.decoding.scorer import forward_visible, next_log_probs
 from recspec.decoding.specsample import check_lenience, verify_chain
-from recspec.decoding.speculative import SpecStats, check_draft_vocabulary
+from recspec.decoding.rounds import SpecStats
+from recspec.decoding.speculative import check_draft_vocabulary
 from recspec.decoding.topk_imp import importance_proposal
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -117,7 +118,7 @@ class TextOptions:
 
 @dataclass
 class ChainStats(SpecStats):
-    """:class:`~recspec.decoding.speculative.SpecStats` of the chain methods per prompt
+    """:class:`~recspec.decoding.rounds.SpecStats` of the chain methods per prompt
     (``accepted_steps``: drafted tokens accepted, ``drafted_steps``: tokens drafted,
     ``tree_nodes``: tokens fed to the target) and ``tried`` (drafted positions whose test ran:
     up to the first rejection), ``alpha_sum`` (sum over them of the acceptance rate
@@ -127,6 +128,22 @@ class ChainStats(SpecStats):
     tried: torch.Tensor
     alpha_sum: torch.Tensor
     tokens: torch.Tensor
+
+    def add_chain_round(self, at: torch.Tensor, accepted: torch.Tensor, alpha: torch.Tensor, taken: torch.Tensor,
+                        gamma: int, target_calls: int) -> None:
+        """Count one round of the rows ``at`` (int64 index, CPU): ``accepted`` drafts ``[B]``, the
+        per-position acceptance rates ``alpha`` ``[B, gamma]``, the tokens ``taken`` ``[B]``."""
+        tried = torch.minimum(accepted + 1, torch.full_like(accepted, gamma))
+        positions = torch.arange(gamma, device=alpha.device)
+        self.accepted_steps[at] += accepted.float().cpu()
+        self.drafted_steps[at] += gamma
+        self.tried[at] += tried.float().cpu()
+        self.alpha_sum[at] += (alpha * (positions[None, :] < tried[:, None])).sum(dim=1).cpu()
+        self.target_calls[at] += target_calls
+        self.draft_calls[at] += gamma
+        self.tree_nodes[at] += gamma + 1
+        self.rounds[at] += 1
+        self.tokens[at] += taken.float().cpu()
 
 
 @dataclass
@@ -215,12 +232,44 @@ class Chain:
         self.visible, self.count = self.visible[rows], self.count[rows]
 
 
+def draft_chain_round(target, draft, target_chain: Chain, draft_chain: Chain, tail: torch.Tensor,
+                      options: TextOptions, importance: bool,
+                      generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round's chain of ``gamma`` drafted tokens after each row's pending ``tail`` (int64
+    ``[B, 2]``, its last two tokens: the draft's cache lags one behind the target's) and the warped
+    distributions to verify them with: the drafts int64 ``[B, gamma]``, the draft's ``q`` and the
+    target's ``p`` float32 ``[B, gamma, V]`` / ``[B, gamma + 1, V]``. ``topk-imp`` (``importance``)
+    draws each token from the draft's top-K reweighted by ``p / q``, so the target is called per
+    drafted token; speculative sampling draws from ``q`` and scores the whole chain in one call."""
+    warp = options.warp
+    log_q = draft_chain.feed(draft, tail)[:, -1]
+    drafts, q, p = [], [], []
+    previous = tail[:, -1:]
+    for i in range(options.gamma):
+        if i:
+            log_q = draft_chain.feed(draft, previous)[:, -1]
+        q.append(warp(log_q).exp())
+        if importance:
+            p.append(warp(target_chain.feed(target, previous)[:, -1]).exp())
+            proposal = importance_proposal(q[-1], p[-1], options.candidates)
+        else:
+            proposal = q[-1]
+        drafts.append(torch.multinomial(proposal, 1, generator=generator))
+        previous = drafts[-1]
+    drafted = torch.cat(drafts, dim=1)
+    if importance:
+        p.append(warp(target_chain.feed(target, previous)[:, -1]).exp())
+        return drafted, torch.stack(q, dim=1), torch.stack(p, dim=1)
+    p_all = warp(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1))).exp()
+    return drafted, torch.stack(q, dim=1), p_all
+
+
 def speculative_sampling(target, draft, prompts: Prompts, options: TextOptions, importance: bool, eos: int | None,
                          generator: torch.Generator) -> tuple[list[list[int]], ChainStats]:
     """``spec-sample`` (``importance=False``) or ``topk-imp`` for one batch (see the module doc)."""
     batch = len(prompts.lengths)
     device = prompts.input_ids.device
-    gamma, limit, warp = options.gamma, options.max_new_tokens, options.warp
+    gamma, limit = options.gamma, options.max_new_tokens
     stats = ChainStats.zeros(batch)
     target_chain, draft_chain = Chain.start(target, prompts, 1), Chain.start(draft, prompts, 2)
     stats.target_calls += 1
@@ -232,27 +281,9 @@ def speculative_sampling(target, draft, prompts: Prompts, options: TextOptions, 
     results: list[list[int]] = [[] for _ in range(batch)]
     steps = torch.arange(gamma + 1, device=device)
     while len(rows):
-        log_q = draft_chain.feed(draft, tail)[:, -1]
-        drafts, q, p = [], [], []
-        previous = tail[:, -1:]
-        for i in range(gamma):
-            if i:
-                log_q = draft_chain.feed(draft, previous)[:, -1]
-            q.append(warp(log_q).exp())
-            if importance:
-                p.append(warp(target_chain.feed(target, previous)[:, -1]).exp())
-                proposal = importance_proposal(q[-1], p[-1], options.candidates)
-            else:
-                proposal = q[-1]
-            drafts.append(torch.multinomial(proposal, 1, generator=generator))
-            previous = drafts[-1]
-        drafted = torch.cat(drafts, dim=1)
-        if importance:
-            p.append(warp(target_chain.feed(target, previous)[:, -1]).exp())
-            p_all = torch.stack(p, dim=1)
-        else:
-            p_all = warp(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1))).exp()
-        verdict = verify_chain(drafted, torch.stack(q, dim=1), p_all, generator, options.lenience)
+        drafted, q, p_all = draft_chain_round(target, draft, target_chain, draft_chain, tail, options, importance,
+                                              generator)
+        verdict = verify_chain(drafted, q, p_all, generator, options.lenience)
         n = verdict.accepted
         emitted = torch.cat((drafted, drafted[:, :1]), dim=1).scatter_(1, n[:, None], verdict.token[:, None])
         take = torch.minimum(n + 1, limit - length)
@@ -261,17 +292,7 @@ def speculative_sampling(target, draft, prompts: Prompts, options: TextOptions, 
         take = torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, take)
         out.scatter_(1, length[:, None] + steps[None, :], emitted)
         length = length + take
-        tried = torch.minimum(n + 1, torch.full_like(n, gamma))
-        at = rows.cpu()
-        stats.accepted_steps[at] += n.float().cpu()
-        stats.drafted_steps[at] += gamma
-        stats.tried[at] += tried.float().cpu()
-        stats.alpha_sum[at] += (verdict.alpha * (steps[None, :gamma] < tried[:, None])).sum(dim=1).cpu()
-        stats.target_calls[at] += gamma + 1 if importance else 1
-        stats.draft_calls[at] += gamma
-        stats.tree_nodes[at] += gamma + 1
-        stats.rounds[at] += 1
-        stats.tokens[at] += take.float().cpu()
+        stats.add_chain_round(rows.cpu(), n, verdict.alpha, take, gamma, gamma + 1 if importance else 1)
         done = (length >= limit) | ends.any(dim=1)
         target_chain.keep(n + 1)
         draft_chain.keep(n + 1)
@@ -334,13 +355,11 @@ def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], option
     device = target.device
     generator = torch.Generator(device=device).manual_seed(options.seed)
     vocab = target.config.get_text_config().vocab_size
-    size = batch_size or len(prompts)
     texts: list[list[int]] = []
     stats: list[SpecStats] = []
     started = time.perf_counter()
     with torch.inference_mode():
-        for start in range(0, len(prompts), size):
-            batch = left_pad(prompts[start:start + size], pad_token_id, device)
+        for batch in prompt_batches(prompts, pad_token_id, device, batch_size):
             space = FreeText(vocab, options.max_new_tokens, eos, device)
             if method in ("sample", "beam-sample"):
                 width = 1 if method == "sample" else options.beams

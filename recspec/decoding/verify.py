@@ -1,10 +1,13 @@
-"""Verifiers of speculative beam search: pure functions from a drafted level and the target's
-step to what is accepted.
+"""Verification rules of speculative beam search: pure functions from a drafted level and the
+target's step to what is accepted (the round-level verifiers that apply them are in
+:mod:`recspec.decoding.verifiers`).
 
 Strict top-K verification (atspeed.txt Alg. 1) needs only :func:`match_drafted`: the target's
 own beam-search step is computed from the scored tree, and the step is accepted when each of its
 ``K`` new beams is a drafted node. Relaxed sampling verification (Alg. 2) is
-:class:`RelaxedSampler`, which also draws the drafts it verifies.
+:class:`RelaxedSampler`. DSBD's layer verification (dsbd.txt Alg. 1, lines 13-31) is
+:func:`verify_layer`, with the residual chain (Eq. 4), the distribution of the number of
+acceptances (Eq. 2-3) and the dynamic width (Eq. 5-7) it rests on.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ def strict_accepted(new: Beams, where: torch.Tensor, drafted: Level | None, pare
 
 @dataclass(frozen=True)
 class RelaxedSampler:
-    """Relaxed sampling verification (atspeed.txt Alg. 2, section 3.2) and the drafting it needs.
+    """Relaxed sampling verification (atspeed.txt Alg. 2, section 3.2).
 
     The draft draws ``K`` sequences per level from its own beam-sampling distribution ``q_beam``
-    (:mod:`recspec.decoding.sampling`, scored from the target's exact beam scores at level 0 and
-    the draft's log-probabilities after it). At step ``j``, with the target's beams equal to the
+    (:class:`~recspec.decoding.drafters.SampledDrafter`, scored from the target's exact beam
+    scores at level 0 and the draft's log-probabilities after it). At step ``j``, with the target's beams equal to the
     drafted level ``j - 1`` (both distributions are then over the same candidates), each drafted
     sequence ``y`` is accepted with probability ``min(1, p_beam(y) / q_beam(y))``; the step is
     accepted when all ``K`` are. Otherwise every rejected slot is redrawn from the residual
@@ -76,14 +79,6 @@ class RelaxedSampler:
     temperature: float
     generator: torch.Generator
     replacement: bool = False
-
-    def draft(self, start: Beams, log_q: torch.Tensor, trie: ItemTrie,
-              k: int) -> tuple[Beams, torch.Tensor, torch.Tensor]:
-        """Draw ``k`` drafted sequences from ``q_beam``: the new beams, the proposal
-        (log q_beam ``[B, S * C]``) and each draw's index in it ``[B, k]``."""
-        step = candidates(start, log_q, trie, self.temperature)
-        choice = draw(step.log_beam, k, self.generator, self.replacement)
-        return step.extend(start, choice, trie), step.log_beam, choice
 
     def verify(self, current: Beams, where: torch.Tensor, step_log_p: torch.Tensor, drafted: Level | None,
                level_offset: int, trie: ItemTrie, k: int) -> tuple[Beams, torch.Tensor, torch.Tensor]:
@@ -158,3 +153,109 @@ def _safe_log(residual: torch.Tensor, log_beam: torch.Tensor) -> torch.Tensor:
     rejected there) fall back to ``log_beam`` so that a draw is defined."""
     empty = ~(residual > 0).any(dim=1, keepdim=True)
     return torch.where(empty, log_beam, torch.log(residual))
+
+
+def residual_chain(p: torch.Tensor, q: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residuals ``p_1 = p``, ``p_{k+1} = norm(max(0, p_k - q))`` of the layer verification, in
+    closed form ``p_k = max(0, p - shift_k q) / mass_k`` (``shift_1 = 0``, ``shift_{k+1} = shift_k +
+    mass_k``), and ``alpha_k = sum min(q, p_k)`` (Eq. 4), for ``k = 1 .. steps``.
+
+    ``p``, ``q``: float32 ``[B, M]`` distributions over the same candidates (``q`` may be all zero:
+    no drafts). Returns ``alpha``, ``shift``, ``mass``: float32 ``[B, steps]``. A residual of mass 0
+    (reached only after an acceptance probability of 1) gets ``alpha = 1``.
+    """
+    batch = p.shape[0]
+    shift = torch.zeros(batch, device=p.device)
+    alphas, shifts, masses = [], [], []
+    for _ in range(steps):
+        residual = (p - shift[:, None] * q).clamp_(min=0)
+        mass = residual.sum(dim=1)
+        safe = mass.clamp(min=torch.finfo(mass.dtype).tiny)
+        alpha = torch.where(mass > 0, torch.minimum(q, residual / safe[:, None]).sum(dim=1), 1.0)
+        alphas.append(alpha)
+        shifts.append(shift)
+        masses.append(mass)
+        shift = shift + mass
+    return torch.stack(alphas, dim=1), torch.stack(shifts, dim=1), torch.stack(masses, dim=1)
+
+
+def acceptance_counts(alpha: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Eq. 2-3: the distribution of the number of accepted drafts among each row's ``drafts``
+    (int64 ``[B]``, at most ``A``), from ``alpha`` (float32 ``[B, A]``: ``alpha[:, j]`` is the
+    acceptance probability after ``j`` rejections since the last acceptance). float32
+    ``[B, A + 1]``, entry ``k``: probability of exactly ``k`` acceptances. The recursion runs as a
+    chain over (rejections since the last acceptance, acceptances), one draft at a time."""
+    batch = alpha.shape[0]
+    size = alpha.shape[1]
+    states = torch.zeros(batch, size + 1, size + 1, device=alpha.device)
+    states[:, 0, 0] = 1.0
+    rate = torch.nn.functional.pad(alpha, (0, 1), value=1.0)[:, :, None]  # [B, A + 1, 1]
+    for i in range(int(drafts.max()) if len(drafts) else 0):
+        accepted = (states * rate).sum(dim=1)  # [B, S + 1]: by count, before the increment
+        moved = torch.zeros_like(states)
+        moved[:, 0, 1:] = accepted[:, :-1]
+        moved[:, 1:, :] = (states * (1 - rate))[:, :-1, :]
+        states = torch.where((i < drafts)[:, None, None], moved, states)
+    return states.sum(dim=1)
+
+
+def layer_widths(counts: torch.Tensor, drafts: torch.Tensor, threshold: float | None, min_width: int) -> torch.Tensor:
+    """Eq. 5-7: ``W_L = max(W_min, max{K <= drafts : P(at least K accepted) >= t})`` per row (int64
+    ``[B]``) from :func:`acceptance_counts`; ``W_min`` when ``threshold`` is None (fixed width)."""
+    if threshold is None:
+        return torch.full_like(drafts, min_width)
+    at_least = counts.flip(1).cumsum(dim=1).flip(1)  # P(at least K accepted), K = 0, 1, ...
+    sizes = torch.arange(counts.shape[1], device=counts.device)
+    reachable = (at_least >= threshold) & (sizes >= 1) & (sizes <= drafts[:, None])
+    return reachable.sum(dim=1).clamp(min=min_width)
+
+
+@dataclass(frozen=True)
+class LayerVerdict:
+    """``chosen``: int64 ``[B, W]``, candidate index of each output beam (accepted drafts in
+    acceptance order, then the redraw from the residual, then draws from ``p_beam``; slots past a
+    row's width are unused); ``slot``: int64 ``[B, W]``, the draft slot of each accepted beam
+    (``-1`` elsewhere); ``accepted``: int64 ``[B]``; ``alpha``: float32 ``[B, S + 1]`` (Eq. 4)."""
+
+    chosen: torch.Tensor
+    slot: torch.Tensor
+    accepted: torch.Tensor
+    alpha: torch.Tensor
+
+
+def verify_layer(p: torch.Tensor, q: torch.Tensor, choice: torch.Tensor, survive: torch.Tensor, width: torch.Tensor,
+                 out_width: int, generator: torch.Generator,
+                 chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> LayerVerdict:
+    """Alg. 1, lines 13-31, for one layer of ``B`` rows.
+
+    ``p``: float32 ``[B, M]``, ``p_beam`` over the candidates of the accepted beams; ``q``: float32
+    ``[B, M]``, the proposal ``q~`` of the surviving drafts (zero outside them); ``choice``: int64
+    ``[B, S]``, each draft's candidate index, in draw order; ``survive``: bool ``[B, S]``; ``width``:
+    int64 ``[B]``, ``W_L``; ``out_width``: columns of the result (at least every width); ``chain``:
+    :func:`residual_chain` of ``p`` and ``q`` over ``S + 1`` steps, if already computed.
+    """
+    batch, slots = choice.shape
+    alpha, shift, mass = chain if chain is not None else residual_chain(p, q, slots + 1)
+    p_drafted, q_drafted = p.gather(1, choice), q.gather(1, choice)
+    uniform = torch.rand(batch, slots, generator=generator, device=p.device)
+    state = torch.zeros(batch, dtype=torch.int64, device=p.device)  # rejections since the last acceptance
+    accepted = torch.zeros_like(state)
+    slot = torch.full((batch, max(out_width, slots)), -1, dtype=torch.int64, device=p.device)
+    for i in range(slots):  # sequential by definition (see the module doc)
+        live = survive[:, i] & (accepted < width)
+        at = state[:, None]
+        ok = live & (uniform[:, i] * mass.gather(1, at)[:, 0] * q_drafted[:, i]
+                     < p_drafted[:, i] - shift.gather(1, at)[:, 0] * q_drafted[:, i])
+        slot.scatter_(1, accepted[:, None], torch.where(ok, i, slot.gather(1, accepted[:, None])[:, 0])[:, None])
+        accepted = accepted + ok.long()
+        state = torch.where(ok, 0, torch.where(live, state + 1, state))
+    residual = (p - shift.gather(1, state[:, None]) * q).clamp_(min=0)
+    target = torch.where(p.sum(1, keepdim=True) > 0, p, 1.0)  # rows already out of the round draw anything
+    redraw = torch.multinomial(torch.where(residual.sum(1, keepdim=True) > 0, residual, target), 1,
+                               generator=generator)
+    fresh = torch.multinomial(target, out_width, replacement=True, generator=generator)
+    columns = torch.arange(out_width, device=p.device)[None, :]
+    slot = slot[:, :out_width].masked_fill(columns >= accepted[:, None], -1)
+    from_drafts = choice.gather(1, slot.clamp(min=0)) if slots else torch.zeros_like(slot)
+    chosen = torch.where(slot >= 0, from_drafts, torch.where(columns == accepted[:, None], redraw, fresh))
+    return LayerVerdict(chosen=chosen, slot=slot, accepted=accepted, alpha=alpha)

@@ -29,7 +29,7 @@ from torch import nn
 
 from recspec.bench.report import markdown_table, write_results
 from recspec.data.dataset import Dataset
-from recspec.data.splits import PAD_ITEM, _windows
+from recspec.data.splits import PAD_ITEM, history_windows
 from recspec.errors import RecspecError
 from recspec.knowledge.router import age_band
 from recspec.knowledge.stream import StreamSplit
@@ -68,7 +68,7 @@ def ctr_samples(dataset: Dataset, split: StreamSplit, users: Sequence[int], hist
     future = np.concatenate([np.arange(len(past) + len(ahead)) >= len(past) for past, ahead in blocks])
     items = inter.items[rows].astype(np.int64)
     samples = CtrSamples(users=inter.users[rows].astype(np.int64), items=items,
-                         history=_windows(items, np.arange(len(rows)), starts, history),
+                         history=history_windows(items, np.arange(len(rows)), starts, history),
                          labels=(inter.ratings[rows] >= POSITIVE_RATING).astype(np.float32))
     train, test = samples.subset(~future), samples.subset(future)
     if len(test) == 0 or len(set(test.labels.tolist())) < 2:

@@ -1,0 +1,138 @@
+"""The frontier of a speculative search: each active user's current target beams, with the
+paths, depths and cache views that the next round starts from, and the operations that move it
+(seeding, the round's level 0, advancing after verification, narrowing, dropping finished users,
+compacting the KV caches)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from recspec.decoding.beam import Beams, Prompts
+from recspec.decoding.cache import compact, select_rows
+from recspec.decoding.draft_tree import Level, stacked
+
+
+@dataclass
+class Frontier:
+    """The target's current beams of the active users (pending last tokens; see draft_tree).
+
+    ``beams``: scores, trie nodes and margin ``[B, K]`` / ``[B]`` (its ``tokens`` are not kept;
+    ``paths`` holds them); ``paths``: int64 ``[B, K, L]``; ``depth``: int64 ``[B]``;
+    ``visible``: bool ``[B, K, T]``, each beam's view of the cache (prompt and ancestors);
+    ``lengths``: int64 ``[B]``, real prompt tokens; ``users``: int64 ``[B]``, row in the batch.
+    """
+
+    beams: Beams
+    paths: torch.Tensor
+    depth: torch.Tensor
+    visible: torch.Tensor
+    lengths: torch.Tensor
+    users: torch.Tensor
+
+
+def root_frontier(prompts: Prompts, space) -> Frontier:
+    """Every user at depth 0: one beam, the empty prefix, whose "pending" token is the prompt's
+    last one (it is fed with the prompt in the first round). ``space``: an item trie or the text
+    vocabulary (``depth``, ``device`` and what :meth:`Beams.start` needs)."""
+    batch = len(prompts.lengths)
+    return Frontier(beams=Beams.start(batch, space),
+                    paths=torch.zeros(batch, 1, space.depth, dtype=torch.int64, device=space.device),
+                    depth=torch.zeros(batch, dtype=torch.int64, device=space.device),
+                    visible=prompts.attention_mask.bool()[:, None, :], lengths=prompts.lengths,
+                    users=torch.arange(batch, device=space.device))
+
+
+def level_zero(front: Frontier, prompts: Prompts | None) -> Level:
+    """The round's first level: the pending beams, or (``prompts`` given, first round) the root,
+    which is the prompt's last token and sees the prompt."""
+    batch, k = front.beams.nodes.shape
+    if prompts is not None:
+        return Level(tokens=prompts.input_ids[:, -1:], nodes=front.beams.nodes, parents=torch.full_like(
+            front.beams.nodes, -1), scores=front.beams.scores, visible=front.visible,
+            positions=(front.lengths - 1)[:, None], paths=front.paths)
+    own = torch.eye(k, dtype=torch.bool, device=front.paths.device).expand(batch, k, k)
+    tokens = front.paths.gather(2, (front.depth - 1)[:, None, None].expand(-1, k, 1))[:, :, 0]
+    return Level(tokens=tokens, nodes=front.beams.nodes, parents=torch.full_like(tokens, -1),
+                 scores=front.beams.scores, visible=torch.cat((front.visible, own), dim=2),
+                 positions=(front.lengths + front.depth - 1)[:, None].expand(-1, k), paths=front.paths)
+
+
+def level_offsets(levels: Sequence[Level]) -> list[int]:
+    """Where each level starts among the round's fed nodes, and (last) where they end."""
+    offsets = [0]
+    for level in levels:
+        offsets.append(offsets[-1] + level.width)
+    return offsets
+
+
+def level_beams(level: Level, margin: torch.Tensor) -> Beams:
+    """A level's nodes as beams (one-token histories: the last token; ``margin`` ``[B]``)."""
+    return Beams(scores=level.scores, nodes=level.nodes, tokens=level.tokens[:, :, None], parents=level.parents,
+                 margin=margin)
+
+
+def where_beams(rows: torch.Tensor, new: Beams, old: Beams) -> Beams:
+    """``new`` for users where ``rows`` (bool ``[B]``), else ``old`` (same width ``K``; the
+    tokens keep the last one)."""
+    pick = rows[:, None]
+    return Beams(scores=torch.where(pick, new.scores, old.scores), nodes=torch.where(pick, new.nodes, old.nodes),
+                 tokens=torch.where(pick[:, :, None], new.tokens[:, :, -1:], old.tokens[:, :, -1:]),
+                 parents=torch.where(pick, new.parents, old.parents),
+                 margin=torch.where(rows, new.margin, old.margin))
+
+
+def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch.Tensor,
+            steps: torch.Tensor) -> Frontier:
+    """The frontier after the round: the new ``beams`` (``[B, K]``), whose parents are the fed
+    nodes ``parent_at`` (int64 ``[B, K]``), ``steps`` (int64 ``[B]``) deeper; each beam sees the
+    uncompacted cache as its parent did (prompt and ancestors)."""
+    _, visible, _ = stacked(levels)  # [B, M, W]: every node's view
+    width = visible.shape[2]
+    paths = torch.cat([level.paths for level in levels], dim=1)
+    k = parent_at.shape[1]
+    view = visible.gather(1, parent_at[:, :, None].expand(-1, -1, width))
+    depth = front.depth + steps
+    new_paths = paths.gather(1, parent_at[:, :, None].expand(-1, -1, paths.shape[2])).clone()
+    new_paths.scatter_(2, (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, k, 1),
+                       beams.tokens[:, :, -1:])
+    return Frontier(beams=beams, paths=new_paths, depth=depth, visible=view, lengths=front.lengths,
+                    users=front.users)
+
+
+def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
+    """The frontier with, per user, the beams ``order`` (int64 ``[B, K']``) in that order."""
+    def pick(t: torch.Tensor) -> torch.Tensor:  # [B, K, ...] -> the chosen beams
+        return t.gather(1, order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+
+    b = front.beams
+    beams = Beams(scores=pick(b.scores), nodes=pick(b.nodes), tokens=pick(b.tokens), parents=pick(b.parents),
+                  margin=b.margin)
+    return Frontier(beams=beams, paths=pick(front.paths), depth=front.depth, visible=pick(front.visible),
+                    lengths=front.lengths, users=front.users)
+
+
+def compact_frontier(front: Frontier, caches: Sequence) -> Frontier:
+    """Keep in both caches the prompt and the ancestors of the beams, nothing else (one gather per
+    layer, the same for both: their layouts agree); rows of users with fewer such positions than
+    the longest are filled with position 0, hidden from every beam."""
+    width = caches[0].layers[0].keys.shape[2]
+    view = front.visible[:, :, :width]
+    positions, filled = compact(caches, view.any(dim=1))
+    visible = view.gather(2, positions[:, None, :].expand(-1, view.shape[1], -1)) & filled[:, None, :]
+    return Frontier(beams=front.beams, paths=front.paths, depth=front.depth, visible=visible,
+                    lengths=front.lengths, users=front.users)
+
+
+def select_users(front: Frontier, rows: torch.Tensor, caches: Sequence) -> Frontier:
+    """Keep the users ``rows`` (int64 index) of the frontier and of every cache."""
+    for cache in caches:
+        select_rows(cache, rows)
+    b = front.beams
+    return Frontier(
+        beams=Beams(scores=b.scores[rows], nodes=b.nodes[rows], tokens=b.tokens[rows], parents=b.parents[rows],
+                    margin=b.margin[rows]),
+        paths=front.paths[rows], depth=front.depth[rows], visible=front.visible[rows], lengths=front.lengths[rows],
+        users=front.users[rows])

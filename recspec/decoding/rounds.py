@@ -1,0 +1,207 @@
+"""The round loop of every tree-speculative decoder (AtSpeed strict and relaxed, DSBD):
+``draft -> score (one target call) -> verify -> advance / compact``, over two small parts.
+
+* a :class:`Drafter` proposes one level of the round's token tree from the level before it and
+  the draft model's log-probabilities there (top-N, sampled, beam-sampled; later a draft head);
+* a :class:`Verifier` turns the scored tree into the new beams, how far each user got and what
+  was accepted (strict top-K, relaxed sampling, DSBD's layer verification), says which users are
+  finished and which beams go on to the next round.
+
+:func:`run_rounds` is the loop (one batch of left-padded prompts). The draft is prefilled once;
+the target gets the prompt in the same call as the first round's tree, so with a perfect draft
+the whole search costs the target one call. Both models are fed the same levels, so their KV
+caches keep the same layout and are compacted by the same gather after every round; users whose
+beams are complete leave the batch. Per-user statistics (:class:`SpecStats` or a subclass) and
+the time of each phase are counted as it goes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from recspec.decoding.beam import Beams, Prompts, prefill
+from recspec.decoding.cache import require_full_attention
+from recspec.decoding.draft_tree import Level, feed, stacked
+from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
+                                       select_users)
+from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
+
+
+@dataclass
+class SpecStats:
+    """Per user, float32 ``[B]`` each: ``accepted_steps`` (AS: drafted steps accepted),
+    ``drafted_steps`` (steps drafted for the user; acceptance rate = accepted / drafted),
+    ``target_calls`` (prefill included), ``draft_calls`` (prefill included), ``tree_nodes`` (tree
+    nodes fed to the target, summed over rounds), ``rounds``; and seconds of the user's batch,
+    divided among its users: ``prefill_s``, ``draft_s``, ``verify_s`` (target call and
+    verification), ``overhead_s`` (the rest: compaction, bookkeeping)."""
+
+    accepted_steps: torch.Tensor
+    drafted_steps: torch.Tensor
+    target_calls: torch.Tensor
+    draft_calls: torch.Tensor
+    tree_nodes: torch.Tensor
+    rounds: torch.Tensor
+    prefill_s: torch.Tensor
+    draft_s: torch.Tensor
+    verify_s: torch.Tensor
+    overhead_s: torch.Tensor
+
+    @classmethod
+    def zeros(cls, batch: int) -> SpecStats:
+        return cls(*(torch.zeros(batch) for _ in fields(cls)))
+
+    @classmethod
+    def cat(cls, parts: Sequence[SpecStats]) -> SpecStats:
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+    def add_round(self, users: torch.Tensor, drafted: torch.Tensor, draft_calls: int, tree_nodes: int) -> None:
+        """Count one round of the users ``users`` (int64 index): one target call, the steps each
+        drafted (``drafted``, float32), the draft calls and the tree nodes fed to the target."""
+        self.drafted_steps[users] += drafted
+        self.target_calls[users] += 1
+        self.draft_calls[users] += draft_calls
+        self.tree_nodes[users] += float(tree_nodes)
+        self.rounds[users] += 1
+
+    def summary(self) -> dict[str, float]:
+        """Means over users (AS@K and the rest)."""
+        return {f.name: float(getattr(self, f.name).mean()) for f in fields(self)}
+
+
+@dataclass
+class Clock:
+    """Wall time per phase; waits for the device before each reading."""
+
+    device: torch.device
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify"), 0.0))
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, phase: str, since: float) -> float:
+        now = self.now()
+        self.seconds[phase] += now - since
+        return now
+
+
+def drafted_per_row(depth: torch.Tensor, max_depth: int, drafted: int) -> torch.Tensor:
+    """The steps each row of a round really drafts, float32 ``[B]`` on the CPU: the round drafts
+    ``drafted`` levels for the whole batch (from its shallowest row), a row ahead of the others
+    only those up to its identifiers' last step (``depth``: int64 ``[B]``, steps taken)."""
+    return (max_depth - depth).clamp(min=0, max=drafted).cpu().float()
+
+
+@dataclass
+class RoundOutcome:
+    """Where each user's round ended: the new beams ``[B, K]``, the fed index of each beam's
+    parent ``[B, K]``, the steps taken ``[B]`` (int64), and per-user counters added to the
+    statistics field of the same name (float ``[B]``; ``accepted_steps`` at least)."""
+
+    beams: Beams
+    parent_at: torch.Tensor
+    steps: torch.Tensor
+    counters: dict[str, torch.Tensor]
+
+
+class Drafter(Protocol):
+    """Proposes the round's level ``j`` from level ``j - 1`` (``parent``) and the draft's
+    log-probs at its nodes (``log_q``, float32 ``[B, n, V]``); ``depth``: int64 ``[B]``, each
+    user's depth of the new level."""
+
+    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor) -> Level: ...
+
+
+class Verifier(Protocol):
+    """Verifies the scored tree (``log_p``, float32 ``[B, M, V]``: the target's log-probs at every
+    fed node, levels in order), says which users are done, and which beams go on."""
+
+    def verify(self, front: Frontier, levels: list[Level], log_p: torch.Tensor) -> RoundOutcome: ...
+
+    def finished(self, front: Frontier) -> torch.Tensor: ...
+
+    def carry(self, front: Frontier) -> Frontier: ...
+
+
+def draft_levels(draft, cache, level0: Level, root_log_q: torch.Tensor | None, front: Frontier, drafter: Drafter,
+                 drafted: int, feed_last: bool) -> list[Level]:
+    """Levels ``0 .. drafted`` of this round's tree. The draft is fed each level it drafts from
+    (level 0 not in the first round: ``root_log_q`` ``[B, 1, V]`` are its prefill's log-probs) and,
+    if ``feed_last``, the last level too, so that its cache holds what the target's will."""
+    levels = [level0]
+    for j in range(1, drafted + 1):
+        log_q = root_log_q if j == 1 and root_log_q is not None else feed(draft, cache, levels[-1:])
+        levels.append(drafter.propose(levels[-1], log_q, front, front.depth + j))
+    if feed_last:
+        feed(draft, cache, levels[-1:])
+    return levels
+
+
+def score_levels(target, cache, levels: list[Level], prompts: Prompts | None) -> torch.Tensor:
+    """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``. In the
+    first round (``prompts`` given) the prompt is fed in the same call, before levels 1.., and
+    row 0 of the result is the prompt's last position (level 0, the root)."""
+    if prompts is None:
+        return feed(target, cache, levels)
+    return next_log_probs(forward_prompt_and_tree(target, cache, prompts.input_ids, prompts.attention_mask,
+                                                  prompts.position_ids, *stacked(levels[1:])))
+
+
+def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: Drafter, verifier: Verifier,
+               stats: SpecStats, finish: Callable[[torch.Tensor, Frontier], None]) -> None:
+    """Speculative rounds for one batch until every user is finished (see the module doc).
+
+    ``space``: the item trie or the text vocabulary (``depth`` steps at most); ``gamma``: levels
+    drafted per round (None: up to the last depth that has children: the step after it is
+    computed from that depth's distributions whatever the draft guesses); ``finish(rows,
+    front)`` receives each group of finished users (their batch rows and frontier).
+    """
+    clock = Clock(prompts.input_ids.device)
+    started = clock.now()
+    root_log_q, draft_cache = prefill(draft, prompts)
+    target_cache = DynamicCache(config=target.config)
+    caches = (target_cache, draft_cache)
+    clock.add("prefill", started)
+    front = root_frontier(prompts, space)
+    stats.draft_calls += 1
+    first = True
+    while True:
+        remaining = space.depth - int(front.depth.min())
+        drafted = min(gamma or remaining, remaining - 1)
+        feed_last = drafted < remaining - 1  # a bonus step can then leave sequences incomplete
+        users = front.users.cpu()
+        own_drafted = drafted_per_row(front.depth, space.depth, drafted)
+        mark = clock.now()
+        levels = draft_levels(draft, draft_cache, level_zero(front, prompts if first else None),
+                              root_log_q if first else None, front, drafter, drafted, feed_last)
+        mark = clock.add("draft", mark)
+        log_p = score_levels(target, target_cache, levels, prompts if first else None)
+        if first:
+            require_full_attention(target_cache)
+            require_full_attention(draft_cache)
+        outcome = verifier.verify(front, levels, log_p)
+        clock.add("verify", mark)
+        front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps)
+        for name, value in outcome.counters.items():
+            getattr(stats, name)[users] += value.cpu().float()
+        stats.add_round(users, own_drafted, drafted - first + feed_last, sum(level.width for level in levels[first:]))
+        first = False
+        finished = verifier.finished(front)
+        if bool(finished.any()):
+            finish(front.users[finished], select_users(front, finished.nonzero()[:, 0], ()))
+            if bool(finished.all()):
+                break
+            front = select_users(front, (~finished).nonzero()[:, 0], caches)
+        front = compact_frontier(verifier.carry(front), caches)
+    total = clock.now() - started
+    for phase in ("prefill", "draft", "verify"):
+        getattr(stats, f"{phase}_s")[:] += clock.seconds[phase] / len(prompts.lengths)
+    stats.overhead_s += (total - sum(clock.seconds.values())) / len(prompts.lengths)
