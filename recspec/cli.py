@@ -208,7 +208,7 @@ def train_command(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
 ) -> None:
     """Train a generative recommender (L_Rec); running it again on the same --out resumes."""
-    from recspec.models.fit import fit
+    from recspec.fit import fit
     from recspec.models.train import TrainConfig
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
@@ -401,7 +401,8 @@ def generate_command(
     from recspec.decoding.warp import Warp
     from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
-    from recspec.models.hf import load_causal_lm, load_tokenizer
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
     from recspec.models.layer_draft import text_draft_model
 
     options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
@@ -460,7 +461,7 @@ def distill_command(
     target's own samples on knowledge prompts, forward KL, the draft kept by validation acceptance."""
     import torch
 
-    from recspec.models.text_draft import DistillConfig, distill
+    from recspec.align.distill import DistillConfig, distill
 
     config = DistillConfig(layers=layers, prompts=prompts, max_new_tokens=max_new_tokens, epochs=epochs,
                            batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed)
@@ -719,7 +720,7 @@ def knowledge_ctr(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
 ) -> None:
     """Downstream CTR (DIN-style) AUC / log loss: no knowledge vs greedy vs relaxed knowledge."""
-    from recspec.knowledge.ctr import run
+    from recspec.bench.ctr import run
     from recspec.knowledge.job import set_threads
 
     set_threads(threads)

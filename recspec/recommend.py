@@ -1,8 +1,8 @@
 """Top-K recommendation with a trained generative recommender, and evaluation of the results.
 
-A trained model folder (``recspec train --out DIR``) holds ``best/`` (weights, tokenizer,
-``recspec.json`` with the item-index fingerprint), ``item_index.json`` and ``run.json`` (the data
-set, format, split and history cap it was trained with). :class:`Recommender` loads all of it
+A trained model folder (``recspec train --out DIR``, :mod:`recspec.models.checkpoint`) holds
+``best/`` (weights, tokenizer, ``recspec.json`` with the item-index fingerprint),
+``item_index.json`` and ``run.json``. :class:`Recommender` loads all of it
 and turns examples into top-K item lists with any decoder; results are written as JSON lines,
 one object per user: ``{"user": raw id, "items": [raw item ids, best first], "scores": [...]}``.
 """
@@ -21,15 +21,16 @@ import torch
 from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
-from recspec.decoding.sampling import distinct_items, sampling_beam_search
 from recspec.decoding.rounds import SpecStats
+from recspec.decoding.sampling import distinct_items, sampling_beam_search
 from recspec.decoding.speculative import SpecConfig, speculative_beam_search
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
-from recspec.fileio import atomic_path, dumps_strict, read_json, write_json_atomic
+from recspec.fileio import atomic_path, dumps_strict
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
+from recspec.models.checkpoint import INDEX_FILE, load_trained, run_info, trained_model_dir
 from recspec.models.examples import PromptEncoder, saved_template
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 
@@ -42,7 +43,6 @@ DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE, "dsbd")
 #: Every decoder that needs a draft model.
 DRAFTED = (*SPECULATIVE, "dsbd")
 PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
-RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
 
 
 @dataclass(frozen=True)
@@ -75,21 +75,6 @@ class Decoded:
 
     topk: TopK
     stats: SpecStats | None = None
-
-
-def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
-    """Record the index and the data set / split a model is trained on, beside its checkpoints."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    index.save(out_dir / INDEX_FILE)
-    write_json_atomic(out_dir / RUN_FILE, info)
-
-
-def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The training folder of ``model_dir`` (itself or its parent, for ``best/``) and its ``run.json``."""
-    for folder in (model_dir, model_dir.parent):
-        if (folder / RUN_FILE).is_file() and (folder / INDEX_FILE).is_file():
-            return folder, read_json(folder / RUN_FILE)
-    raise RecspecError(f"{model_dir}: no {RUN_FILE} / {INDEX_FILE}; not a folder written by `recspec train`")
 
 
 def item_rows(dataset_keys: Sequence[str], keys: Sequence[str]) -> np.ndarray:
@@ -153,8 +138,6 @@ class Recommender:
         one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
         trained with the same item index and tokenizer. ``k``: the number of items to be asked
         for, refused before any model is loaded when the index has fewer items."""
-        from recspec.models.train import load_trained, trained_model_dir
-
         folder, info = run_info(Path(model_dir))
         index = ItemIndex.load(folder / INDEX_FILE)
         if k is not None and not 1 <= k <= len(index.item_keys):

@@ -34,7 +34,7 @@ import torch
 
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.speculative import SpecConfig, speculative_beam_search
-from recspec.models.fit import fit
+from recspec.fit import fit
 from recspec.models.train import TrainConfig
 from recspec.recommend import Recommender
 

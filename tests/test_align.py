@@ -17,7 +17,7 @@ from recspec.align.data import DataConfig, generate
 from recspec.align.task import METHODS, AlignmentTask
 from recspec.align.train import align_fit
 from recspec.errors import RecspecError
-from recspec.models.fit import fit
+from recspec.fit import fit
 from recspec.models.train import TrainConfig, answer_loss
 from recspec.recommend import Recommender
 from tests.test_cli import recspec

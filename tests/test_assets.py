@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -58,40 +60,105 @@ def test_fetch_from_wheel_writes_manifest(tmp_cache: Path, recbole_wheel: Path) 
 
 
 def test_only_the_pinned_wheel_is_accepted(tmp_cache: Path, tmp_path: Path, recbole_wheel: Path) -> None:
+    from tests.test_cli import recspec
+
     member = "recbole/dataset_example/ml-100k/ml-100k.item"
     with zipfile.ZipFile(recbole_wheel) as archive:
         original = archive.read(member)
     altered = bytearray(original)
     altered[100] ^= 0x01  # one bit of one data file
     repacked = _copy_with(recbole_wheel, tmp_path / "recbole-1.2.1-py3-none-any.whl", {member: bytes(altered)})
-    with pytest.raises(RecspecError, match=r"not the recbole==1.2.1 wheel recspec pins \(sha256 .*expected 9c994820"):
+    pinned = assets.ASSETS["ml-100k"].wheel_sha256
+    with pytest.raises(RecspecError, match=rf"not the recbole==1.2.1 wheel recspec pins \(sha256 "
+                                           rf"{sha256_file(repacked)}, expected {pinned}\); pass the original"):
         assets.fetch("ml-100k", wheel=repacked, progress=lambda _: None)
-    flipped = tmp_path / "flipped.whl"
+    flipped = tmp_path / "flipped.whl"  # the real wheel with one byte changed
     data = bytearray(recbole_wheel.read_bytes())
     data[len(data) // 2] ^= 0xFF
     flipped.write_bytes(bytes(data))
-    with pytest.raises(RecspecError, match="recspec pins"):
-        assets.fetch("ml-100k", wheel=flipped, progress=lambda _: None)
-    other = tmp_path / "other.whl"
+    other = tmp_path / "other.whl"  # a valid zip holding the right data file, but not the pinned wheel
     with zipfile.ZipFile(other, "w") as archive:
         archive.writestr(member, original)
-    with pytest.raises(RecspecError, match="recspec pins"):
+    for wrong in (flipped, other):
+        with pytest.raises(RecspecError, match="recspec pins"):
+            assets.fetch("ml-100k", wheel=wrong, progress=lambda _: None)
+        result = recspec("assets", "fetch", "ml-100k", "--wheel", str(wrong), env={"RECSPEC_CACHE": str(tmp_cache)})
+        assert result.returncode == 2 and result.stdout == "", result.stdout
+        assert result.stderr.strip().splitlines() == [
+            f"error: {wrong}: not the recbole==1.2.1 wheel recspec pins (sha256 {sha256_file(wrong)}, expected "
+            f"{pinned}); pass the original recbole==1.2.1 wheel from pypi.org, or leave out --wheel to download it"]
+    assert not tmp_cache.exists()  # refused before anything was extracted or installed
+    assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
+    with pytest.raises(RecspecError, match="recspec pins"):  # offered with the cache intact: refused all the same
         assets.fetch("ml-100k", wheel=other, progress=lambda _: None)
-    assert not (tmp_cache / "ml-100k").exists()
+
+
+def test_a_download_that_is_not_the_pinned_wheel_is_refused(tmp_cache: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip, pointed at a local folder that holds another ``recbole-1.2.1`` wheel, downloads it; fetch
+    refuses it before extracting anything."""
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / "recbole-1.2.1-py3-none-any.whl", "w") as archive:
+        archive.writestr("recbole-1.2.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: recbole\nVersion: 1.2.1\n")
+        archive.writestr("recbole-1.2.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                                                          "Tag: py3-none-any\n")
+        archive.writestr("recbole-1.2.1.dist-info/RECORD", "")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    with pytest.raises(RecspecError, match=r"recbole-1.2.1-py3-none-any.whl: not the recbole==1.2.1 wheel recspec "
+                                           r"pins .*the package index served other bytes"):
+        assets.fetch("ml-100k", progress=lambda _: None)
+    assert not tmp_cache.exists()
 
 
 def test_same_size_edit_with_mtime_restored_is_detected(tmp_cache: Path, recbole_wheel: Path) -> None:
     folder = assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
-    assets.require("ml-100k")  # a successful check stamps the files
+    stamp_file = folder / assets.STAMP
+    assets.require("ml-100k")
+    assert not stamp_file.exists()  # files changed within RACY_NS are not stamped: re-hashed next time too
+    newest = max(path.stat().st_ctime_ns for path in folder.glob("ml-100k.*"))
+    time.sleep(max(0.0, (newest + assets.RACY_NS - time.time_ns()) / 1e9) + 0.05)
+    assets.require("ml-100k")  # now the stamp lets the next check skip re-hashing
     target = folder / "ml-100k.inter"
     stat = target.stat()
+    assert json.loads(stamp_file.read_text())["ml-100k.inter"] == [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+                                                                    stat.st_ino]
     data = bytearray(target.read_bytes())
     data[-3] = ord("9") if data[-3] != ord("9") else ord("8")  # another digit: same size
     target.write_bytes(bytes(data))
     os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert target.stat().st_mtime_ns == stat.st_mtime_ns and target.stat().st_size == stat.st_size
-    with pytest.raises(RecspecError, match=r"ml-100k.inter: checksum mismatch .*--force"):
+    assert target.stat().st_ino == stat.st_ino
+    with pytest.raises(RecspecError) as raised:
         assets.require("ml-100k")
+    assert str(raised.value) == (f"{target}: checksum mismatch (corrupted cache file); "
+                                 f"run `recspec assets fetch ml-100k --force`")
+
+
+def test_damaged_manifest_or_stamp(tmp_cache: Path, recbole_wheel: Path) -> None:
+    """A damaged manifest is a one-line error saying to fetch again; a damaged or unwritable stamp
+    only costs a re-hash."""
+    folder = assets.fetch("ml-100k", wheel=recbole_wheel, progress=lambda _: None)
+    stamp_file = folder / assets.STAMP
+    for garbage in ("{not json", "[1, 2]"):
+        stamp_file.write_text(garbage)
+        assert assets.require("ml-100k") == folder
+    stamp_file.unlink()
+    stamp_file.mkdir()  # a stamp that cannot be written (as a read-only cache)
+    assert assets.require("ml-100k") == folder
+    target = folder / "ml-100k.item"
+    target.write_bytes(target.read_bytes().replace(b"Heat", b"Hean", 1))
+    with pytest.raises(RecspecError, match="ml-100k.item: checksum mismatch"):
+        assets.require("ml-100k")
+    manifest = folder / assets.MANIFEST
+    for garbage in ("{not json", '{"files": {"ml-100k.item": {"sha256": 1}}}', "[]"):
+        manifest.write_text(garbage)
+        with pytest.raises(RecspecError) as raised:
+            assets.require("ml-100k")
+        assert str(raised.value) == (f"{manifest}: damaged (not a recspec asset manifest); "
+                                     f"run `recspec assets fetch ml-100k --force`")
+    assert "damaged" in assets.list_assets()[0]["status"]
 
 
 def test_assets_verify_rehashes_everything(tmp_cache: Path, recbole_wheel: Path) -> None:
@@ -112,6 +179,8 @@ def test_assets_verify_rehashes_everything(tmp_cache: Path, recbole_wheel: Path)
     assert result.returncode == 2 and "ml-100k.user: checksum mismatch" in result.stdout
     assert result.stderr.strip().splitlines() == ["error: damaged or missing: ml-100k; run `recspec assets fetch "
                                                   "NAME --force`"]
+    result = recspec("assets", "verify", "smollm2", env=env)
+    assert result.returncode == 2 and "smollm2  asset smollm2 is not in the cache" in result.stdout
 
 
 def test_missing_asset_says_what_to_fetch(tmp_cache: Path) -> None:
@@ -172,18 +241,67 @@ def test_real_smollm2_folder_is_a_normal_hf_model(smollm2_dir: Path) -> None:
     assert getattr(config, "quantization_config", None) is None
 
 
+def test_embedding_cache_records_are_checked(tmp_path: Path) -> None:
+    """``read_cached`` trusts only a plain float32 array that matches its record (size, sha256, shape,
+    dtype) and has the expected rows and finite values; never a pickle."""
+    import numpy as np
+
+    from recspec.itemids.embed import read_cached, write_cached
+
+    cache_file = tmp_path / "embeddings" / "key.npy"
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    write_cached(cache_file, array)
+    record = json.loads(cache_file.with_suffix(".json").read_text())
+    assert record == {"sha256": sha256_file(cache_file), "size": cache_file.stat().st_size, "shape": [3, 4],
+                      "dtype": "float32"}
+    assert np.array_equal(read_cached(cache_file, 3), array)
+    assert read_cached(cache_file, 4) is None  # rows != number of texts
+    assert read_cached(tmp_path / "embeddings" / "absent.npy", 3) is None
+
+    def recorded(data: bytes, **change: object) -> Path:
+        """``data`` in ``cache_file`` with a record that matches it (then ``change`` applied)."""
+        cache_file.write_bytes(data)
+        entry = {**record, "sha256": sha256_file(cache_file), "size": len(data), **change}
+        cache_file.with_suffix(".json").write_text(json.dumps(entry))
+        return cache_file
+
+    def npy(value: np.ndarray, allow_pickle: bool = False) -> bytes:
+        buffer = io.BytesIO()
+        np.save(buffer, value, allow_pickle=allow_pickle)
+        return buffer.getvalue()
+
+    assert np.array_equal(read_cached(recorded(npy(array)), 3), array)
+    assert read_cached(recorded(npy(array), shape=[3, 5]), 3) is None
+    assert read_cached(recorded(npy(array), size=len(npy(array)) + 1), 3) is None
+    assert read_cached(recorded(npy(array.astype(np.float64)), dtype="float64"), 3) is None
+    assert read_cached(recorded(npy(np.full((3, 4), np.nan, dtype=np.float32))), 3) is None
+    assert read_cached(recorded(npy(array[:, 0])), 3) is None  # one dimension
+    assert read_cached(recorded(bytes(len(npy(array)))), 3) is None  # zeroed, with a matching record
+    pickled = npy(np.array([{"x": 1}, None, 3], dtype=object), allow_pickle=True)
+    assert read_cached(recorded(pickled, shape=[3]), 3) is None  # refused, not unpickled
+    cache_file.with_suffix(".json").unlink()
+    cache_file.write_bytes(npy(array))
+    assert read_cached(cache_file, 3) is None  # no record: not trusted
+
+
 @pytest.mark.slow
 def test_damaged_embedding_caches_are_rebuilt_not_used(smollm2_dir: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real SmolLM2 asset, by name, under a cache that links to it: a truncated, a zeroed and a
+    same-size-altered cache file, and one with no record, are each rebuilt and overwritten."""
     import numpy as np
 
     from recspec.itemids.embed import embed_texts
 
-    monkeypatch.setenv("RECSPEC_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "smollm2").symlink_to(smollm2_dir, target_is_directory=True)
+    monkeypatch.setenv("RECSPEC_CACHE", str(cache))
     texts = ["Heat (1995); genres: Action", "Toy Story (1995)", "Alien (1979); genres: Horror, Sci-Fi"]
-    fresh = embed_texts(texts, smollm2_dir, progress=False)
-    (cache_file,) = (tmp_path / "cache" / "embeddings").glob("*.npy")
-    assert np.array_equal(embed_texts(texts, smollm2_dir, progress=False), fresh)  # read back intact
+    fresh = embed_texts(texts, "smollm2", use_cache=True, progress=False)  # embedded, then cached
+    assert fresh.shape == (3, 576)
+    (cache_file,) = (cache / "embeddings").glob("*.npy")
+    assert np.array_equal(embed_texts(texts, "smollm2", progress=False), fresh)  # read back intact
 
     def truncate(data: bytes) -> bytes:
         return data[: len(data) // 2]
@@ -196,9 +314,11 @@ def test_damaged_embedding_caches_are_rebuilt_not_used(smollm2_dir: Path, tmp_pa
 
     for damage in (truncate, zero, alter):
         cache_file.write_bytes(damage(cache_file.read_bytes()))
-        again = embed_texts(texts, smollm2_dir, progress=False)
+        again = embed_texts(texts, "smollm2", progress=False)
         assert np.allclose(again, fresh, atol=1e-5), damage.__name__
         assert np.array_equal(np.load(cache_file, allow_pickle=False), again), damage.__name__  # rebuilt on disk
     cache_file.with_suffix(".json").unlink()  # an array with no record is not trusted either
     cache_file.write_bytes(zero(cache_file.read_bytes()))
-    assert np.allclose(embed_texts(texts, smollm2_dir, progress=False), fresh, atol=1e-5)
+    assert np.allclose(embed_texts(texts, "smollm2", progress=False), fresh, atol=1e-5)
+    assert cache_file.with_suffix(".json").is_file()  # rebuilt with its record, then read back intact
+    assert np.array_equal(np.load(cache_file, allow_pickle=False), embed_texts(texts, "smollm2", progress=False))

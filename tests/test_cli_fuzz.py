@@ -117,7 +117,7 @@ def tiny_lm(smollm2_dir: Path, tmp_path_factory) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and chat template (fast to decode)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from recspec.models.hf import load_tokenizer
+    from recspec.hub import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

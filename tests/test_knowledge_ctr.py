@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from recspec.errors import RecspecError
-from recspec.knowledge.ctr import ctr_samples, downstream_check, train_and_evaluate
+from recspec.bench.ctr import ctr_samples, downstream_check, train_and_evaluate
 from recspec.knowledge.decode import Generation
 from recspec.knowledge.prompts import PROMPT_VERSION
 from recspec.knowledge.store import KnowledgeStore

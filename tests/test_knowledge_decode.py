@@ -20,7 +20,8 @@ NEAR_TIE = 1e-3  # top-2 logit gap below which float noise between batch shapes 
 
 @pytest.fixture(scope="module")
 def lm(smollm2_dir):
-    from recspec.models.hf import load_causal_lm, load_tokenizer
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
 
     torch.manual_seed(0)
     model, tokenizer = load_causal_lm(smollm2_dir), load_tokenizer(smollm2_dir)

@@ -179,7 +179,7 @@ def test_any_hugging_face_causal_lm_folder_plugs_in(smollm2_dir, ml100k, tmp_pat
     plain greedy decoding, and relaxed LASER runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from recspec.models.hf import load_tokenizer
+    from recspec.hub import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -13,7 +13,7 @@ from recspec.data import split_dataset
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
-from recspec.models.fit import fit
+from recspec.fit import fit
 from recspec.models.presets import build_model, count_parameters, preset_template, preset_tokenizer
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.models.train import TrainConfig
@@ -36,7 +36,7 @@ def llm_tokenizer(smollm2_dir: Path, movielens_index: ItemIndex):
 
 
 def test_tokenizer_keeps_the_llm_vocabulary_and_adds_identifiers(llm_tokenizer, movielens_index) -> None:
-    from recspec.models.hf import load_tokenizer
+    from recspec.hub import load_tokenizer
 
     base = load_tokenizer("smollm2")
     ids = identifier_token_ids(llm_tokenizer, movielens_index)
@@ -129,7 +129,8 @@ def test_decoders_equal_hf_on_the_pretrained_llm(smollm2_dir: Path) -> None:
     attention, tied embeddings), items spelled with ordinary word tokens so that its scores are
     well separated; beam and tree-beam return exactly what hf returns."""
     from recspec.itemids.trie import ItemTrie
-    from recspec.models.hf import load_causal_lm, load_tokenizer
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
 
     tokenizer = load_tokenizer("smollm2")
     model = load_causal_lm("smollm2")

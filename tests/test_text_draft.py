@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recspec.errors import RecspecError
-from recspec.models.text_draft import (BEST, CHECKPOINT, CORPUS, DistillConfig, acceptance, distill, forward_kl,
+from recspec.align.distill import (BEST, CHECKPOINT, CORPUS, DistillConfig, acceptance, distill, forward_kl,
                                        trainable_draft)
 from recspec.statefile import has_state
 
@@ -47,7 +47,8 @@ def test_trainable_draft_copies_its_layers_and_shares_the_frozen_embeddings(smol
 
 def test_distill_end_to_end_resumes_and_drafts(smollm2_dir, ml100k, tmp_path: Path) -> None:
     from recspec.decoding.text_sampling import TextOptions, generate
-    from recspec.models.hf import load_causal_lm, load_tokenizer
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
 
     config = DistillConfig(prompts=16, max_new_tokens=6, epochs=1, batch_size=7, lr=1e-3, warmup_steps=1)
     stopped = distill(str(smollm2_dir), tmp_path, config, max_minutes=1e-6, progress=False)  # stops after a step

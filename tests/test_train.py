@@ -16,7 +16,8 @@ from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model
 from recspec.models.tokenizer import build_tokenizer
-from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, load_trained, lr_lambda, train
+from recspec.models.checkpoint import load_trained
+from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, lr_lambda, train
 from recspec.statefile import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -42,7 +42,8 @@ from recspec.errors import RecspecError
 from recspec.fileio import atomic_path, read_json, sha256_file, write_json_atomic
 from recspec.itemids.trie import ItemTrie
 from recspec.models.tokenizer import index_fingerprint
-from recspec.recommend import INDEX_FILE, Recommender
+from recspec.models.checkpoint import INDEX_FILE
+from recspec.recommend import Recommender
 
 FORMAT = "recspec-align/1"
 MANIFEST = "manifest.json"
@@ -229,7 +230,7 @@ def _write_shard(path: Path, records: list[dict[str, np.ndarray]]) -> dict[str, 
 def provenance(recommender: Recommender, target_dir: Path, k: int, draft_dir: Path | None = None) -> dict[str, Any]:
     """What the data depends on: refused for mixing when any of it differs (the mixing draft's
     weights too, when there is one)."""
-    from recspec.models.train import WEIGHTS_FILE, trained_model_dir
+    from recspec.models.checkpoint import WEIGHTS_FILE, trained_model_dir
 
     mixing = {} if draft_dir is None else {
         "mix_draft": str(Path(draft_dir).resolve()),

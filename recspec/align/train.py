@@ -14,12 +14,12 @@ from recspec.align.data import PARTS
 from recspec.align.task import AlignmentTask, check_method, read_manifest
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
+from recspec.models.checkpoint import INDEX_FILE, load_trained, write_run_info
 from recspec.models.examples import PromptEncoder
-from recspec.models.fit import prepare_training_dir
+from recspec.fit import prepare_training_dir
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids, index_fingerprint
 from recspec.models.train import TrainConfig, TrainResult, train
-from recspec.recommend import INDEX_FILE, write_run_info
 
 ACCEPTANCE_METRIC = "accepted_steps"
 
@@ -29,7 +29,6 @@ def acceptance_evaluator(target_dir: Path, task: AlignmentTask, users: int, k: i
     """``evaluate(draft)``: mean accepted steps (and target calls) of speculative beam search with
     the target on the first ``users`` validation prompts, strict or relaxed (seeded)."""
     from recspec.decoding.speculative import SpecConfig, speculative_beam_search
-    from recspec.models.train import load_trained
 
     target, _ = load_trained(target_dir, task.encoder.index)
     valid = task.examples[PARTS[1]]

@@ -56,7 +56,7 @@ def _timed(recommender: Recommender, draft, name: str, prompts: list[torch.Tenso
 
 
 def _load_draft(recommender: Recommender, folder: Path):
-    from recspec.models.train import load_trained
+    from recspec.models.checkpoint import load_trained
 
     return load_trained(folder, recommender.index)[0]
 

@@ -20,7 +20,7 @@ from recspec.itemids.embed import embed_texts
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.quantize import rq_kmeans, rq_vae
 from recspec.itemids.trie import ItemTrie
-from recspec.models.hf import resolve_model_dir
+from recspec.hub import resolve_model_dir
 
 
 def _forward_gflop(model_dir: Path, texts: list[str], max_length: int = 64) -> float:

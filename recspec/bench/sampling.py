@@ -42,7 +42,8 @@ from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text_sampling import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.eval.metrics import recall_ndcg
-from recspec.models.hf import load_causal_lm, load_tokenizer
+from recspec.hub import load_tokenizer
+from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
 from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
 

@@ -54,7 +54,7 @@ from recspec.decoding.topk import TopK
 from recspec.decoding.tree import additive_mask, append_children, self_only_rows, tree_position_ids
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
-from recspec.models.hf import keep_last_logits
+from recspec.hub import keep_last_logits
 
 R = TypeVar("R")
 

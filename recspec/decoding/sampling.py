@@ -27,7 +27,6 @@ import torch
 from recspec.decoding.beam import Beams, Prompts, TreeCache, beam_decode, decode_in_batches, trie_children
 from recspec.decoding.topk import TopK
 from recspec.decoding.warp import Warp
-from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
 

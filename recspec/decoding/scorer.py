@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from recspec.decoding.tree import additive_mask, node_depths
-from recspec.models.hf import keep_last_logits
+from recspec.hub import keep_last_logits
 
 
 def next_log_probs(logits: torch.Tensor) -> torch.Tensor:

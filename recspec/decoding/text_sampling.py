@@ -45,7 +45,7 @@ from recspec.decoding.speculative import check_draft_vocabulary
 from recspec.decoding.topk_imp import importance_proposal
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
-from recspec.models.hf import keep_last_logits
+from recspec.hub import keep_last_logits
 
 METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
 #: Methods that need a draft model.

@@ -2,14 +2,16 @@
 
 Embeddings are cached under ``$RECSPEC_CACHE/embeddings/<key>.npy`` where the key hashes the
 model folder's identity (its asset manifest or config), the pooling settings and the texts, so
-the same items are embedded once. Beside each array, ``<key>.json`` records its sha256 and shape;
-an entry that does not match them (truncated, zeroed, altered), or that holds non-finite values,
-is ignored and rebuilt, never used. Arrays are plain float32 (numpy refuses object arrays on load).
+the same items are embedded once. Beside each array, ``<key>.json`` (written after it, atomically)
+records its sha256, size, shape and dtype; an entry without a record, one that does not match it
+(truncated, zeroed, altered), or one that holds non-finite values or the wrong number of rows is
+ignored and rebuilt (overwritten), never used. Arrays are plain float32 (numpy refuses object arrays on load).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,45 +22,59 @@ from tqdm.auto import tqdm
 
 from recspec.assets import MANIFEST, cache_dir
 from recspec.errors import RecspecError
-from recspec.fileio import atomic_path, read_json, sha256_file, write_json_atomic
-from recspec.models.hf import load_base_model, load_tokenizer, resolve_model_dir
+from recspec.fileio import atomic_path, read_json, write_json_atomic
+from recspec.hub import load_base_model, load_tokenizer, resolve_model_dir
 
 
 def _model_identity(model_dir: Path) -> str:
+    """What names the model in a cache key: the sha256 of its asset manifest (which lists the
+    sha256 of every file) or of its config, else its resolved path."""
     for name in (MANIFEST, "config.json"):
         if (model_dir / name).is_file():
-            return hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
+            return _sha256((model_dir / name).read_bytes())
     return str(model_dir.resolve())
 
 
 def read_cached(cache_file: Path, rows: int) -> np.ndarray | None:
-    """The float32 ``[rows, hidden]`` array cached in ``cache_file`` if it is intact (sha256 and
-    shape as its ``.json`` records, finite values), else None."""
-    record_file = cache_file.with_suffix(".json")
-    if not (cache_file.is_file() and record_file.is_file()):
+    """The float32 ``[rows, hidden]`` array cached in ``cache_file`` if it is intact, else None.
+
+    Intact: the bytes have the size and sha256 its ``.json`` record gives, parse as a plain
+    ``.npy`` of plain numbers of the recorded shape and dtype, with ``rows`` rows and finite values.
+    The bytes are read once, so what is hashed is what is parsed.
+    """
+    try:
+        record = read_json(cache_file.with_suffix(".json"))
+        data = cache_file.read_bytes()
+    except (RecspecError, OSError):
+        return None
+    if not isinstance(record, dict) or len(data) != record.get("size") or _sha256(data) != record.get("sha256"):
         return None
     try:
-        record = read_json(record_file)
-    except RecspecError:
+        array = np.load(io.BytesIO(data))  # object arrays are refused by default
+    except (OSError, ValueError, EOFError):
         return None
-    if not isinstance(record, dict) or sha256_file(cache_file) != record.get("sha256"):
-        return None
-    try:
-        array = np.load(cache_file)
-    except (OSError, ValueError):
-        return None
-    if array.dtype != np.float32 or array.ndim != 2 or array.shape[0] != rows or not np.isfinite(array).all():
+    if (not isinstance(array, np.ndarray) or array.dtype != np.float32 or record.get("dtype") != "float32"
+            or array.ndim != 2 or list(array.shape) != record.get("shape") or array.shape[0] != rows
+            or not np.isfinite(array).all()):
         return None
     return array
 
 
 def write_cached(cache_file: Path, array: np.ndarray) -> None:
-    """Cache ``array`` in ``cache_file`` (atomically), then its sha256 and shape beside it."""
+    """Cache ``array`` in ``cache_file`` (atomically), then, atomically too, its record
+    ``<key>.json``: sha256, size, shape and dtype of the bytes written."""
+    buffer = io.BytesIO()
+    np.save(buffer, array.astype(np.float32, copy=False))
+    data = buffer.getvalue()
     with atomic_path(cache_file) as tmp:
-        with open(tmp, "wb") as handle:
-            np.save(handle, array)
-    write_json_atomic(cache_file.with_suffix(".json"), {"sha256": sha256_file(cache_file), "shape": list(array.shape),
-                                                        "dtype": str(array.dtype)})
+        tmp.write_bytes(data)
+    write_json_atomic(cache_file.with_suffix(".json"), {"sha256": _sha256(data), "size": len(data),
+                                                        "shape": list(array.shape), "dtype": str(array.dtype)})
+
+
+def _sha256(data: bytes) -> str:
+    """Hex sha256 digest of ``data``."""
+    return hashlib.sha256(data).hexdigest()
 
 
 @torch.inference_mode()

@@ -37,7 +37,7 @@ from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
-from recspec.models.hf import keep_last_logits
+from recspec.hub import keep_last_logits
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig, retrieve
 from recspec.knowledge.trie import TokenTrie
 from recspec.knowledge.verify import Verification, accepted_path

@@ -48,7 +48,8 @@ from recspec.knowledge.router import PoolRouting, route_pools
 from recspec.knowledge.store import KnowledgeStore, model_fingerprint, read_rows, read_settings
 from recspec.knowledge.stream import check_side_part, stream_split
 from recspec.knowledge.verify import Verification
-from recspec.models.hf import load_causal_lm, load_tokenizer, resolve_model_dir
+from recspec.hub import load_tokenizer, resolve_model_dir
+from recspec.models.hf import load_causal_lm
 
 METHODS = ("ar", "hf", "prompt-lookup", "resd", "laser")
 DRAFTING = ("resd", "laser")

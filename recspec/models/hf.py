@@ -1,72 +1,14 @@
-"""Resolving and loading Hugging Face models: a cached asset by name, or any local model folder."""
+"""Loading causal LMs for decoding: any HF causal LM by asset name or model folder, its linear
+layers on the fast small-row CPU path."""
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from recspec.assets import ASSETS, require
-from recspec.errors import RecspecError
-from recspec.fileio import CHECKSUMS, verify_checksums
+from recspec.hub import check_finite_weights, loading_errors, resolve_model_dir
 from recspec.models.small_rows import use_small_row_products
-
-
-def resolve_model_dir(spec: str | Path) -> Path:
-    """The folder of a model given by asset name (``smollm2``) or by path to a HF model folder."""
-    path = Path(spec).expanduser()
-    if str(spec) in ASSETS and not path.exists():
-        return require(str(spec))
-    if not (path / "config.json").is_file():
-        raise RecspecError(f"model {spec!r}: not a cached asset ({', '.join(ASSETS)}) "
-                           f"and not a Hugging Face model folder (no config.json)")
-    if (path / CHECKSUMS).is_file():  # a folder recspec wrote (e.g. `recspec distill`'s best/)
-        verify_checksums(path, "the model folder is damaged; make it again or restore it from a copy")
-    return path
-
-
-@contextlib.contextmanager
-def loading_errors(folder: Path) -> Iterator[None]:
-    """Turn what transformers raises on a damaged or mismatched model folder (a config cut short,
-    a truncated safetensors file, weights of another shape) into one line naming the folder."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (OSError, ValueError, json.JSONDecodeError, SafetensorError) as err:
-        detail = " ".join(str(err).split())[:200]
-        raise RecspecError(f"{folder}: cannot load the model ({detail}); the folder is damaged or not a model "
-                           f"of this kind") from None
-
-
-def check_finite_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Refuse a model with a NaN or infinite weight (damaged weights decode to garbage)."""
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise RecspecError(f"{folder}: weight {name} holds NaN or infinite values; the model file is damaged")
-
-
-def load_tokenizer(spec: str | Path):
-    from transformers import AutoTokenizer
-
-    folder = resolve_model_dir(spec)
-    with loading_errors(folder):
-        return AutoTokenizer.from_pretrained(folder)
-
-
-def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """The transformer body without its LM head (for embeddings), in eval mode."""
-    from transformers import AutoModel
-
-    folder = resolve_model_dir(spec)
-    with loading_errors(folder):
-        model = AutoModel.from_pretrained(folder, dtype=dtype)
-    check_finite_weights(model, folder)
-    return model.to(device).eval()
 
 
 def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -81,10 +23,3 @@ def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
     check_finite_weights(model, folder)
     return use_small_row_products(model.to(device).eval())
-
-
-def keep_last_logits(model, count: int) -> dict[str, int]:
-    """``{"logits_to_keep": count}`` where ``model.forward`` takes it (transformers' causal LMs
-    then compute the output layer for the last ``count`` positions only), else ``{}``."""
-    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return {"logits_to_keep": count} if takes else {}

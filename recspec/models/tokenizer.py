@@ -71,7 +71,7 @@ def extend_llm_tokenizer(llm: str | Path, index: ItemIndex):
     as added tokens (not special: decoding keeps them). Refuses tokens the LLM already has."""
     from tokenizers import AddedToken
 
-    from recspec.models.hf import load_tokenizer
+    from recspec.hub import load_tokenizer
 
     tokenizer = load_tokenizer(llm)
     vocab = tokenizer.get_vocab()
@@ -160,7 +160,7 @@ def load_tokenizer_dir(folder: Path, index: ItemIndex | None = None):
     """Load a tokenizer saved by :func:`save_tokenizer`, checking it against ``index`` when given."""
     from transformers import AutoTokenizer
 
-    from recspec.models.hf import loading_errors
+    from recspec.hub import loading_errors
 
     folder = Path(folder)
     if index is not None:

@@ -68,14 +68,14 @@ import torch
 from recspec.data.splits import Examples, SplitData
 from recspec.devices import resolve_device
 from recspec.errors import RecspecError
-from recspec.fileio import CHECKSUMS, atomic_dir, record_checksums, verify_checksums, write_text_atomic
-from recspec.models.hf import keep_last_logits
+from recspec.fileio import verify_checksums, write_text_atomic
+from recspec.hub import keep_last_logits
+from recspec.models.checkpoint import BEST_DIR, CHECKPOINT_DIR, STATE_NAME, load_weights, save_model_dir
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
-from recspec.models.tokenizer import check_index, read_metadata, save_tokenizer
-from recspec.statefile import has_state, load_state, refuse_object_files, save_state
+from recspec.models.tokenizer import check_index
+from recspec.statefile import has_state, load_state, refuse_object_files
 
-CHECKPOINT_DIR, BEST_DIR, LOG_FILE, STATE_NAME = "checkpoint", "best", "train_log.jsonl", "trainer_state"
-WEIGHTS_FILE = "model.safetensors"
+LOG_FILE = "train_log.jsonl"
 RECALL_METRIC, LOSS_METRIC = "recall@10", "valid_loss"
 
 
@@ -258,55 +258,6 @@ class _InterruptGuard:
         raise KeyboardInterrupt
 
 
-def _load_weights(model, folder: Path) -> None:
-    """Load ``folder/model.safetensors`` into ``model`` exactly (tied weights may be absent)."""
-    from safetensors.torch import load_file
-
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise RecspecError(f"{folder}: no {WEIGHTS_FILE}")
-    weights = load_file(str(path))
-    own = model.state_dict()
-    unexpected = sorted(set(weights) - set(own))
-    shapes = sorted(k for k in weights if k in own and own[k].shape != weights[k].shape)
-    if unexpected or shapes:
-        what = "; ".join(part for part in (", ".join(unexpected[:3]) and "unexpected " + ", ".join(unexpected[:3]),
-                                           ", ".join(shapes[:3]) and "other shape of " + ", ".join(shapes[:3])) if part)
-        raise RecspecError(f"{path}: does not fit this model ({what}); pass a model built like the run's")
-    loaded_ptrs = {own[k].data_ptr() for k in weights}
-    missing = [k for k in own if k not in weights and own[k].data_ptr() not in loaded_ptrs]
-    if missing:
-        raise RecspecError(f"{path}: lacks {', '.join(missing[:3])}; pass a model built like the run's")
-    with torch.no_grad():
-        for key, value in weights.items():
-            own[key].copy_(value)
-
-
-def _save_model_dir(path: Path, model, tokenizer, encoder: PromptEncoder, extra: dict[str, Any],
-                    state: dict[str, Any] | None = None) -> None:
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-    try:
-        with atomic_dir(path, overwrite=True) as tmp:
-            _fill_model_dir(tmp, model, tokenizer, encoder, extra, state)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _fill_model_dir(tmp: Path, model, tokenizer, encoder: PromptEncoder, extra: dict[str, Any],
-                    state: dict[str, Any] | None) -> None:
-    model.save_pretrained(tmp)  # transformers 5 always writes safetensors
-    if not (tmp / WEIGHTS_FILE).is_file():
-        raise RuntimeError(f"save_pretrained wrote no {WEIGHTS_FILE} (sharded?); the model is too large")
-    save_tokenizer(tokenizer, encoder.index, tmp, {"prompt": encoder.template.to_json(), **extra})
-    if state is not None:
-        save_state(tmp, STATE_NAME, state)
-    record_checksums(tmp)
-
-
 def _write_log(out_dir: Path, history: list[dict[str, Any]]) -> None:
     write_text_atomic(out_dir / LOG_FILE, "".join(json.dumps(row) + "\n" for row in history))
 
@@ -440,7 +391,7 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
         if saved["metric"] != metric:
             raise RecspecError(f"{checkpoint}: the run selects on {saved['metric']}, this call on {metric}; "
                                f"resume with the same selection (evaluate function and metric)")
-        _load_weights(model, checkpoint)
+        load_weights(model, checkpoint)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         torch.set_rng_state(saved["rng"]["torch"])
@@ -466,7 +417,7 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
             payload = {"config": config.trajectory(), "metric": metric, "optimizer": optimizer.state_dict(),
                        "scheduler": scheduler.state_dict(), "rng": rng, "train": dict(state)}
             extra = {"checkpoint": {"epoch": state["epoch"], "step": state["step"]}}
-            _save_model_dir(checkpoint, model, tokenizer, encoder, extra, payload)
+            save_model_dir(checkpoint, model, tokenizer, encoder, extra, payload)
         finally:
             guard.deferring = was
             saving["now"] = False
@@ -501,7 +452,7 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
                "examples_per_s": state["epoch_examples"] / seconds if seconds else 0.0,
                "eval_seconds": round(time.perf_counter() - started, 3)}
         if improved:
-            _save_model_dir(out_dir / BEST_DIR, model, tokenizer, encoder,
+            save_model_dir(out_dir / BEST_DIR, model, tokenizer, encoder,
                             {"best": {"metric": metric, "value": value, "epoch": state["epoch"] + 1,
                                       "step": state["step"], "partial": partial}})
             state["best_value"], state["best_epoch"] = value, state["epoch"] + 1
@@ -611,7 +562,7 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
 
     best_dir = out_dir / BEST_DIR
     if state["best_value"] is not None:
-        _load_weights(model, best_dir)
+        load_weights(model, best_dir)
     evaluations = len(state["history"])
     return TrainResult(
         out_dir=out_dir, best_dir=best_dir, metric=metric,
@@ -630,39 +581,3 @@ def _progress(enabled: bool, total: int, state: dict[str, Any]):
 
     return tqdm(total=total, initial=state["batch_in_epoch"], desc=f"epoch {state['epoch'] + 1}", unit="batch",
                 dynamic_ncols=True, leave=False)
-
-
-# ---------------------------------------------------------------------- loading
-
-def trained_model_dir(path: str | Path) -> Path:
-    """The model folder of a training ``out_dir`` (its ``best/``), or ``path`` itself (a ``best/`` or
-    ``checkpoint/`` folder), its files checked against its ``checksums.json``; a folder holding no
-    trained model, or a damaged one, is an error naming the file."""
-    path = Path(path)
-    if not path.exists():
-        raise RecspecError(f"{path}: no such folder; train a model first")
-    folder = path / BEST_DIR if (path / BEST_DIR).is_dir() else path
-    if not any((folder / name).is_file() for name in (CHECKSUMS, "config.json", WEIGHTS_FILE)):
-        raise RecspecError(f"{path}: not a trained model folder (no {BEST_DIR}/ and no config.json + {WEIGHTS_FILE})")
-    verify_checksums(folder, "the model folder is damaged; train it again or restore it from a copy")
-    read_metadata(folder)
-    return folder
-
-
-def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`). With ``index``, a
-    folder built for another item index is refused."""
-    from transformers import AutoModelForCausalLM
-
-    from recspec.models.hf import check_finite_weights, loading_errors
-    from recspec.models.tokenizer import load_tokenizer_dir
-
-    folder = trained_model_dir(path)
-    tokenizer = load_tokenizer_dir(folder, index)
-    with loading_errors(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if model.config.vocab_size != len(tokenizer):
-        raise RecspecError(f"{folder}: model vocabulary ({model.config.vocab_size}) and tokenizer ({len(tokenizer)}) "
-                           f"differ")
-    check_finite_weights(model, folder)
-    return model.to(device).eval(), tokenizer

@@ -43,7 +43,7 @@ import torch
 from recspec.decoding.beam import left_pad
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, atomic_path, check_writable_dir, read_json, record_checksums, write_json_atomic
-from recspec.models.hf import keep_last_logits
+from recspec.hub import keep_last_logits
 from recspec.models.layer_draft import layer_draft, parse_layers
 from recspec.models.train import TrainConfig, lr_lambda
 from recspec.statefile import has_state, load_state, refuse_object_files, save_state
@@ -193,7 +193,8 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
     """Sample the corpus, then train (or go on training) the draft; returns the run's summary."""
     from tqdm.auto import tqdm
 
-    from recspec.models.hf import load_causal_lm, load_tokenizer
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
 
     out_dir = Path(out_dir)
     remedy = "delete it to start over, or choose another --out"

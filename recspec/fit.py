@@ -18,8 +18,9 @@ from recspec.itemids.build import dataset_identifiers
 from recspec.models.examples import PromptEncoder
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids
-from recspec.models.train import CHECKPOINT_DIR, SupervisedTask, TrainConfig, TrainResult, train
-from recspec.recommend import item_rows, write_run_info
+from recspec.models.checkpoint import CHECKPOINT_DIR, write_run_info
+from recspec.models.train import SupervisedTask, TrainConfig, TrainResult, train
+from recspec.recommend import item_rows
 
 
 def prepare_training_dir(out_dir: Path, overwrite: bool) -> Path:

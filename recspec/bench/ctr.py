@@ -188,7 +188,7 @@ def knowledge_vectors(texts: Mapping[int, str], count: int, model: str, max_leng
     from transformers import AutoConfig
 
     from recspec.itemids.embed import embed_texts
-    from recspec.models.hf import resolve_model_dir
+    from recspec.hub import resolve_model_dir
 
     out = np.zeros((count, AutoConfig.from_pretrained(resolve_model_dir(model)).hidden_size), dtype=np.float32)
     if texts:

@@ -1,0 +1,121 @@
+"""Trained model folders: writing and reading them (not training them).
+
+A training run's ``out_dir`` holds ``best/`` and ``checkpoint/`` model folders (Hugging Face
+weights and config, the tokenizer with ``recspec.json``, ``checksums.json``; the checkpoint also
+the trainer's state, :mod:`recspec.statefile`), and beside them ``item_index.json`` and
+``run.json`` (the data set, format, split and history cap it was trained with). Every folder is
+written whole under a temporary name and checked against its checksums when it is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recspec.errors import RecspecError
+from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, verify_checksums, write_json_atomic
+from recspec.hub import check_finite_weights, loading_errors
+from recspec.itemids.index import ItemIndex
+from recspec.models.examples import PromptEncoder
+from recspec.models.tokenizer import load_tokenizer_dir, read_metadata, save_tokenizer
+from recspec.statefile import save_state
+
+CHECKPOINT_DIR, BEST_DIR, STATE_NAME, WEIGHTS_FILE = "checkpoint", "best", "trainer_state", "model.safetensors"
+RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
+
+
+def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
+    """Record the index and the data set / split a model is trained on, beside its checkpoints."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index.save(out_dir / INDEX_FILE)
+    write_json_atomic(out_dir / RUN_FILE, info)
+
+
+def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The training folder of ``model_dir`` (itself or its parent, for ``best/``) and its ``run.json``."""
+    for folder in (model_dir, model_dir.parent):
+        if (folder / RUN_FILE).is_file() and (folder / INDEX_FILE).is_file():
+            return folder, read_json(folder / RUN_FILE)
+    raise RecspecError(f"{model_dir}: no {RUN_FILE} / {INDEX_FILE}; not a folder written by `recspec train`")
+
+
+def load_weights(model, folder: Path) -> None:
+    """Load ``folder/model.safetensors`` into ``model`` exactly (tied weights may be absent)."""
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise RecspecError(f"{folder}: no {WEIGHTS_FILE}")
+    weights = load_file(str(path))
+    own = model.state_dict()
+    unexpected = sorted(set(weights) - set(own))
+    shapes = sorted(k for k in weights if k in own and own[k].shape != weights[k].shape)
+    if unexpected or shapes:
+        what = "; ".join(part for part in (", ".join(unexpected[:3]) and "unexpected " + ", ".join(unexpected[:3]),
+                                           ", ".join(shapes[:3]) and "other shape of " + ", ".join(shapes[:3])) if part)
+        raise RecspecError(f"{path}: does not fit this model ({what}); pass a model built like the run's")
+    loaded_ptrs = {own[k].data_ptr() for k in weights}
+    missing = [k for k in own if k not in weights and own[k].data_ptr() not in loaded_ptrs]
+    if missing:
+        raise RecspecError(f"{path}: lacks {', '.join(missing[:3])}; pass a model built like the run's")
+    with torch.no_grad():
+        for key, value in weights.items():
+            own[key].copy_(value)
+
+
+def save_model_dir(path: Path, model, tokenizer, encoder: PromptEncoder, extra: dict[str, Any],
+                    state: dict[str, Any] | None = None) -> None:
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
+    try:
+        with atomic_dir(path, overwrite=True) as tmp:
+            _fill_model_dir(tmp, model, tokenizer, encoder, extra, state)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _fill_model_dir(tmp: Path, model, tokenizer, encoder: PromptEncoder, extra: dict[str, Any],
+                    state: dict[str, Any] | None) -> None:
+    model.save_pretrained(tmp)  # transformers 5 always writes safetensors
+    if not (tmp / WEIGHTS_FILE).is_file():
+        raise RuntimeError(f"save_pretrained wrote no {WEIGHTS_FILE} (sharded?); the model is too large")
+    save_tokenizer(tokenizer, encoder.index, tmp, {"prompt": encoder.template.to_json(), **extra})
+    if state is not None:
+        save_state(tmp, STATE_NAME, state)
+    record_checksums(tmp)
+
+
+def trained_model_dir(path: str | Path) -> Path:
+    """The model folder of a training ``out_dir`` (its ``best/``), or ``path`` itself (a ``best/`` or
+    ``checkpoint/`` folder), its files checked against its ``checksums.json``; a folder holding no
+    trained model, or a damaged one, is an error naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise RecspecError(f"{path}: no such folder; train a model first")
+    folder = path / BEST_DIR if (path / BEST_DIR).is_dir() else path
+    if not any((folder / name).is_file() for name in (CHECKSUMS, "config.json", WEIGHTS_FILE)):
+        raise RecspecError(f"{path}: not a trained model folder (no {BEST_DIR}/ and no config.json + {WEIGHTS_FILE})")
+    verify_checksums(folder, "the model folder is damaged; train it again or restore it from a copy")
+    read_metadata(folder)
+    return folder
+
+
+def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`). With ``index``, a
+    folder built for another item index is refused."""
+    from transformers import AutoModelForCausalLM
+
+    folder = trained_model_dir(path)
+    tokenizer = load_tokenizer_dir(folder, index)
+    with loading_errors(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if model.config.vocab_size != len(tokenizer):
+        raise RecspecError(f"{folder}: model vocabulary ({model.config.vocab_size}) and tokenizer ({len(tokenizer)}) "
+                           f"differ")
+    check_finite_weights(model, folder)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,54 @@
+"""The package's layer order (README, Code layout): every import points down the list, and no
+module imports another module's private (``_``-prefixed) names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import recspec
+
+#: Lowest first; a module may import from its own layer and the ones before it.
+LAYERS = (
+    ("errors", "fileio", "devices", "statefile", "assets", "hub", "data", "eval"),
+    ("itemids", "models"),
+    ("decoding",),
+    ("recommend", "fit", "knowledge", "align"),
+    ("bench",),
+    ("cli",),
+)
+ROOT = Path(recspec.__file__).parent
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def _imports() -> list[tuple[str, ast.ImportFrom]]:
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(("recspec", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        if module == "recspec":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("recspec."):
+                out.append((module, node))
+    return out
+
+
+def test_every_module_has_a_layer() -> None:
+    tops = {path.relative_to(ROOT).parts[0].removesuffix(".py") for path in ROOT.rglob("*.py")} - {"__init__"}
+    assert tops == {name for names in LAYERS for name in names}
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = [f"{module} imports {node.module} (line {node.lineno})" for module, node in _imports()
+              if _layer(node.module) > _layer(module)]
+    assert not upward, upward
+
+
+def test_no_private_names_are_imported() -> None:
+    private = [f"{module} imports {alias.name} from {node.module}" for module, node in _imports()
+               for alias in node.names if alias.name.startswith("_")]
+    assert not private, private
