@@ -328,9 +328,8 @@ def recommend_command(
     import time
 
     from recspec.data import load_dataset
-    from recspec.decoding.speculative import SpecConfig, check_config
     from recspec.fileio import check_output_file
-    from recspec.recommend import DRAFTED, SPECULATIVE, DecodeOptions, Recommender, check_decoder, write_recs
+    from recspec.recommend import DRAFTED, DecodeOptions, Recommender, check_decoder, write_recs
 
     check_output_file(out, overwrite)
     _positive(k=k, users=users, batch_size=batch_size, draft_beams=draft_beams)
@@ -339,14 +338,8 @@ def recommend_command(
     options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
                             threshold=threshold, one_cache=one_cache)
-    if decoder == "dsbd":  # bad settings fail before any work
-        options.dsbd(k).check(max_gamma=gamma or 1)
     recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
                                    draft_dir=draft if decoder in DRAFTED else None, k=k)
-    if decoder in SPECULATIVE:
-        check_config(SpecConfig(draft_beams, gamma, SPECULATIVE[decoder], temperature), k, recommender.trie)
-    if decoder == "dsbd":
-        options.dsbd(k).check(recommender.trie.depth - 1)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
     with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
@@ -397,7 +390,7 @@ def generate_command(
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
-    from recspec.decoding.text_sampling import DRAFTED, TextOptions, check_request, generate, log_likelihood
+    from recspec.decoding.text import DRAFTED, TextOptions, check_request, generate, log_likelihood
     from recspec.decoding.warp import Warp
     from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
@@ -478,23 +471,33 @@ def distill_command(
 
 @app.command("eval")
 def eval_command(
-    recs: Annotated[Path, typer.Option(help="Recommendations from `recspec recommend`.")],
     dataset: DatasetArg,
+    recs: Annotated[Optional[Path], typer.Option(help="Recommendations from `recspec recommend` (default: the "
+                                                      "baseline alone, over every user of the part).")] = None,
     format: FormatOpt = None,
     split: Annotated[Optional[str], typer.Option(help="time, loo or given (as used for the recommendations).")] = None,
     part: Annotated[str, typer.Option(help="valid or test.")] = "test",
     k: Annotated[list[int], typer.Option(help="Cut-offs (repeatable).")] = [5, 10],
     max_history: int = 20,
 ) -> None:
-    """Recall@K and NDCG@K of a recommendations file against the split's ground truth."""
+    """Recall@K and NDCG@K of a recommendations file against the split's ground truth, and of the
+    most-popular baseline on the same users (``popular-`` lines)."""
     from recspec.data import load_dataset, split_dataset
+    from recspec.eval.baselines import most_popular
     from recspec.recommend import evaluate_recs, evaluation_part, read_recs
 
+    for value in k:
+        _positive(k=value)
     data = load_dataset(dataset, format)
-    examples = evaluation_part(split_dataset(data, split, max_history), part)
-    metrics = evaluate_recs(read_recs(recs), data, examples, k)
+    split_data = split_dataset(data, split, max_history)
+    examples = evaluation_part(split_data, part)
+    rows = read_recs(recs) if recs is not None else [{"user": data.user_ids[u]} for u in examples.users.tolist()]
+    popular = [data.item_ids[i] for i in most_popular(data, split_data.labels, part, max(k)).tolist()]
+    baseline = evaluate_recs([{**row, "items": popular} for row in rows], data, examples, k)
+    metrics = evaluate_recs(rows, data, examples, k) if recs is not None else {"users": baseline["users"]}
+    metrics |= {f"popular-{name}": value for name, value in baseline.items() if name != "users"}
     for name, value in metrics.items():
-        typer.echo(f"{name:<10} {value:.4f}" if isinstance(value, float) else f"{name:<10} {value}")
+        typer.echo(f"{name:<18} {value:.4f}" if isinstance(value, float) else f"{name:<18} {value}")
 
 
 @bench_app.command("ids")

@@ -22,8 +22,9 @@ from recspec.data import Dataset, Examples, SplitData, load_dataset, split_datas
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.rounds import SpecStats
-from recspec.decoding.sampling import distinct_items, sampling_beam_search
-from recspec.decoding.speculative import SpecConfig, speculative_beam_search
+from recspec.decoding.beam_search import sampling_beam_search
+from recspec.decoding.beams import distinct_items
+from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg

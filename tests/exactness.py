@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
-from recspec.decoding.speculative import SpecConfig, speculative_beam_search
+from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 from recspec.fit import fit
 from recspec.models.train import TrainConfig
 from recspec.recommend import Recommender

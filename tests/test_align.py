@@ -170,7 +170,8 @@ def test_mixed_beam_search_scores_the_mixture_and_ends_in_each_model(small_targe
     """lambda = 1 / 0 is the target's / the draft's own beam search; in between, every returned
     sequence is scored by the mixture of the two models' plain forwards, best first."""
     from recspec.align.mixed import mixed_beam_search
-    from recspec.decoding.beam import left_pad, tree_beam_search
+    from recspec.decoding.beam_search import tree_beam_search
+    from recspec.decoding.prompts import left_pad
 
     target_dir, _ = small_target
     recommender = Recommender.load(target_dir, draft_dir=mixing_draft)

@@ -22,15 +22,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
-from recspec.decoding.beam import Beams, left_pad, select_top_k
+from recspec.decoding.beams import Beams, select_top_k
+from recspec.decoding.prompts import left_pad
 from recspec.decoding.cache import gather_positions, require_full_attention, select_rows
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import (
     additive_mask,
     ancestor_matrix,
-    append_children,
+    child_rows,
     node_depths,
-    self_only_rows,
     tree_attention_mask,
     tree_position_ids,
 )
@@ -371,20 +371,20 @@ def test_tree_attention_mask_and_positions() -> None:
     assert positions.tolist() == [[2, 3, 3, 4]]
 
 
-def test_append_children_equals_whole_tree_mask() -> None:
+def test_child_rows_equal_whole_tree_mask() -> None:
     """Growing a layered tree layer by layer gives the rows of the whole-tree mask."""
     generator = torch.Generator().manual_seed(0)
     batch, width, layers, dtype = 3, 4, 3, torch.float32
     prefix = torch.rand(batch, 5, generator=generator) > 0.3
-    rows = additive_mask(prefix, dtype)[:, None, :]
+    rows = prefix[:, None, :]
     all_parents, previous = [], None
     for layer in range(layers):
         choice = torch.randint(0, 1 if layer == 0 else width, (batch, width), generator=generator)
-        rows = append_children(rows, choice, self_only_rows(width, dtype, "cpu"))
+        rows = child_rows(rows, choice)
         all_parents.append(choice + previous if layer else torch.full((batch, width), -1))
         previous = layer * width
     whole = tree_attention_mask(prefix, ancestor_matrix(torch.cat(all_parents, dim=1)), dtype)
-    assert torch.equal(rows, whole[:, 0, -width:])
+    assert torch.equal(additive_mask(rows, dtype), whole[:, 0, -width:])
 
 
 def test_tree_forward_equals_path_forwards() -> None:

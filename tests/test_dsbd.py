@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
-from recspec.decoding.verify import acceptance_counts, layer_widths, verify_layer
-from recspec.decoding.text_sampling import TextOptions, generate
+from recspec.decoding.acceptance import acceptance_counts, layer_widths, verify_layer
+from recspec.decoding.text import TextOptions, generate
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from tests.test_specsample import fit
@@ -226,9 +226,10 @@ def test_text_dsbd_and_beam_sampling_match_the_enumeration() -> None:
     warp = Warp(1.0)
     exact = exact_text_beam_sampling(target, prompt, 2, warp)
     assert sum(p for beams, p in exact.items() if any(b[1] == EOS for b in beams)) > 0.1  # early ends matter
-    from recspec.decoding.beam import left_pad
+    from recspec.decoding.prompts import left_pad
     from recspec.decoding.dsbd import dsbd_batch
-    from recspec.decoding.text_sampling import FreeText, beam_sample
+    from recspec.decoding.space import FreeText
+    from recspec.decoding.text import beam_sample
 
     space = FreeText(TEXT_VOCAB, DEPTH, EOS)
     prompts = left_pad([prompt] * 5000, PAD, torch.device("cpu"))

@@ -18,6 +18,20 @@ LAYERS = (
     ("cli",),
 )
 ROOT = Path(recspec.__file__).parent
+#: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
+#: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
+DECODING = (
+    ("warp", "cache", "tree", "space", "beams"),
+    ("prompts",),
+    ("scorer",),
+    ("beam_search", "hf_reference", "chain", "draft_tree"),
+    ("frontier", "acceptance"),
+    ("drafters",),
+    ("rounds",),
+    ("verifiers",),
+    ("speculative_beam", "dsbd"),
+    ("text",),
+)
 
 
 def _layer(module: str) -> int:
@@ -52,3 +66,20 @@ def test_no_private_names_are_imported() -> None:
     private = [f"{module} imports {alias.name} from {node.module}" for module, node in _imports()
                for alias in node.names if alias.name.startswith("_")]
     assert not private, private
+
+
+def _decoding_layer(module: str) -> int:
+    name = module.split(".")[2]
+    return next(i for i, names in enumerate(DECODING) if name in names)
+
+
+def test_decoding_modules_have_a_layer() -> None:
+    names = {path.stem for path in (ROOT / "decoding").glob("*.py")} - {"__init__"}
+    assert names == {name for names in DECODING for name in names}
+
+
+def test_decoding_imports_point_down() -> None:
+    upward = [f"{module} imports {node.module} (line {node.lineno})" for module, node in _imports()
+              if module.startswith("recspec.decoding.") and node.module.startswith("recspec.decoding.")
+              and _decoding_layer(node.module) > _decoding_layer(module)]
+    assert not upward, upward

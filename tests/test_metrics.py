@@ -33,3 +33,17 @@ def test_perfect_and_k_too_large() -> None:
     with pytest.raises(ValueError, match="@3"):
         recall_ndcg(np.array([[1, 2]]), [np.array([1])], ks=[3])
 
+
+
+def test_most_popular_counts_only_what_precedes_the_part() -> None:
+    """Validation ranks by training interactions, test by training + validation; ties go to the
+    smaller item index."""
+    from recspec.data import Dataset, Interactions
+    from recspec.eval.baselines import most_popular
+
+    items = np.array([3, 3, 1, 1, 2, 0, 2, 2, 4, 4, 4])
+    labels = np.array([0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2], dtype=np.int8)
+    inter = Interactions(users=np.zeros(len(items), dtype=np.int64), items=items, timestamps=np.arange(len(items)))
+    data = Dataset("toy", "test", inter, ["u"], [str(i) for i in range(5)])
+    assert most_popular(data, labels, "valid", 4).tolist() == [1, 3, 0, 2]  # 1 and 3 tie at 2: 1 first
+    assert most_popular(data, labels, "test", 3).tolist() == [2, 1, 3]  # item 4 is only in the test part

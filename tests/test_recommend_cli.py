@@ -135,6 +135,11 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     metrics = dict(line.split() for line in result.stdout.splitlines())
     assert metrics["users"] == "60" and 0 <= float(metrics["recall@5"]) <= 1
     assert float(metrics["recall@5"]) >= float(metrics["recall@1"])
+    assert 0 <= float(metrics["popular-recall@1"]) <= float(metrics["popular-recall@5"]) <= 1
+    baseline = recspec("eval", "--dataset", str(data), "--split", "loo", "--k", "5")  # no recs: every user
+    assert baseline.returncode == 0, baseline.stderr
+    assert dict(line.split() for line in baseline.stdout.splitlines()).keys() == {"users", "popular-recall@5",
+                                                                                 "popular-ndcg@5"}
 
 
 def test_errors(small_data: tuple[Path, Path], tmp_path: Path) -> None:

@@ -219,7 +219,7 @@ def test_damaged_model_folders_are_named(trained, tmp_path: Path) -> None:
 def test_non_finite_weights_and_scores_are_never_written(trained, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from recspec.decoding.topk import TopK
+    from recspec.decoding.beams import TopK
     from recspec.fileio import record_checksums
     from recspec.recommend import check_finite_scores
 

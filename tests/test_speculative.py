@@ -16,8 +16,8 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from recspec.decoding import beam_search
-from recspec.decoding.sampling import sampling_beam_search
-from recspec.decoding.speculative import SpecConfig, speculative_beam_search
+from recspec.decoding.beam_search import sampling_beam_search
+from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 from tests.test_beam import CONTROL, PAD, SETUPS, Setup, make_setup

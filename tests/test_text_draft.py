@@ -46,7 +46,7 @@ def test_trainable_draft_copies_its_layers_and_shares_the_frozen_embeddings(smol
 
 
 def test_distill_end_to_end_resumes_and_drafts(smollm2_dir, ml100k, tmp_path: Path) -> None:
-    from recspec.decoding.text_sampling import TextOptions, generate
+    from recspec.decoding.text import TextOptions, generate
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
 

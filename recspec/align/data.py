@@ -35,7 +35,8 @@ import torch
 
 from recspec.data import Dataset, Examples, split_dataset
 from recspec.align.mixed import mixed_beam_search
-from recspec.decoding.beam import TreeCache, beam_decode, left_pad
+from recspec.decoding.beam_search import TreeCache, beam_decode
+from recspec.decoding.prompts import left_pad
 from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError

@@ -21,10 +21,15 @@ sampling` measures it), so the draft is trained instead.
   Definition 3.1 / Corollary 3.6), after every epoch; the best draft is kept in ``best/`` (a
   Hugging Face model folder with the target's tokenizer, for ``--draft``).
 
-Resumable: ``checkpoint.{safetensors,json}`` (trainable weights, optimizer, schedule, epoch and
-step, history; tensors and JSON, never a serialized object) is written atomically at every epoch end and
-when the time budget runs out; a second call continues
-from it (the epoch's batch order depends only on ``(seed, epoch)``, so steps done are skipped).
+Training runs on the common trainer (:class:`recspec.models.train.Trainer`, with
+:class:`DistillTask`): AdamW, warm-up and cosine decay, length-bucketed seeded batches, the
+validation acceptance of the untrained draft logged as epoch 0, no early stopping, float32.
+
+Resumable: ``checkpoint.{safetensors,json}`` (the draft's trainable weights and the trainer's
+state: optimizer, schedule, RNG, counters, history; tensors and JSON, never a serialized object)
+is written atomically every ``checkpoint_minutes``, at every epoch end, when the time budget runs
+out and on Ctrl-C; a second call continues from it exactly (the epoch's batch order depends only on
+``(seed, epoch)``, so steps done are skipped). ``train_log.jsonl`` holds one line per evaluation.
 """
 
 from __future__ import annotations
@@ -40,16 +45,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from recspec.decoding.beam import left_pad
+from recspec.decoding.prompts import left_pad
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, atomic_path, check_writable_dir, read_json, record_checksums, write_json_atomic
 from recspec.hub import keep_last_logits
+from recspec.models.checkpoint import WEIGHTS_FILE
 from recspec.models.layer_draft import layer_draft, parse_layers
-from recspec.models.train import TrainConfig, lr_lambda
-from recspec.statefile import has_state, load_state, refuse_object_files, save_state
+from recspec.models.train import TrainConfig, Trainer, autocast
+from recspec.statefile import has_state, load_state, refuse_object_files, save_state, state_files
 
 CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint", "best", "distill.json", "draft.json"
 CHUNK = 8  # prompts sampled together (one seeded chunk of corpus.jsonl)
+ACCEPTANCE = "valid_acceptance"  # the selection metric (higher is better)
+REMEDY = "delete it to start over, or choose another --out"
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,13 @@ class DistillConfig:
         if bad:
             raise RecspecError(f"bad distillation option(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
 
+    def training(self, max_minutes: float | None) -> TrainConfig:
+        """The trainer's options: these, AdamW's default betas, float32 on the CPU, no early stop."""
+        return TrainConfig(lr=self.lr, batch_size=self.batch_size, epochs=self.epochs, warmup_steps=self.warmup_steps,
+                           weight_decay=self.weight_decay, betas=(0.9, 0.999), max_grad_norm=self.max_grad_norm,
+                           patience=self.epochs,  # reached at the last epoch at the earliest: no early stop
+                           seed=self.seed, precision="fp32", max_minutes=max_minutes, device="cpu")
+
 
 def trainable_draft(target, layers: list[int]):
     """The draft over ``layers`` of ``target``: copies of those layers and of the final norm
@@ -90,6 +105,18 @@ def trainable_draft(target, layers: list[int]):
     for name, parameter in draft.named_parameters():
         parameter.requires_grad_(name.startswith(("model.layers.", "model.norm.")))
     return draft
+
+
+def trainable_weights(draft) -> dict[str, torch.Tensor]:
+    """The draft's trainable parameters by name (all that distillation changes)."""
+    return {name: parameter for name, parameter in draft.named_parameters() if parameter.requires_grad}
+
+
+def load_trainable(draft, weights: dict[str, torch.Tensor]) -> None:
+    """Copy the draft's trainable parameters from ``weights`` (which may hold others too)."""
+    with torch.no_grad():
+        for name, parameter in trainable_weights(draft).items():
+            parameter.copy_(weights[name])
 
 
 def _complete_rows(path: Path) -> list[dict[str, Any]]:
@@ -114,7 +141,7 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     from tqdm.auto import tqdm
 
     from recspec.data import load_dataset
-    from recspec.decoding.text_sampling import TextOptions, generate
+    from recspec.decoding.text import TextOptions, generate
     from recspec.knowledge.prompts import chat_ids, random_prompt_texts
 
     dataset = load_dataset("ml-100k")
@@ -143,24 +170,35 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     return [(row["prompt"], row["response"]) for row in done if row["response"]]
 
 
-def response_log_probs(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the next token at each response position of each ``(prompt, response)``:
-    float32 ``[b, R, V]`` (``R`` the longest response, responses right-aligned) and the bool mask
+def pair_batch(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``(prompt, response)`` pairs as one left-padded batch: ``input_ids``, ``attention_mask``,
+    ``position_ids`` of prompt + response, and ``response_lengths``."""
+    padded = left_pad([torch.tensor(p + r) for p, r in pairs], pad_token_id, torch.device("cpu"))
+    return {"input_ids": padded.input_ids, "attention_mask": padded.attention_mask,
+            "position_ids": padded.position_ids, "response_lengths": torch.tensor([len(r) for _, r in pairs])}
+
+
+def response_log_probs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the next token at each response position of a :func:`pair_batch`: float32
+    ``[b, R, V]`` (``R`` the longest response, responses right-aligned) and the bool mask
     ``[b, R]`` of real positions. Only the last ``R + 1`` positions reach the output layer."""
-    width = max(len(response) for _, response in pairs)
-    batch = left_pad([torch.tensor(p + r) for p, r in pairs], pad_token_id, next(model.parameters()).device)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   use_cache=False, **keep_last_logits(model, width + 1)).logits[:, -(width + 1):-1]
-    lengths = torch.tensor([len(r) for _, r in pairs], device=logits.device)
+    lengths = batch["response_lengths"]
+    width = int(lengths.max())
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False,
+                   **keep_last_logits(model, width + 1)).logits[:, -(width + 1):-1]
     real = torch.arange(width, device=logits.device)[None, :] >= width - lengths[:, None]
     return torch.log_softmax(logits.float(), dim=-1), real
 
 
+def position_kl(p: torch.Tensor, q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) at each real position: ``[n]``; ``p``, ``q`` log-probs ``[b, R, V]``, ``real`` ``[b, R]``."""
+    return (p.exp() * (p - q)).sum(dim=-1)[real]
+
+
 def forward_kl(p: torch.Tensor, q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Mean over real positions of KL(p || q); ``p``, ``q`` log-probs ``[b, R, V]``, ``real`` ``[b, R]``."""
-    kl = (p.exp() * (p - q)).sum(dim=-1)
-    return kl[real].mean()
+    return position_kl(p, q, real).mean()
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -168,38 +206,97 @@ def acceptance(p: torch.Tensor, q: torch.Tensor, real: torch.Tensor) -> torch.Te
     return torch.minimum(p.exp(), q.exp()).sum(dim=-1)[real]
 
 
-def validation_acceptance(target, draft, pairs, pad_token_id: int, batch_size: int) -> float:
-    """Mean per-token acceptance of ``draft`` against ``target`` over the responses of ``pairs``."""
-    values = []
-    with torch.inference_mode():
-        for start in range(0, len(pairs), batch_size):
-            part = pairs[start:start + batch_size]
-            p, real = response_log_probs(target, part, pad_token_id)
-            q, _ = response_log_probs(draft, part, pad_token_id)
-            values.append(acceptance(p, q, real))
-    return float(torch.cat(values).mean())
+class DraftStore:
+    """Where distillation keeps the draft: ``checkpoint.{safetensors,json}`` (its trainable weights
+    with the trainer's state; the frozen rest is the target's) and ``best/`` (a Hugging Face model
+    folder with the target's tokenizer and ``draft.json``: ``info``, metric value and epoch)."""
+
+    def __init__(self, out_dir: Path, tokenizer, info: dict[str, Any]) -> None:
+        self.out_dir, self.tokenizer, self.info = Path(out_dir), tokenizer, info
+        self.checkpoint_path, self.best_dir = state_files(out_dir, CHECKPOINT)[1], Path(out_dir) / BEST
+
+    def read_checkpoint(self) -> dict[str, Any] | None:
+        return load_state(self.out_dir, CHECKPOINT, REMEDY) if has_state(self.out_dir, CHECKPOINT) else None
+
+    def load_checkpoint(self, model, saved: dict[str, Any]) -> None:
+        load_trainable(model, saved["weights"])
+
+    def save_checkpoint(self, model, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """``info`` (epoch, step) is in the trainer's ``state`` already."""
+        weights = {name: parameter.detach() for name, parameter in trainable_weights(model).items()}
+        save_state(self.out_dir, CHECKPOINT, {**state, "weights": weights})
+
+    def save_best(self, model, info: dict[str, Any]) -> None:
+        with atomic_dir(self.best_dir, overwrite=True) as tmp:
+            model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            write_json_atomic(tmp / DRAFT_INFO, {**self.info, info["metric"]: info["value"], "epoch": info["epoch"]})
+            record_checksums(tmp)
+
+    def load_best(self, model) -> None:
+        from safetensors.torch import load_file
+
+        load_trainable(model, load_file(str(self.best_dir / WEIGHTS_FILE)))
 
 
-def _save_best(path: Path, draft, tokenizer, info: dict[str, Any]) -> None:
-    with atomic_dir(path, overwrite=True) as tmp:
-        draft.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        write_json_atomic(tmp / DRAFT_INFO, info)
-        record_checksums(tmp)
+class DistillTask:
+    """Distillation as a training task: the training pairs, forward KL(p || q) of the frozen
+    target's next-token distributions p against the draft's q at every response position; the
+    validation pairs give the acceptance (the selection metric) and the KL."""
+
+    def __init__(self, target, tokenizer, train: list[tuple[list[int], list[int]]],
+                 valid: list[tuple[list[int], list[int]]], info: dict[str, Any], batch_size: int) -> None:
+        self.target, self.tokenizer, self.train, self.valid = target, tokenizer, train, valid
+        self.info, self.batch_size = info, batch_size
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(prompt) + len(response) for prompt, response in self.train], dtype=np.int64)
+
+    def check(self) -> None:
+        """Nothing to check: every pair is token ids the target sampled itself."""
+
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        return pair_batch([self.train[i] for i in rows], self.tokenizer.pad_token_id)
+
+    def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        with torch.no_grad():
+            p, real = response_log_probs(self.target, batch)
+        with autocast(batch["input_ids"].device, autocast_dtype):
+            q, _ = response_log_probs(model, batch)
+        return forward_kl(p, q, real)
+
+    def validation_scores(self, model) -> dict[str, float]:
+        """Mean per-token acceptance (``valid_acceptance``) and KL (``valid_kl``) of the draft
+        ``model`` against the target over the validation responses."""
+        accepted, kl = [], []
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            for start in range(0, len(self.valid), self.batch_size):
+                batch = pair_batch(self.valid[start:start + self.batch_size], self.tokenizer.pad_token_id)
+                batch = {key: value.to(device) for key, value in batch.items()}
+                p, real = response_log_probs(self.target, batch)
+                q, _ = response_log_probs(model, batch)
+                accepted.append(acceptance(p, q, real))
+                kl.append(position_kl(p, q, real))
+        return {ACCEPTANCE: float(torch.cat(accepted).mean()), "valid_kl": float(torch.cat(kl).mean())}
+
+    def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
+        """Mean KL(p || q) over the validation responses (``model``'s own device, float32)."""
+        return self.validation_scores(model)["valid_kl"]
+
+    def store(self, out_dir: Path) -> DraftStore:
+        return DraftStore(out_dir, self.tokenizer, self.info)
 
 
 def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConfig(),
             max_minutes: float | None = None, progress: bool = True) -> dict[str, Any]:
     """Sample the corpus, then train (or go on training) the draft; returns the run's summary."""
-    from tqdm.auto import tqdm
-
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
 
     out_dir = Path(out_dir)
-    remedy = "delete it to start over, or choose another --out"
     if out_dir.is_dir():
-        refuse_object_files(out_dir, remedy)
+        refuse_object_files(out_dir, REMEDY)
     check_writable_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"target": str(target_spec), **asdict(config)}
@@ -213,77 +310,11 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
     pairs = sample_corpus(target, tokenizer, out_dir / CORPUS, config.prompts, config.max_new_tokens, config.seed,
                           progress)
     cut = len(pairs) - max(1, round(len(pairs) * config.valid_fraction))
-    train, valid = pairs[:cut], pairs[cut:]
-    torch.manual_seed(config.seed)
-    draft = trainable_draft(target, layers).train()
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.dim() > 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": [p for p in trainable if p.dim() <= 1], "weight_decay": 0.0}],
-                                  lr=config.lr)
-    steps_per_epoch = math.ceil(len(train) / config.batch_size)
-    total = steps_per_epoch * config.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_lambda(step, config.warmup_steps, total, TrainConfig.min_lr_ratio))
-    state = {"epoch": 0, "step_in_epoch": 0, "history": [], "best": -1.0}
-    if has_state(out_dir, CHECKPOINT):
-        saved = load_state(out_dir, CHECKPOINT, remedy)
-        draft.load_state_dict(saved["weights"], strict=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        state = saved["state"]
-    else:
-        state["history"].append({"epoch": 0, "valid_acceptance": validation_acceptance(
-            target, draft, valid, tokenizer.pad_token_id, config.batch_size)})
-
-    def checkpoint() -> None:
-        weights = {name: p.detach() for name, p in draft.named_parameters() if p.requires_grad}
-        save_state(out_dir, CHECKPOINT, {"weights": weights, "optimizer": optimizer.state_dict(),
-                                         "scheduler": scheduler.state_dict(), "state": state})
-
-    started, stopped = time.perf_counter(), "epochs"
-    tokens = 0
-    while state["epoch"] < config.epochs:
-        epoch = state["epoch"]
-        order = np.random.default_rng([config.seed, epoch]).permutation(len(train))
-        batches = [order[i:i + config.batch_size] for i in range(0, len(order), config.batch_size)]
-        bar = tqdm(total=len(batches), initial=state["step_in_epoch"], desc=f"distilling (epoch {epoch + 1})",
-                   unit="step", disable=not progress)
-        for rows in batches[state["step_in_epoch"]:]:
-            part = [train[i] for i in rows]
-            with torch.no_grad():
-                p, real = response_log_probs(target, part, tokenizer.pad_token_id)
-            q, _ = response_log_probs(draft, part, tokenizer.pad_token_id)
-            loss = forward_kl(p, q, real)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            tokens += int(real.sum())
-            state["step_in_epoch"] += 1
-            bar.update(1)
-            bar.set_postfix(kl=f"{loss.item():.3f}")
-            if max_minutes is not None and time.perf_counter() - started > 60 * max_minutes:
-                stopped = "time budget"
-                break
-        bar.close()
-        partial = state["step_in_epoch"] < len(batches)
-        if not partial:
-            state["epoch"], state["step_in_epoch"] = epoch + 1, 0
-        draft.eval()
-        value = validation_acceptance(target, draft, valid, tokenizer.pad_token_id, config.batch_size)
-        draft.train()
-        state["history"].append({"epoch": epoch + 1, "partial": partial, "valid_acceptance": value,
-                                 "train_kl": loss.item()})
-        if value > state["best"]:
-            state["best"] = value
-            _save_best(out_dir / BEST, draft, tokenizer, {"target": str(target_spec), "layers": layers,
-                                                           "valid_acceptance": value, "epoch": epoch + 1})
-        checkpoint()
-        if stopped != "epochs":
-            break
-    seconds = time.perf_counter() - started
-    return {"stopped": stopped, "history": state["history"], "best_acceptance": state["best"],
-            "train_pairs": len(train), "valid_pairs": len(valid), "seconds": seconds,
-            "tokens_per_s": tokens / max(seconds, 1e-9), "best_dir": str(out_dir / BEST)}
+    task = DistillTask(target, tokenizer, pairs[:cut], pairs[cut:], {"target": str(target_spec), "layers": layers},
+                       config.batch_size)
+    started = time.perf_counter()
+    result = Trainer(trainable_draft(target, layers), task, out_dir, config.training(max_minutes),
+                     evaluate=task.validation_scores, progress=progress, metric=ACCEPTANCE, baseline=True).run()
+    return {"stopped": result.stopped, "history": result.history, "best_acceptance": result.best_value,
+            "train_pairs": len(task.train), "valid_pairs": len(task.valid), "seconds": time.perf_counter() - started,
+            "tokens_per_s": result.tokens_per_s, "best_dir": str(result.best_dir)}

@@ -15,7 +15,10 @@ import math
 
 import torch
 
-from recspec.decoding.beam import Beams, Prompts, TopK, TreeCache, beam_steps, prefill
+from recspec.decoding.beam_search import TreeCache, beam_steps
+from recspec.decoding.beams import Beams, TopK
+from recspec.decoding.prompts import Prompts
+from recspec.decoding.scorer import prefill
 from recspec.itemids.trie import ItemTrie
 
 
@@ -31,7 +34,7 @@ def mix_log_probs(p: torch.Tensor, q: torch.Tensor, lam: float) -> torch.Tensor:
 
 class MixedTreeCache:
     """Beam-search state over two models at once: the target's and the draft's
-    :class:`~recspec.decoding.beam.TreeCache` take the same beams, and each step returns the mixed
+    :class:`~recspec.decoding.beam_search.TreeCache` take the same beams, and each step returns the mixed
     log-probs ``[B, K, V]``."""
 
     def __init__(self, target: TreeCache, draft: TreeCache, lam: float) -> None:
@@ -48,4 +51,4 @@ def mixed_beam_search(target, draft, prompts: Prompts, trie: ItemTrie, k: int, l
     p, target_cache = prefill(target, prompts)
     q, draft_cache = prefill(draft, prompts)
     state = MixedTreeCache(TreeCache(target, prompts, k, target_cache), TreeCache(draft, prompts, k, draft_cache), lam)
-    return beam_steps(mix_log_probs(p, q, lam), state, trie, k)
+    return beam_steps(mix_log_probs(p, q, lam), state, trie, k).result(trie)

@@ -24,7 +24,9 @@ from recspec.decoding.scorer import forward_prompt_and_tree
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, sha256_file
 from recspec.itemids.trie import ItemTrie
+from recspec.models.checkpoint import ModelFolders
 from recspec.models.examples import PromptEncoder
+from recspec.models.train import autocast
 
 METHODS = ("sft", "wordkd", "tvdkd", "seqkd", "atspeed-s", "atspeed-r")
 _ARRAYS = ("example", "node_offsets", "nodes", "value_offsets", "values", "seq_nodes", "seq_tokens", "seq_scores",
@@ -183,19 +185,17 @@ class AlignmentTask:
             total += float(self.loss(model, batch, autocast_dtype)) * len(part)
         return total / len(rows)
 
+    def store(self, out_dir: Path) -> ModelFolders:
+        return ModelFolders(out_dir, self.encoder)
+
     # -------------------------------------------------------------------- losses
 
     def draft_log_probs(self, model, batch: dict[str, torch.Tensor], autocast_dtype) -> torch.Tensor:
         """The draft's log-probabilities (full-vocabulary softmax) of every node's children:
         float32 ``[B, 1 + M, C]`` (``-inf`` on padding)."""
-        from contextlib import nullcontext
-
-        device = batch["input_ids"].device
         visible, depths = tree_view(batch["node_parents"], batch["attention_mask"])
         lengths = batch["attention_mask"].sum(dim=1)
-        context = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                   else nullcontext())
-        with context:
+        with autocast(batch["input_ids"].device, autocast_dtype):
             logits = forward_prompt_and_tree(model, None, batch["input_ids"], batch["attention_mask"],
                                              batch["position_ids"], batch["node_tokens"], visible,
                                              lengths[:, None] + depths)

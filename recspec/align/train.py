@@ -28,7 +28,7 @@ def acceptance_evaluator(target_dir: Path, task: AlignmentTask, users: int, k: i
                          relaxed: bool):
     """``evaluate(draft)``: mean accepted steps (and target calls) of speculative beam search with
     the target on the first ``users`` validation prompts, strict or relaxed (seeded)."""
-    from recspec.decoding.speculative import SpecConfig, speculative_beam_search
+    from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 
     target, _ = load_trained(target_dir, task.encoder.index)
     valid = task.examples[PARTS[1]]

@@ -26,7 +26,8 @@ import torch
 
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.decoding import TopK
-from recspec.decoding.beam import left_pad, prefill
+from recspec.decoding.prompts import left_pad
+from recspec.decoding.scorer import prefill
 from recspec.recommend import BEAM_DECODERS, Recommender
 
 

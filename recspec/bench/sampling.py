@@ -37,9 +37,9 @@ import torch
 
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.bench.spec import time_per_user
-from recspec.decoding.specsample import expected_speedup, expected_tokens_per_call
+from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call
 from recspec.decoding.rounds import SpecStats
-from recspec.decoding.text_sampling import TextOptions, generate, log_likelihood
+from recspec.decoding.text import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.eval.metrics import recall_ndcg
 from recspec.hub import load_tokenizer

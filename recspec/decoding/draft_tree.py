@@ -7,10 +7,10 @@ proposes, each the child of one node of level ``j - 1``. Both models are fed the
 the same order (the draft one level per call while it drafts, the target all of them in one
 call), so the two KV caches always have the same layout and are compacted by the same gather.
 
-Node visibility is kept as a bool matrix: ``visible[b, i]`` over the ``T`` cached positions plus
-the nodes fed so far, True for the user's real prompt tokens, the node's cached and in-tree
-ancestors, and the node itself. Level ``j``'s rows are its parents' rows plus the new diagonal,
-one gather per level.
+Node visibility is the decoders' one representation (:mod:`recspec.decoding.tree`): a bool matrix
+``visible[b, i]`` over the ``T`` cached positions plus the nodes fed so far, True for the user's
+real prompt tokens, the node's cached and in-tree ancestors, and the node itself. Level ``j``'s
+rows are its parents' rows plus the new diagonal (:func:`~recspec.decoding.tree.child_rows`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from recspec.decoding.scorer import forward_visible, next_log_probs
+from recspec.decoding.tree import child_rows
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Level:
     ``positions``: int64 ``[B, n]``; ``paths``: int64 ``[B, n, L]``, the node's whole identifier
     prefix (zeros past its depth). Sampled levels (relaxed verification) also keep the draft's
     step distribution they were drawn from: ``proposal``, float32 ``[B, n_prev * C]``, log q_beam
-    over the previous level's candidates (:class:`~recspec.decoding.sampling.Candidates` layout),
+    over the previous level's candidates (:class:`~recspec.decoding.beams.Candidates` layout),
     and ``choice``, int64 ``[B, n]``, each node's index in it.
     """
 
@@ -67,14 +68,12 @@ def child_level(parent: Level, parents: torch.Tensor, tokens: torch.Tensor, node
     ``depth - 1`` of the paths). ``parents``, ``tokens``, ``nodes``, ``scores`` are ``[B, n]``;
     ``proposal`` and ``choice`` as in :class:`Level`.
     """
-    batch, n = tokens.shape
-    inherited = parent.visible.gather(1, parents[:, :, None].expand(-1, -1, parent.visible.shape[2]))
-    own = torch.eye(n, dtype=torch.bool, device=tokens.device).expand(batch, n, n)
+    n = tokens.shape[1]
     paths = parent.paths.gather(1, parents[:, :, None].expand(-1, -1, parent.paths.shape[2])).clone()
     column = (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, n, 1)
     paths.scatter_(2, column, tokens[:, :, None])
     return Level(tokens=tokens, nodes=nodes, parents=parents, scores=scores,
-                 visible=torch.cat((inherited, own), dim=2), positions=parent.positions.gather(1, parents) + 1,
+                 visible=child_rows(parent.visible, parents), positions=parent.positions.gather(1, parents) + 1,
                  paths=paths, proposal=proposal, choice=choice)
 
 

@@ -11,19 +11,49 @@ interface; :func:`~recspec.decoding.rounds.draft_levels` feeds the draft and sta
   for the verifier: ``K`` draws per level for AtSpeed's relaxed verification (Alg. 2), ``W_S``
   independent draws under the sampling warp for DSBD's forest (dsbd.txt section 3.1), with the
   text ends absorbed where it drafts free text.
+
+The chain decoders draft a chain of tokens per row instead of a tree level (:class:`ChainDrafter`):
+``gamma`` draws from the draft's warped ``q`` (speculative sampling), or from the draft's top-K
+reweighted by the target (TopK-ImpSpecDec, :func:`importance_proposal`).
+
+**TopK-ImpSpecDec drafting** (topk_impspecdec.txt Alg. 1, sections 3.1-3.3). At drafted position
+``i`` the draft's ``K`` most probable tokens ``T_K`` (of its warped distribution ``q_i``) are
+reweighted by the importance weights ``w(y) = p_i(y) / q_i(y)`` and one token is drawn from
+``r_i(y) = w(y) / sum_{T_K} w`` (Eq. 2-3); verification is Leviathan's, with the ratio
+``p / q`` and the residual ``norm(max(0, p - q))`` (Alg. 1 lines 19-29, from
+:func:`~recspec.decoding.acceptance.verify_chain`).
+
+**What it costs.** ``w`` needs the target's probabilities ``p_i = M_p(prefix + x_1 .. x_{i-1})``
+of the candidates *before* ``x_i`` is drawn (Alg. 1 lines 10-11), and ``p_i`` depends on the
+tokens drafted before it, so it cannot come from the one parallel verification call: recspec runs
+the target incrementally, one cached single-token call per drafted token (``x_{i-1}`` fed to get
+``p_i``), and the last call (``x_gamma``) gives ``p_{gamma+1}``. A round therefore costs
+``gamma + 1`` sequential target calls and ``gamma`` draft calls for at most ``gamma + 1``
+tokens: never fewer target calls than plain sampling, so no speed-up is possible beyond what
+batching the target's work would give; the benchmark measures it.
+
+**What it samples.** The draw comes from ``r_i`` but the acceptance test uses ``q_i``, so a drafted
+position emits
+
+    P(x) = r(x) min(1, p(x) / q(x)) + (1 - sum_y r(y) min(1, p(y) / q(y))) * norm(max(0, p - q))(x),
+
+which is *not* ``p`` in general (it is when ``r = q``): tokens with a large ``p / q`` inside the
+draft's top-K are favoured twice, which is what lifts the acceptance rate. Bonus tokens (after
+``gamma`` acceptances) are exact draws from ``p``. recspec tests that the output follows ``P``
+and that it departs from the target's distribution. (Verifying against ``r``, i.e. Leviathan's
+test with ``r`` as the proposal, would restore exactness, but the paper does not do it.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from recspec.decoding.beam import Beams, select_top_k
+from recspec.decoding.beams import Beams, Ends, candidates, draw, select_top_k
+from recspec.decoding.chain import Chain
 from recspec.decoding.draft_tree import Level, child_level
 from recspec.decoding.frontier import Frontier, level_beams
-from recspec.decoding.sampling import candidates, draw
 from recspec.decoding.warp import Warp
 from recspec.itemids.trie import ItemTrie
 
@@ -48,21 +78,81 @@ class TopNDrafter:
 
 @dataclass(frozen=True)
 class SampledDrafter:
-    """``count`` draws per level from the draft's warped ``q_beam`` over ``space`` (independent
-    with ``replacement``, else distinct); ``ends`` (text): finished prefixes continue with the end
-    token at probability 1 (:class:`~recspec.decoding.dsbd.Ends`)."""
+    """``count`` draws per level from the draft's warped ``q_beam`` over ``space`` (an item trie or
+    :class:`~recspec.decoding.space.FreeText`; independent with ``replacement``, else distinct);
+    ``ends`` (text): finished prefixes continue with the end token at probability 1."""
 
-    space: Any  # an ItemTrie, or the text vocabulary (recspec.decoding.text_sampling)
+    space: ItemTrie
     warp: Warp
     count: int
     generator: torch.Generator
     replacement: bool
-    ends: Any = None  # recspec.decoding.dsbd.Ends, for text
+    ends: Ends | None = None
 
     def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor) -> Level:
         if self.ends is not None:
             log_q = self.ends.absorb(parent.nodes, log_q)
         start = level_beams(parent, front.beams.margin)
-        step = candidates(start, log_q, self.space, self.warp.temperature, self.warp.top_k, self.warp.top_p)
+        step = candidates(start, log_q, self.space, self.warp)
         choice = draw(step.log_beam, self.count, self.generator, self.replacement)
         return _child(parent, step.extend(start, choice, self.space), depth, step.log_beam, choice)
+
+
+@dataclass(frozen=True)
+class ChainDrafter:
+    """``gamma`` drafted tokens per row and round, and the warped distributions to verify them with.
+
+    ``importance`` None: speculative sampling (each token drawn from the draft's ``q``; the target
+    scores the whole chain in one call); ``importance = K``: TopK-ImpSpecDec (each token drawn from
+    the draft's top-K reweighted by ``p / q``, so the target is called once per drafted token).
+    """
+
+    warp: Warp
+    gamma: int
+    generator: torch.Generator
+    importance: int | None = None
+
+    @property
+    def target_calls(self) -> int:
+        """Target calls per round."""
+        return 1 if self.importance is None else self.gamma + 1
+
+    def draft(self, target, draft, target_chain: Chain, draft_chain: Chain,
+              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chain after each row's pending ``tail`` (int64 ``[B, 2]``, its last two tokens: the
+        draft's cache lags one behind the target's): the drafts int64 ``[B, gamma]``, the draft's
+        ``q`` and the target's ``p``, float32 ``[B, gamma, V]`` / ``[B, gamma + 1, V]``."""
+        log_q = draft_chain.feed(draft, tail)[:, -1]
+        drafts, q, p = [], [], []
+        previous = tail[:, -1:]
+        for i in range(self.gamma):
+            if i:
+                log_q = draft_chain.feed(draft, previous)[:, -1]
+            q.append(self.warp(log_q).exp())
+            if self.importance is not None:
+                p.append(self.warp(target_chain.feed(target, previous)[:, -1]).exp())
+                proposal = importance_proposal(q[-1], p[-1], self.importance)
+            else:
+                proposal = q[-1]
+            drafts.append(torch.multinomial(proposal, 1, generator=self.generator))
+            previous = drafts[-1]
+        drafted = torch.cat(drafts, dim=1)
+        if self.importance is not None:
+            p.append(self.warp(target_chain.feed(target, previous)[:, -1]).exp())
+            return drafted, torch.stack(q, dim=1), torch.stack(p, dim=1)
+        p_all = self.warp(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1))).exp()
+        return drafted, torch.stack(q, dim=1), p_all
+
+
+def importance_proposal(q: torch.Tensor, p: torch.Tensor, k: int) -> torch.Tensor:
+    """``r``: float32 ``[..., V]`` from the warped draft and target distributions ``q``, ``p``
+    (``[..., V]``): ``p / q`` on the draft's top-``k`` tokens (those with ``q > 0``), normalised.
+    Where the target gives every candidate probability 0 (possible under top-k / top-p warping),
+    ``r`` is the draft's top-``k`` distribution itself, renormalised."""
+    top = q.topk(min(k, q.shape[-1]), dim=-1).indices
+    candidate = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, True) & (q > 0)
+    weights = torch.where(candidate, p / q.clamp(min=torch.finfo(q.dtype).tiny), 0.0)
+    total = weights.sum(dim=-1, keepdim=True)
+    fallback = torch.where(candidate, q, 0.0)
+    chosen = torch.where(total > 0, weights, fallback)
+    return chosen / chosen.sum(dim=-1, keepdim=True)

@@ -4,9 +4,9 @@ the output following the target's beam sampling exactly (Theorem 3.1).
 **Beam sampling** (Eq. 1): from the beams ``I`` (target joint log-probs ``s(b)``), ``W`` new beams
 are drawn *independently* from ``p_beam(b, v) = T o exp(s(b) + log p(v | b)) / Z`` over every
 candidate ``(b, v)``, the warping ``T`` (temperature, top-k, top-p) applied to the joint
-(:func:`~recspec.decoding.sampling.candidates`). The target does this alone with
-:func:`~recspec.decoding.sampling.sampling_beam_search` (``replacement=True``) over an item trie,
-or over the free vocabulary for text (:mod:`recspec.decoding.text_sampling`).
+(:func:`~recspec.decoding.beams.candidates`). The target does this alone with
+:func:`~recspec.decoding.beam_search.sampling_beam_search` (``replacement=True``) over an item trie,
+or over the free vocabulary for text (:mod:`recspec.decoding.text`).
 
 **One round** (an *iteration* of the paper), for every row of the batch at once:
 
@@ -47,7 +47,7 @@ or over the free vocabulary for text (:mod:`recspec.decoding.text_sampling`).
    goes on, so the caches hold one sequence. That mode no longer samples ``p_beam``'s
    distribution: it is the paper's memory trade-off, measured by the benchmark.
 
-The verification rules are :func:`~recspec.decoding.verify.verify_layer` and its helpers, the
+The verification rules are :func:`~recspec.decoding.acceptance.verify_layer` and its helpers, the
 layer loop :class:`~recspec.decoding.verifiers.ForestVerifier`, the draft forest
 :class:`~recspec.decoding.drafters.SampledDrafter`, the rounds
 :func:`~recspec.decoding.rounds.run_rounds` (shared with AtSpeed); this module wires them.
@@ -60,17 +60,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from recspec.decoding.beam import Prompts, decode_batches
+from recspec.decoding.beams import Ends, TopK, best_first
 from recspec.decoding.drafters import SampledDrafter
 from recspec.decoding.frontier import Frontier
+from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_batches
 from recspec.decoding.rounds import SpecStats, run_rounds
-from recspec.decoding.sampling import best_first
-from recspec.decoding.speculative import check_draft_vocabulary
-from recspec.decoding.topk import TopK
 from recspec.decoding.verifiers import ForestVerifier
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -122,15 +119,6 @@ class DSBDStats(SpecStats):
     width_sum: torch.Tensor
 
 
-class Ends(Protocol):
-    """What text generation adds to a candidate space: finished prefixes continue with the end
-    token at probability 1 (``absorb``), and a row is done when all its beams are finished."""
-
-    def absorb(self, nodes: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor: ...
-
-    def complete(self, nodes: torch.Tensor) -> torch.Tensor: ...
-
-
 @dataclass
 class DSBDResult:
     """Per row, the output beams ``[B, W]`` (dead past each row's last width: score ``-inf``):
@@ -171,7 +159,7 @@ def dsbd_beam_search(target, draft, prompts: Sequence[torch.Tensor], trie: ItemT
                      config: DSBDConfig | None = None, batch_size: int | None = None) -> tuple[TopK, DSBDStats]:
     """``k`` items per prompt by DSBD over the item trie: with ``threshold=None`` and ``min_width=k``
     (fixed width ``k``), exactly the target's beam sampling with replacement
-    (:func:`~recspec.decoding.sampling.sampling_beam_search`, ``replacement=True``) at the same
+    (:func:`~recspec.decoding.beam_search.sampling_beam_search`, ``replacement=True``) at the same
     warping; the ``k`` beams are independent draws, so an item may come out more than once.
     Results best first (by the target's score)."""
     config = config or DSBDConfig(min_width=k, draft_width=2 * k)

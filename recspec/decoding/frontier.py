@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.beam import Beams, Prompts
+from recspec.decoding.beams import Beams
+from recspec.decoding.prompts import Prompts
 from recspec.decoding.cache import compact, select_rows
 from recspec.decoding.draft_tree import Level, stacked
+from recspec.decoding.tree import child_rows
 
 
 @dataclass
@@ -53,10 +55,10 @@ def level_zero(front: Frontier, prompts: Prompts | None) -> Level:
         return Level(tokens=prompts.input_ids[:, -1:], nodes=front.beams.nodes, parents=torch.full_like(
             front.beams.nodes, -1), scores=front.beams.scores, visible=front.visible,
             positions=(front.lengths - 1)[:, None], paths=front.paths)
-    own = torch.eye(k, dtype=torch.bool, device=front.paths.device).expand(batch, k, k)
     tokens = front.paths.gather(2, (front.depth - 1)[:, None, None].expand(-1, k, 1))[:, :, 0]
+    own = torch.arange(k, device=tokens.device).expand(batch, k)  # each beam continues itself
     return Level(tokens=tokens, nodes=front.beams.nodes, parents=torch.full_like(tokens, -1),
-                 scores=front.beams.scores, visible=torch.cat((front.visible, own), dim=2),
+                 scores=front.beams.scores, visible=child_rows(front.visible, own),
                  positions=(front.lengths + front.depth - 1)[:, None].expand(-1, k), paths=front.paths)
 
 

@@ -1,5 +1,8 @@
-"""The round loop of every tree-speculative decoder (AtSpeed strict and relaxed, DSBD):
-``draft -> score (one target call) -> verify -> advance / compact``, over two small parts.
+"""The round loops: :func:`run_rounds` for every tree-speculative decoder (AtSpeed strict and
+relaxed, DSBD), :func:`run_chain` for the chain decoders (speculative sampling, TopK-ImpSpecDec).
+
+The tree loop is ``draft -> score (one target call) -> verify -> advance / compact``, over two
+small parts:
 
 * a :class:`Drafter` proposes one level of the round's token tree from the level before it and
   the draft model's log-probabilities there (top-N, sampled, beam-sampled; later a draft head);
@@ -25,12 +28,15 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from recspec.decoding.beam import Beams, Prompts, prefill
+from recspec.decoding.acceptance import verify_chain
+from recspec.decoding.beams import Beams
 from recspec.decoding.cache import require_full_attention
+from recspec.decoding.chain import Chain
 from recspec.decoding.draft_tree import Level, feed, stacked
 from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
                                        select_users)
-from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
+from recspec.decoding.prompts import Prompts
+from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs, prefill
 
 
 @dataclass
@@ -76,6 +82,36 @@ class SpecStats:
 
 
 @dataclass
+class ChainStats(SpecStats):
+    """:class:`SpecStats` of the chain methods per prompt
+    (``accepted_steps``: drafted tokens accepted, ``drafted_steps``: tokens drafted,
+    ``tree_nodes``: tokens fed to the target) and ``tried`` (drafted positions whose test ran:
+    up to the first rejection), ``alpha_sum`` (sum over them of the acceptance rate
+    ``sum_x min(q, p / l)``: ``alpha_sum / tried`` estimates Leviathan's ``alpha``), ``tokens``
+    (generated)."""
+
+    tried: torch.Tensor
+    alpha_sum: torch.Tensor
+    tokens: torch.Tensor
+
+    def add_chain_round(self, at: torch.Tensor, accepted: torch.Tensor, alpha: torch.Tensor, taken: torch.Tensor,
+                        gamma: int, target_calls: int) -> None:
+        """Count one round of the rows ``at`` (int64 index, CPU): ``accepted`` drafts ``[B]``, the
+        per-position acceptance rates ``alpha`` ``[B, gamma]``, the tokens ``taken`` ``[B]``."""
+        tried = torch.minimum(accepted + 1, torch.full_like(accepted, gamma))
+        positions = torch.arange(gamma, device=alpha.device)
+        self.accepted_steps[at] += accepted.float().cpu()
+        self.drafted_steps[at] += gamma
+        self.tried[at] += tried.float().cpu()
+        self.alpha_sum[at] += (alpha * (positions[None, :] < tried[:, None])).sum(dim=1).cpu()
+        self.target_calls[at] += target_calls
+        self.draft_calls[at] += gamma
+        self.tree_nodes[at] += gamma + 1
+        self.rounds[at] += 1
+        self.tokens[at] += taken.float().cpu()
+
+
+@dataclass
 class Clock:
     """Wall time per phase; waits for the device before each reading."""
 
@@ -118,6 +154,21 @@ class Drafter(Protocol):
     user's depth of the new level."""
 
     def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor) -> Level: ...
+
+
+class ChainDrafting(Protocol):
+    """Drafts ``gamma`` tokens per row after its pending ``tail`` (int64 ``[B, 2]``) and returns
+    them (int64 ``[B, gamma]``) with the draft's ``q`` ``[B, gamma, V]`` and the target's ``p``
+    ``[B, gamma + 1, V]`` (warped), costing ``target_calls`` target calls."""
+
+    gamma: int
+    generator: torch.Generator
+
+    @property
+    def target_calls(self) -> int: ...
+
+    def draft(self, target, draft, target_chain: Chain, draft_chain: Chain,
+              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class Verifier(Protocol):
@@ -205,3 +256,47 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     for phase in ("prefill", "draft", "verify"):
         getattr(stats, f"{phase}_s")[:] += clock.seconds[phase] / len(prompts.lengths)
     stats.overhead_s += (total - sum(clock.seconds.values())) / len(prompts.lengths)
+
+
+def run_chain(target, draft, prompts: Prompts, drafter: ChainDrafting, lenience: float, limit: int,
+              eos: int | None, stats: ChainStats) -> list[list[int]]:
+    """The chain loop (speculative sampling, TopK-ImpSpecDec) for one batch of prompts (at least
+    3 tokens each): draft ``gamma`` tokens, verify them (:func:`~recspec.decoding.acceptance.
+    verify_chain`), keep the accepted ones and the next token, until ``limit`` new tokens or the
+    end token. The target's cache holds a row's text but its last token, the draft's but its last
+    two, so every round feeds the same number of tokens to every row. Returns each row's tokens."""
+    batch, device = len(prompts.lengths), prompts.input_ids.device
+    gamma = drafter.gamma
+    target_chain, draft_chain = Chain.start(target, prompts, 1), Chain.start(draft, prompts, 2)
+    stats.target_calls += 1
+    stats.draft_calls += 1
+    tail = prompts.input_ids[:, -2:]  # each row's last two tokens
+    out = torch.zeros(batch, limit + gamma + 1, dtype=torch.int64, device=device)
+    length = torch.zeros(batch, dtype=torch.int64, device=device)
+    rows = torch.arange(batch, device=device)
+    results: list[list[int]] = [[] for _ in range(batch)]
+    steps = torch.arange(gamma + 1, device=device)
+    while len(rows):
+        drafted, q, p_all = drafter.draft(target, draft, target_chain, draft_chain, tail)
+        verdict = verify_chain(drafted, q, p_all, drafter.generator, lenience)
+        n = verdict.accepted
+        emitted = torch.cat((drafted, drafted[:, :1]), dim=1).scatter_(1, n[:, None], verdict.token[:, None])
+        take = torch.minimum(n + 1, limit - length)
+        ends = (emitted == eos) & (steps[None, :] < take[:, None]) if eos is not None else torch.zeros_like(
+            emitted, dtype=torch.bool)
+        take = torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, take)
+        out.scatter_(1, length[:, None] + steps[None, :], emitted)
+        length = length + take
+        stats.add_chain_round(rows.cpu(), n, verdict.alpha, take, gamma, drafter.target_calls)
+        done = (length >= limit) | ends.any(dim=1)
+        target_chain.keep(n + 1)
+        draft_chain.keep(n + 1)
+        tail = torch.cat((tail, emitted), dim=1).gather(1, torch.stack((n + 1, n + 2), dim=1))
+        if bool(done.any()):
+            for row, tokens, size in zip(rows[done].tolist(), out[done].tolist(), length[done].tolist()):
+                results[row] = tokens[:size]
+            keep = (~done).nonzero()[:, 0]
+            for chain in (target_chain, draft_chain):
+                chain.select(keep)
+            tail, out, length, rows = tail[keep], out[keep], length[keep], rows[keep]
+    return results

@@ -3,22 +3,38 @@
 Every speculative decoder ends a round the same way: the tokens it proposes (a draft model's
 beams, a retrieved continuation tree) are fed to the target in one call, each node attending to
 the cached positions it continues (the prompt, the text or beams accepted so far) and to its own
-ancestors in the tree, at position ``root position + depth``. :func:`score_tree` is that call;
-:func:`next_log_probs` turns its logits into the float32 log-probabilities every verifier and beam
-search compares (log-softmax over the full vocabulary, as transformers' generation does).
+ancestors in the tree, at position ``root position + depth``. :func:`score_tree` is that call
+(:func:`forward_visible` for nodes whose visibility is already built, :func:`prefill` for the
+prompts); :func:`next_log_probs` turns its logits into the float32 log-probabilities every
+verifier and beam search compares (log-softmax over the full vocabulary, as transformers'
+generation does). Every decoder reaches the model through here, except the per-beam reference
+cache of ``beam`` and transformers' own ``generate``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from recspec.decoding.tree import additive_mask, node_depths
+from recspec.decoding.prompts import Prompts
+from recspec.decoding.tree import additive_mask, node_depths, tree_rows
 from recspec.hub import keep_last_logits
 
 
 def next_log_probs(logits: torch.Tensor) -> torch.Tensor:
     """float32 log-softmax over the full vocabulary (last dim), as HF beam search computes it."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def prefill(model, prompts: Prompts):
+    """Run the prompts once: ``(log_probs [B, 1, V] of the first generated token, KV cache)``."""
+    out = model(
+        input_ids=prompts.input_ids,
+        attention_mask=prompts.attention_mask,
+        position_ids=prompts.position_ids,
+        use_cache=True,
+        **keep_last_logits(model, 1),
+    )
+    return next_log_probs(out.logits[:, -1:]), out.past_key_values
 
 
 def score_tree(
@@ -34,7 +50,7 @@ def score_tree(
     ``tokens``: int64 ``[B, N]``; ``ancestors``: bool ``[B, N, N]`` from
     :func:`~recspec.decoding.tree.ancestor_matrix` (padding nodes are roots that nothing
     descends from); ``past_visible``: bool ``[B, P]`` or ``[B, N, P]``, the cached positions
-    each node attends to (see :func:`~recspec.decoding.tree.tree_attention_mask`);
+    each node attends to (see :func:`~recspec.decoding.tree.tree_rows`);
     ``root_positions``: int64 ``[B]`` or ``[B, N]``, the position id of a depth-0 node (the
     number of real tokens before it on its path), so node positions are ``root + depth``.
 
@@ -42,14 +58,10 @@ def score_tree(
     :func:`~recspec.decoding.cache.gather_positions`. Needs a model whose cache layers are all
     full attention and which takes a custom 4D float mask (transformers 5 decoder-only models).
     """
-    depths = node_depths(ancestors)
     if root_positions.dim() == 1:
         root_positions = root_positions[:, None]
-    batch, n, _ = ancestors.shape
-    if past_visible.dim() == 2:
-        past_visible = past_visible[:, None, :].expand(batch, n, -1)
-    return forward_visible(model, cache, tokens, torch.cat((past_visible, ancestors), dim=2),
-                           root_positions + depths)
+    return forward_visible(model, cache, tokens, tree_rows(past_visible, ancestors),
+                           root_positions + node_depths(ancestors))
 
 
 def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,

@@ -8,18 +8,25 @@ an ordinary left-to-right sequence of its own path. A node attends to the prefix
 its ancestors and to itself, never to siblings or cousins; then every root-to-node path is
 computed exactly as if it were the only continuation of the prefix.
 
+**One representation.** What a node sees is a bool matrix over the cached positions and the nodes
+fed with it (``visible[b, i, j]``: node ``i`` of row ``b`` attends to position ``j``), whatever the
+decoder: a whole tree (:func:`ancestor_matrix`, :func:`tree_rows`), one layer at a time as beam
+search and the draft levels grow (:func:`child_rows`), a chain of text tokens (a tree whose
+ancestors are the lower triangle). :func:`~recspec.decoding.scorer.forward_visible` turns it into
+the model's mask.
+
 Masks follow transformers 5.x for custom 4D masks: an *additive* float mask of the model's dtype,
 ``0`` where attention is allowed and ``torch.finfo(dtype).min`` where it is blocked, passed with
 explicit ``position_ids``. transformers returns a 4D mask unchanged to the attention function;
 ``eager`` attention *adds* it to the attention scores (a bool mask would add 0/1 and block nothing)
 and ``sdpa`` accepts an additive float mask as well, so additive masks are right under both.
 
-Two ways to build the rows of a tree in the mask:
+Two ways to build the rows of a tree:
 
-* all at once, for a whole tree of any shape (e.g. a draft tree to verify):
-  :func:`ancestor_matrix` then :func:`tree_attention_mask` (and :func:`node_depths` for positions);
+* all at once, for a whole tree of any shape (e.g. a retrieved tree to verify):
+  :func:`ancestor_matrix` then :func:`tree_rows` (and :func:`node_depths` for positions);
 * one layer at a time, when each layer's nodes are children of the previous layer's nodes (beam
-  search, where the tree grows by ``K`` nodes per step): :func:`append_children`, which costs one
+  search, where the tree grows by ``K`` nodes per step): :func:`child_rows`, which costs one
   gather per layer instead of rebuilding the tree.
 """
 
@@ -76,46 +83,42 @@ def tree_position_ids(prefix_lengths: torch.Tensor, depths: torch.Tensor) -> tor
     return prefix_lengths[:, None] + depths
 
 
-def tree_attention_mask(
-    past_visible: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """Additive 4D mask for a forward pass that feeds a whole tree after ``P`` cached positions.
+def tree_rows(past_visible: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """What each of ``N`` tree nodes fed together after ``P`` cached positions sees: bool
+    ``[B, N, P + N]``.
 
     ``past_visible``: bool ``[B, P]`` (the same for every node: e.g. a prompt, False on left
     padding) or ``[B, N, P]`` (per node: e.g. the prompt plus the cached ancestors of the node's
     root, when trees hang off different cached beams); ``ancestors``: bool ``[B, N, N]`` from
-    :func:`ancestor_matrix`, the tree nodes fed in this forward pass, in cache order.
-    Returns ``dtype`` ``[B, 1, N, P + N]``.
+    :func:`ancestor_matrix`, the tree nodes fed in this forward pass, in cache order (a chain of
+    ``N`` tokens is the lower triangle).
     """
     batch, n, _ = ancestors.shape
     if past_visible.dim() == 2:
         past_visible = past_visible[:, None, :].expand(batch, n, -1)
-    visible = torch.cat((past_visible, ancestors), dim=2)
-    return additive_mask(visible, dtype)[:, None]
+    return torch.cat((past_visible, ancestors), dim=2)
 
 
-def self_only_rows(n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Additive mask block ``[n, n]`` of ``dtype`` in which each of ``n`` sibling nodes fed
-    together attends only to itself (``0`` on the diagonal, ``finfo(dtype).min`` elsewhere)."""
-    return additive_mask(torch.eye(n, dtype=torch.bool, device=device), dtype)
-
-
-def append_children(
-    parent_rows: torch.Tensor, parents: torch.Tensor, self_rows: torch.Tensor
+def tree_attention_mask(
+    past_visible: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Mask rows of a new layer of ``N`` tree nodes appended after ``T`` cached positions.
+    """Additive 4D mask ``dtype`` ``[B, 1, N, P + N]`` of :func:`tree_rows` (for calling a model
+    directly; recspec's decoders call :func:`~recspec.decoding.scorer.forward_visible`)."""
+    return additive_mask(tree_rows(past_visible, ancestors), dtype)[:, None]
 
-    ``parent_rows``: additive ``[B, S, T]``, the mask rows of the ``S`` nodes of the previous
-    layer over the ``T`` cached positions (for the first layer: ``S = 1``, the prefix's
-    visibility); ``parents``: int64 ``[B, N]`` in ``[0, S)``, the previous-layer node each new node
-    continues; ``self_rows``: ``[N, N]`` from :func:`self_only_rows` (built once, reused for
-    every layer).
 
-    Returns additive ``[B, N, T + N]``: new node ``n`` sees what its parent sees (its parent's
-    ancestors and the prefix), its parent itself (its own diagonal entry in ``parent_rows``) and
-    itself. The result is the ``parent_rows`` of the next layer; ``[:, None]`` makes it the 4D mask
-    of the forward pass that feeds the new layer.
+def child_rows(parent_rows: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """What a new layer of ``N`` tree nodes, appended after ``T`` positions, sees: bool
+    ``[B, N, T + N]``.
+
+    ``parent_rows``: bool ``[B, S, T]``, what the ``S`` nodes of the previous layer see (the
+    prefix's visibility with ``S = 1`` for the first layer, or nodes that see themselves);
+    ``parents``: int64 ``[B, N]`` in ``[0, S)``, the previous-layer node each new node continues.
+    New node ``n`` sees what its parent sees (the prefix, its parent's ancestors and, when the
+    parent was fed, the parent itself) and itself. One gather per layer; the result is the
+    ``parent_rows`` of the next layer.
     """
     batch, n = parents.shape
     inherited = parent_rows.gather(1, parents[:, :, None].expand(-1, -1, parent_rows.shape[2]))
-    return torch.cat((inherited, self_rows.expand(batch, n, n)), dim=2)
+    own = torch.eye(n, dtype=torch.bool, device=parents.device).expand(batch, n, n)
+    return torch.cat((inherited, own), dim=2)

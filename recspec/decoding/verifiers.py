@@ -1,10 +1,10 @@
 """Verifiers: each turns one round's scored token tree into the new beams, how far each user
 got and what was accepted (the :class:`~recspec.decoding.rounds.Verifier` interface), with the
-rules of :mod:`recspec.decoding.verify`.
+rules of :mod:`recspec.decoding.acceptance`.
 
 * :class:`StepVerifier`: AtSpeed, step by step from level 0 (atspeed.txt Alg. 1 / Alg. 2): the
-  target's own beam-search step (strict: :func:`~recspec.decoding.beam.select_top_k`, so ties
-  break exactly as in ``beam``) or sampling step (relaxed: :class:`~recspec.decoding.verify.
+  target's own beam-search step (strict: :func:`~recspec.decoding.beams.select_top_k`, so ties
+  break exactly as in ``beam``) or sampling step (relaxed: :class:`~recspec.decoding.acceptance.
   RelaxedSampler`) over the children of its current beams, whose log-probs are in the scored
   tree; the step is accepted when all ``K`` new beams are drafted nodes. A user's round ends at
   its first rejected step (whose beams are the target's own, computed from the scored tree: the
@@ -18,17 +18,15 @@ rules of :mod:`recspec.decoding.verify`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
-from recspec.decoding.beam import Beams, select_top_k
+from recspec.decoding.acceptance import (RelaxedSampler, acceptance_counts, layer_widths, residual_chain,
+                                         strict_accepted, verify_layer)
+from recspec.decoding.beams import Beams, Candidates, Ends, candidates, select_top_k
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.frontier import Frontier, keep_beams, level_beams, level_offsets, where_beams
 from recspec.decoding.rounds import RoundOutcome
-from recspec.decoding.sampling import Candidates, candidates
-from recspec.decoding.verify import (RelaxedSampler, acceptance_counts, layer_widths, residual_chain, strict_accepted,
-                                     verify_layer)
 from recspec.decoding.warp import Warp
 from recspec.itemids.trie import ItemTrie
 
@@ -109,8 +107,8 @@ class ForestVerifier:
     layers of ``W_L`` beams, fixed (``threshold`` None: ``min_width``) or dynamic, ``k`` in a
     trie's last layer; ``out_width`` columns of beams; ``one_cache``: section 3.4's mode."""
 
-    space: Any
-    ends: Any
+    space: ItemTrie  # or the text vocabulary (recspec.decoding.space.FreeText) with ``ends``
+    ends: Ends | None
     warp: Warp
     k: int
     min_width: int
@@ -165,8 +163,7 @@ class ForestVerifier:
             if self.ends is not None:
                 step_log_p = self.ends.absorb(parent.nodes, step_log_p)
             previous = replace(level_beams(parent, front.beams.margin), scores=score.masked_fill(~alive, -torch.inf))
-            step = candidates(previous, step_log_p, self.space, self.warp.temperature, self.warp.top_k,
-                              self.warp.top_p)
+            step = candidates(previous, step_log_p, self.space, self.warp)
             last = front.depth + j >= self.space.depth
             drafted = levels[j] if j < len(levels) else None
             layer = self._layer(step, previous, alive, drafted, width, last)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.beam import left_pad
+from recspec.decoding.prompts import left_pad
 from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import ancestor_matrix

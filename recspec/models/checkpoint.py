@@ -19,8 +19,8 @@ from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, v
 from recspec.hub import check_finite_weights, loading_errors
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
-from recspec.models.tokenizer import load_tokenizer_dir, read_metadata, save_tokenizer
-from recspec.statefile import save_state
+from recspec.models.tokenizer import check_index, load_tokenizer_dir, read_metadata, save_tokenizer
+from recspec.statefile import has_state, load_state, refuse_object_files, save_state
 
 CHECKPOINT_DIR, BEST_DIR, STATE_NAME, WEIGHTS_FILE = "checkpoint", "best", "trainer_state", "model.safetensors"
 RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
@@ -67,6 +67,8 @@ def load_weights(model, folder: Path) -> None:
 
 def save_model_dir(path: Path, model, tokenizer, encoder: PromptEncoder, extra: dict[str, Any],
                     state: dict[str, Any] | None = None) -> None:
+    """Write the model folder ``path`` whole (weights, tokenizer, ``recspec.json`` with ``extra``,
+    the trainer's ``state`` when given, checksums) under a temporary name."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -88,6 +90,46 @@ def _fill_model_dir(tmp: Path, model, tokenizer, encoder: PromptEncoder, extra: 
     if state is not None:
         save_state(tmp, STATE_NAME, state)
     record_checksums(tmp)
+
+
+class ModelFolders:
+    """The model folders of a training run on item identifiers (the trainer's model store):
+    ``out_dir/checkpoint/`` (the model with the trainer's state) and ``out_dir/best/``, each a
+    model folder with the tokenizer, ``recspec.json`` (index, prompt template and ``extra``) and
+    checksums."""
+
+    REMEDY = "delete the checkpoint folder to start over, or choose another output folder"
+
+    def __init__(self, out_dir: Path, encoder: PromptEncoder) -> None:
+        self.encoder = encoder
+        self.checkpoint_path, self.best_dir = Path(out_dir) / CHECKPOINT_DIR, Path(out_dir) / BEST_DIR
+
+    def read_checkpoint(self) -> dict[str, Any] | None:
+        """The trainer's state in the checkpoint (its folder checked: no object files, checksums,
+        the same item index), or None when there is no checkpoint."""
+        if self.checkpoint_path.is_dir():
+            refuse_object_files(self.checkpoint_path, self.REMEDY)
+        if not has_state(self.checkpoint_path, STATE_NAME):
+            return None
+        verify_checksums(self.checkpoint_path, self.REMEDY)
+        check_index(self.checkpoint_path, self.encoder.index)
+        return load_state(self.checkpoint_path, STATE_NAME, self.REMEDY)
+
+    def load_checkpoint(self, model, saved: dict[str, Any]) -> None:
+        """The checkpoint's weights into ``model`` (they are in its folder, not in ``saved``)."""
+        load_weights(model, self.checkpoint_path)
+
+    def save_checkpoint(self, model, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Write the checkpoint folder: ``model``, the trainer's ``state``, ``info`` in ``recspec.json``."""
+        save_model_dir(self.checkpoint_path, model, self.encoder.tokenizer, self.encoder, {"checkpoint": info}, state)
+
+    def save_best(self, model, info: dict[str, Any]) -> None:
+        """Write ``model`` as the best one, ``info`` (metric, value, epoch, ...) in ``recspec.json``."""
+        save_model_dir(self.best_dir, model, self.encoder.tokenizer, self.encoder, {"best": info})
+
+    def load_best(self, model) -> None:
+        """The best model's weights into ``model``."""
+        load_weights(model, self.best_dir)
 
 
 def trained_model_dir(path: str | Path) -> Path:

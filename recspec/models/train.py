@@ -1,7 +1,13 @@
-"""Supervised training of a causal LM on next-item identifiers (L_Rec), resumable at step granularity.
+"""The trainer: a causal LM trained on a :class:`TrainingTask`, resumable at step granularity.
 
-Loss: next-token cross-entropy on the L answer tokens only, mean over tokens. AdamW (no decay on
-1-D weights: norms, biases), linear warm-up then cosine decay, gradient clipping, fixed seeds.
+Tasks: next-item identifiers (L_Rec, :class:`SupervisedTask`), alignment data
+(:mod:`recspec.align.task`), text-draft distillation (:mod:`recspec.align.distill`). A
+:class:`Trainer` is one call's run: a :class:`TrainState` of counters (saved with every
+checkpoint) and the methods ``step`` / ``evaluate`` / ``checkpoint``; :func:`train` runs one.
+
+Loss: the task's (:class:`SupervisedTask`: next-token cross-entropy on the L answer tokens only,
+mean over tokens). AdamW (no decay on 1-D weights: norms, biases), linear warm-up then cosine
+decay, gradient clipping, fixed seeds.
 
 Batches: every epoch shuffles the training examples (seeded by ``(seed, epoch)``), cuts the
 shuffled order into pools of ``bucket_batches`` batches, sorts each pool by sequence length and
@@ -23,7 +29,8 @@ cover ~90k Beauty examples or ~39k MovieLens ones (~67k with ``max_history=10``)
 ``max_minutes`` as the safety stop. Other processes on the same two cores slow two-thread
 training far more than their share (5-15x measured); set ``threads=1`` on a shared machine.
 
-Output folder::
+Output folder of the item-identifier tasks (their model store,
+:class:`~recspec.models.checkpoint.ModelFolders`; a task may bring another store)::
 
     out_dir/checkpoint/   model.safetensors + config.json, tokenizer + recspec.json,
                           trainer_state.{safetensors,json} (optimizer, scheduler, RNG, counters,
@@ -68,12 +75,10 @@ import torch
 from recspec.data.splits import Examples, SplitData
 from recspec.devices import resolve_device
 from recspec.errors import RecspecError
-from recspec.fileio import verify_checksums, write_text_atomic
+from recspec.fileio import write_text_atomic
 from recspec.hub import keep_last_logits
-from recspec.models.checkpoint import BEST_DIR, CHECKPOINT_DIR, STATE_NAME, load_weights, save_model_dir
+from recspec.models.checkpoint import ModelFolders
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
-from recspec.models.tokenizer import check_index
-from recspec.statefile import has_state, load_state, refuse_object_files
 
 LOG_FILE = "train_log.jsonl"
 RECALL_METRIC, LOSS_METRIC = "recall@10", "valid_loss"
@@ -210,6 +215,11 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device``, or no context for plain float32 (``None``)."""
+    return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
 def answer_loss(model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy on the answer tokens and the float32 logits there ``[b * L, V]``.
@@ -219,12 +229,9 @@ def answer_loss(model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dty
     takes ``logits_to_keep`` (transformers' causal LMs do), so the output layer never runs over
     the prompt.
     """
-    device = batch["input_ids"].device
     length = batch["labels"].shape[1]
-    context = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
-               else nullcontext())
     keep = keep_last_logits(model, length + 1)
-    with context:
+    with autocast(batch["input_ids"].device, autocast_dtype):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"], use_cache=False, **keep).logits
     picked = logits[:, -length - 1:-1].reshape(-1, logits.shape[-1]).float()
@@ -258,15 +265,32 @@ class _InterruptGuard:
         raise KeyboardInterrupt
 
 
-def _write_log(out_dir: Path, history: list[dict[str, Any]]) -> None:
-    write_text_atomic(out_dir / LOG_FILE, "".join(json.dumps(row) + "\n" for row in history))
+class ModelStore(Protocol):
+    """Where a run keeps its model: a checkpoint (the weights with the trainer's state) and the
+    best model so far (:class:`~recspec.models.checkpoint.ModelFolders` for item-identifier tasks)."""
+
+    checkpoint_path: Path  # named in messages
+    best_dir: Path
+
+    def read_checkpoint(self) -> dict[str, Any] | None:
+        """The trainer's state saved with the checkpoint (checked), or None when there is none."""
+
+    def load_checkpoint(self, model, saved: dict[str, Any]) -> None:
+        """Put the checkpoint's weights into ``model`` (``saved``: what :meth:`read_checkpoint` returned)."""
+
+    def save_checkpoint(self, model, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Save ``model`` with the trainer's ``state``; ``info``: epoch and step."""
+
+    def save_best(self, model, info: dict[str, Any]) -> None:
+        """Save ``model`` as the best so far; ``info``: metric, value, epoch, step, partial."""
+
+    def load_best(self, model) -> None:
+        """Put the best model's weights into ``model``."""
 
 
 class TrainingTask(Protocol):
-    """What :func:`train` trains on: examples it can batch, a loss, and a validation loss. The
-    task's ``encoder`` gives the tokenizer, index and prompt template saved with the model."""
-
-    encoder: PromptEncoder
+    """What :func:`train` trains on: examples it can batch, a loss, a validation loss, and the
+    store that saves the model (and, for item-identifier tasks, its tokenizer, index and prompt)."""
 
     def lengths(self) -> np.ndarray:
         """int64 [n]: real (non-pad) tokens of each training example (bucketing, tokens/s)."""
@@ -275,13 +299,16 @@ class TrainingTask(Protocol):
         """Raise what batching any example would raise, before training starts."""
 
     def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        """The tensors of training examples ``rows``."""
+        """The tensors of training examples ``rows`` (``input_ids`` among them: padded tokens)."""
 
     def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
         """Scalar training loss of a batch (mean)."""
 
     def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
         """Loss on held-out data (lower is better), used when there is no evaluate function."""
+
+    def store(self, out_dir: Path) -> ModelStore:
+        """Where the run in ``out_dir`` keeps its checkpoint and best model."""
 
 
 class SupervisedTask:
@@ -329,8 +356,348 @@ class SupervisedTask:
             count += picked.shape[0]
         return total / count
 
+    def store(self, out_dir: Path) -> ModelFolders:
+        return ModelFolders(out_dir, self.encoder)
+
 
 # ---------------------------------------------------------------------- training
+
+@dataclass
+class TrainState:
+    """A run's counters, saved with every checkpoint (as JSON, :meth:`to_json`): where it is, its
+    best evaluation so far, its log and its throughput."""
+
+    epoch: int = 0  # epochs finished
+    batch_in_epoch: int = 0  # steps done in the running epoch
+    step: int = 0  # optimizer steps done
+    finished: bool = False
+    stopped: str = ""  # why it finished: "epochs" or "early stop"
+    best_value: float | None = None
+    best_epoch: int = -1
+    since_best: int = 0  # full-epoch evaluations since the best one
+    history: list[dict[str, Any]] = field(default_factory=list)  # one row per evaluation (train_log.jsonl)
+    train_seconds: float = 0.0
+    train_tokens: int = 0
+    train_examples: int = 0
+    epoch_loss_sum: float = 0.0
+    epoch_loss_count: int = 0
+    epoch_tokens: int = 0
+    epoch_padded: int = 0
+    epoch_examples: int = 0
+    epoch_seconds: float = 0.0
+    partial_evaluated_at: int = -1  # the step of the last time-budget (partial-epoch) evaluation
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> TrainState:
+        return cls(**values)
+
+    def record_step(self, loss: float, examples: int, tokens: int, padded: int, seconds: float) -> None:
+        """Count one optimizer step: its mean ``loss``, ``examples``, real and padded tokens, time."""
+        self.step += 1
+        self.batch_in_epoch += 1
+        self.epoch_loss_sum += loss * examples
+        self.epoch_loss_count += examples
+        self.epoch_tokens += tokens
+        self.epoch_padded += padded
+        self.epoch_examples += examples
+        self.epoch_seconds += seconds
+        self.train_seconds += seconds
+        self.train_tokens += tokens
+        self.train_examples += examples
+
+    def next_epoch(self) -> None:
+        """Move to the next epoch, its counters at zero."""
+        self.epoch += 1
+        self.batch_in_epoch = self.epoch_loss_count = self.epoch_tokens = self.epoch_padded = self.epoch_examples = 0
+        self.epoch_loss_sum = self.epoch_seconds = 0.0
+
+
+SAVED_KEYS = ("config", "metric", "optimizer", "scheduler", "rng", "train")  # the trainer's part of a checkpoint
+TRAIN_STATE_KEYS = frozenset(item.name for item in dataclasses.fields(TrainState))
+
+
+def build_optimizer(model, config: TrainConfig, total_steps: int
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters (no decay on 1-D ones: norms, biases) and its schedule."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=config.betas)
+    warmup = min(config.warmup_steps, total_steps // 2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_lambda(step, warmup, total_steps, config.min_lr_ratio))
+    return optimizer, scheduler
+
+
+class Trainer:
+    """One call's training of ``model`` on ``task`` into ``out_dir`` (see the module docstring and
+    :func:`train`, which runs it); ``baseline``: evaluate the untrained model first, logged as
+    epoch 0 and never kept as the best."""
+
+    def __init__(self, model, task: TrainingTask, out_dir: Path, config: TrainConfig | None = None,
+                 evaluate: Callable[[Any], dict[str, float]] | None = None, progress: bool = True,
+                 callback: Callable[[dict[str, Any]], None] | None = None, metric: str = RECALL_METRIC,
+                 baseline: bool = False) -> None:
+        self.config = config = config or TrainConfig()
+        self.model, self.task, self.out_dir, self.store = model, task, Path(out_dir), task.store(Path(out_dir))
+        self.evaluate_fn, self.progress, self.callback, self.baseline = evaluate, progress, callback, baseline
+        self.device = resolve_device(config.device)
+        self.autocast_dtype = resolve_precision(config.precision, self.device)
+        self.metric = metric if evaluate is not None else LOSS_METRIC
+        self.lengths = task.lengths()
+        self.steps_per_epoch = math.ceil(len(self.lengths) / config.batch_size)
+        task.check()  # fail now, not in the middle of an epoch
+        model.to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(model, config, self.steps_per_epoch * config.epochs)
+        self.state = TrainState()
+        self.guard = _InterruptGuard()
+        self.consistent = True  # False only while an optimizer step is half done
+        self.saving = False  # True while a checkpoint is written
+        self.budget = None if config.max_minutes is None else config.max_minutes * 60.0
+        self.call_seconds = 0.0  # training time of this call (the budget counts it)
+        self.last_checkpoint = 0.0
+
+    def run(self) -> TrainResult:
+        """Resume or start, train until the run ends or this call's budget runs out, checkpoint;
+        returns with the best weights loaded into the model. Ctrl-C: checkpoint, then
+        KeyboardInterrupt saying where it is."""
+        self.resume()
+        threads_before = torch.get_num_threads()
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
+        self.model.train()
+        try:
+            with self.guard:
+                self.train_epochs()
+        except KeyboardInterrupt:
+            if self.consistent and not self.saving:
+                self.checkpoint()
+                raise KeyboardInterrupt(f"checkpoint saved at epoch {self.state.epoch + 1}, step {self.state.step} "
+                                        f"in {self.store.checkpoint_path}; run again with the same output folder to "
+                                        f"resume") from None
+            raise
+        finally:
+            torch.set_num_threads(threads_before)
+        return self.result()
+
+    def resume(self) -> None:
+        """Continue from the store's checkpoint (trained with the same options and metric), or seed
+        a fresh run."""
+        saved, where = self.store.read_checkpoint(), self.store.checkpoint_path
+        if saved is None:
+            torch.manual_seed(self.config.seed)
+        else:
+            if any(key not in saved for key in SAVED_KEYS) or set(saved["train"]) != TRAIN_STATE_KEYS:
+                raise RecspecError(f"{where}: not a checkpoint of this trainer; delete it to start over, or choose "
+                                   f"another output folder")
+            differ = {k: (saved["config"].get(k), v) for k, v in self.config.trajectory().items()
+                      if saved["config"].get(k) != v}
+            if differ:
+                shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
+                raise RecspecError(f"{where}: the checkpoint was trained with other options ({shown}); "
+                                   f"resume with the same options or choose another output folder")
+            if saved["metric"] != self.metric:
+                raise RecspecError(f"{where}: the run selects on {saved['metric']}, this call on {self.metric}; "
+                                   f"resume with the same selection (evaluate function and metric)")
+            self.store.load_checkpoint(self.model, saved)
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+            torch.set_rng_state(saved["rng"]["torch"])
+            if self.device.type == "cuda" and saved["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)
+            self.state = TrainState.from_json(saved["train"])
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def train_epochs(self) -> None:
+        """Epochs until the run is finished or this call's time budget runs out."""
+        if self.baseline and self.state.step == 0 and not self.state.history:
+            self.evaluate_baseline()
+        self.last_checkpoint = time.perf_counter()
+        while not self.state.finished:
+            if self.state.batch_in_epoch >= self.steps_per_epoch:
+                self.end_epoch()
+            elif self.run_epoch():
+                self.stop_for_budget()
+                return
+
+    def run_epoch(self) -> bool:
+        """Train the rest of the current epoch (checkpoints every ``checkpoint_minutes``); True when
+        this call's time budget ran out in it."""
+        state, config = self.state, self.config
+        batches = epoch_batches(self.lengths, config.batch_size, config.bucket_batches, config.seed, state.epoch)
+        bar = self.progress_bar()
+        try:
+            for rows in batches[state.batch_in_epoch:]:
+                loss = self.step(rows)
+                if bar is not None:
+                    bar.update(1)
+                    speed = state.epoch_tokens / max(state.epoch_seconds, 1e-9)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:.0f}", refresh=False)
+                if self.callback is not None:
+                    self.callback({"epoch": state.epoch, "step": state.step, "batch_in_epoch": state.batch_in_epoch,
+                                   "loss": loss})
+                if self.guard.requested:
+                    raise KeyboardInterrupt
+                if self.budget is not None and self.call_seconds >= self.budget:
+                    return True
+                if time.perf_counter() - self.last_checkpoint >= config.checkpoint_minutes * 60.0:
+                    self.checkpoint()
+                    self.after_deferred()
+                    self.last_checkpoint = time.perf_counter()
+        finally:
+            if bar is not None:
+                bar.close()
+        return False
+
+    def step(self, rows: np.ndarray) -> float:
+        """One optimizer step on training examples ``rows`` (SIGINT deferred to its end); its loss."""
+        started = time.perf_counter()
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in self.task.batch(rows).items()}
+        self.guard.deferring = True
+        self.consistent = False
+        loss = self.task.loss(self.model, batch, self.autocast_dtype)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        loss_value = float(loss.detach())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        self.state.record_step(loss_value, len(rows), int(self.lengths[rows].sum()), int(batch["input_ids"].numel()),
+                               seconds)
+        self.call_seconds += seconds
+        self.consistent = True
+        self.guard.deferring = False
+        return loss_value
+
+    def scores(self) -> dict[str, float]:
+        """The evaluate function's scores of the model (eval mode, no grad), or the task's
+        validation loss."""
+        self.model.eval()
+        with torch.no_grad():
+            if self.evaluate_fn is not None:
+                scores = {k: float(v) for k, v in self.evaluate_fn(self.model).items()}
+                if self.metric not in scores:
+                    raise RecspecError(f"the evaluate function returned {sorted(scores)}, without {self.metric!r}")
+            else:
+                scores = {LOSS_METRIC: self.task.validation_loss(self.model, self.device, self.autocast_dtype)}
+        self.model.train()
+        return scores
+
+    def evaluate(self, partial: bool) -> None:
+        """Evaluate, log, keep the best; counts toward patience unless ``partial``. SIGINT stays
+        deferred (the bookkeeping and the checkpoint after it run to the end)."""
+        started = time.perf_counter()
+        scores = self.scores()
+        self.guard.deferring = True
+        state, value = self.state, scores[self.metric]
+        best = state.best_value
+        improved = best is None or (value > best if self.evaluate_fn is not None else value < best)
+        row = self.log_row(partial, scores, improved, started)
+        if improved:
+            self.store.save_best(self.model, {"metric": self.metric, "value": value, "epoch": state.epoch + 1,
+                                              "step": state.step, "partial": partial})
+            state.best_value, state.best_epoch = value, state.epoch + 1
+        if not partial:
+            state.since_best = 0 if improved else state.since_best + 1
+        self.write_log(row)
+
+    def log_row(self, partial: bool, scores: dict[str, float], improved: bool, started: float) -> dict[str, Any]:
+        """The log row of an evaluation of the current epoch (begun at ``started``)."""
+        state, seconds = self.state, self.state.epoch_seconds
+        return {"epoch": state.epoch + 1, "partial": partial, "step": state.step,
+                "batches": state.batch_in_epoch, "of_batches": self.steps_per_epoch,
+                "train_loss": state.epoch_loss_sum / max(1, state.epoch_loss_count),
+                "lr": self.scheduler.get_last_lr()[0], **scores, "best": improved,
+                "examples": state.epoch_examples, "tokens": state.epoch_tokens,
+                "padded_tokens": state.epoch_padded, "train_seconds": round(seconds, 3),
+                "tokens_per_s": state.epoch_tokens / seconds if seconds else 0.0,
+                "examples_per_s": state.epoch_examples / seconds if seconds else 0.0,
+                "eval_seconds": round(time.perf_counter() - started, 3)}
+
+    def evaluate_baseline(self) -> None:
+        """Log the untrained model's scores as epoch 0."""
+        started = time.perf_counter()
+        scores = self.scores()
+        self.write_log({"epoch": 0, "baseline": True, "step": 0, **scores,
+                        "eval_seconds": round(time.perf_counter() - started, 3)})
+
+    def write_log(self, row: dict[str, Any]) -> None:
+        """Append ``row`` to the history and rewrite ``train_log.jsonl``."""
+        self.state.history.append(row)
+        write_text_atomic(self.out_dir / LOG_FILE, "".join(json.dumps(row) + "\n" for row in self.state.history))
+
+    def end_epoch(self) -> None:
+        """Evaluate the finished epoch, move to the next, decide whether the run is over, checkpoint."""
+        self.evaluate(partial=False)
+        state = self.state
+        state.next_epoch()
+        if state.epoch >= self.config.epochs:
+            state.finished, state.stopped = True, "epochs"
+        elif state.since_best >= self.config.patience:
+            state.finished, state.stopped = True, "early stop"
+        self.checkpoint()
+        self.after_deferred()
+
+    def stop_for_budget(self) -> None:
+        """The time budget ran out: evaluate a partial epoch (once), checkpoint."""
+        state = self.state
+        if state.batch_in_epoch < self.steps_per_epoch and state.partial_evaluated_at != state.step:
+            self.evaluate(partial=True)
+            state.partial_evaluated_at = state.step
+        self.checkpoint()
+        self.after_deferred()
+
+    def checkpoint(self) -> None:
+        """Save the model with the optimizer, schedule, RNG and counters (SIGINT deferred meanwhile)."""
+        was = self.guard.deferring
+        self.guard.deferring = self.saving = True
+        try:
+            rng = {"torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+            state = {"config": self.config.trajectory(), "metric": self.metric,
+                     "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng,
+                     "train": self.state.to_json()}
+            self.store.save_checkpoint(self.model, state, {"epoch": self.state.epoch, "step": self.state.step})
+        finally:
+            self.guard.deferring = was
+            self.saving = False
+
+    def after_deferred(self) -> None:
+        """End a deferral of SIGINT, raising the KeyboardInterrupt that came meanwhile."""
+        self.guard.deferring = False
+        if self.guard.requested:
+            raise KeyboardInterrupt
+
+    def progress_bar(self):
+        """The current epoch's progress bar (None without progress)."""
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.steps_per_epoch, initial=self.state.batch_in_epoch, desc=f"epoch {self.state.epoch + 1}",
+                    unit="batch", dynamic_ncols=True, leave=False)
+
+    def result(self) -> TrainResult:
+        """The run's result, the best weights loaded into the model."""
+        state = self.state
+        if state.best_value is not None:
+            self.store.load_best(self.model)
+        seconds = state.train_seconds
+        return TrainResult(
+            out_dir=self.out_dir, best_dir=self.store.best_dir, metric=self.metric,
+            best_value=float("nan") if state.best_value is None else float(state.best_value),
+            best_epoch=state.best_epoch, epochs_run=sum(not row.get("baseline") for row in state.history),
+            steps=state.step, stopped=state.stopped if state.finished else "time budget", history=list(state.history),
+            tokens_per_s=state.train_tokens / seconds if seconds else 0.0,
+            examples_per_s=state.train_examples / seconds if seconds else 0.0,
+        )
+
 
 def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None = None,
           evaluate: Callable[[Any], dict[str, float]] | None = None, progress: bool = True,
@@ -344,240 +711,4 @@ def train(model, task: TrainingTask, out_dir: Path, config: TrainConfig | None =
     callback: called after every optimizer step with a dict of counters (epoch, step, loss); a
     KeyboardInterrupt raised there stops training like Ctrl-C (checkpoint first).
     """
-    config = config or TrainConfig()
-    out_dir = Path(out_dir)
-    encoder = task.encoder
-    tokenizer = encoder.tokenizer
-    device = resolve_device(config.device)
-    autocast_dtype = resolve_precision(config.precision, device)
-    metric = metric if evaluate is not None else LOSS_METRIC
-    higher_is_better = evaluate is not None
-
-    lengths = task.lengths()
-    steps_per_epoch = math.ceil(len(lengths) / config.batch_size)
-    total_steps = steps_per_epoch * config.epochs
-    task.check()  # fail now, not in the middle of an epoch
-
-    model.to(device)
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=config.betas)
-    warmup = min(config.warmup_steps, total_steps // 2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_lambda(step, warmup, total_steps, config.min_lr_ratio))
-
-    state: dict[str, Any] = {
-        "epoch": 0, "batch_in_epoch": 0, "step": 0, "finished": False, "stopped": "",
-        "best_value": None, "best_epoch": -1, "since_best": 0, "history": [],
-        "train_seconds": 0.0, "train_tokens": 0, "train_examples": 0,
-        "epoch_loss_sum": 0.0, "epoch_loss_count": 0, "epoch_tokens": 0, "epoch_padded": 0,
-        "epoch_examples": 0, "epoch_seconds": 0.0, "partial_evaluated_at": -1,
-    }
-    checkpoint = out_dir / CHECKPOINT_DIR
-    remedy = "delete the checkpoint folder to start over, or choose another output folder"
-    if checkpoint.is_dir():
-        refuse_object_files(checkpoint, remedy)
-    if has_state(checkpoint, STATE_NAME):
-        verify_checksums(checkpoint, remedy)
-        check_index(checkpoint, encoder.index)
-        saved = load_state(checkpoint, STATE_NAME, remedy)
-        differ = {k: (saved["config"].get(k), v) for k, v in config.trajectory().items()
-                  if saved["config"].get(k) != v}
-        if differ:
-            shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
-            raise RecspecError(f"{checkpoint}: the checkpoint was trained with other options ({shown}); "
-                               f"resume with the same options or choose another output folder")
-        if saved["metric"] != metric:
-            raise RecspecError(f"{checkpoint}: the run selects on {saved['metric']}, this call on {metric}; "
-                               f"resume with the same selection (evaluate function and metric)")
-        load_weights(model, checkpoint)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        torch.set_rng_state(saved["rng"]["torch"])
-        if device.type == "cuda" and saved["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(saved["rng"]["cuda"], device)
-        state.update(saved["train"])
-    else:
-        torch.manual_seed(config.seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    guard = _InterruptGuard()
-    consistent = True  # False only while an optimizer step is half done
-
-    saving = {"now": False}
-
-    def save_checkpoint() -> None:
-        was = guard.deferring
-        guard.deferring = True
-        saving["now"] = True
-        try:
-            rng = {"torch": torch.get_rng_state(),
-                   "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-            payload = {"config": config.trajectory(), "metric": metric, "optimizer": optimizer.state_dict(),
-                       "scheduler": scheduler.state_dict(), "rng": rng, "train": dict(state)}
-            extra = {"checkpoint": {"epoch": state["epoch"], "step": state["step"]}}
-            save_model_dir(checkpoint, model, tokenizer, encoder, extra, payload)
-        finally:
-            guard.deferring = was
-            saving["now"] = False
-
-    def better(value: float) -> bool:
-        best = state["best_value"]
-        return best is None or (value > best if higher_is_better else value < best)
-
-    def run_evaluation(partial: bool) -> None:
-        """Evaluate, log, keep the best; counts toward patience unless ``partial``."""
-        model.eval()
-        started = time.perf_counter()
-        with torch.no_grad():
-            if evaluate is not None:
-                scores = {k: float(v) for k, v in evaluate(model).items()}
-                if metric not in scores:
-                    raise RecspecError(f"the evaluate function returned {sorted(scores)}, without {metric!r}")
-            else:
-                scores = {LOSS_METRIC: task.validation_loss(model, device, autocast_dtype)}
-        model.train()
-        guard.deferring = True  # the bookkeeping below and the checkpoint after it run to the end
-        value = scores[metric]
-        improved = better(value)
-        seconds = state["epoch_seconds"]
-        row = {"epoch": state["epoch"] + 1, "partial": partial, "step": state["step"],
-               "batches": state["batch_in_epoch"], "of_batches": steps_per_epoch,
-               "train_loss": state["epoch_loss_sum"] / max(1, state["epoch_loss_count"]),
-               "lr": scheduler.get_last_lr()[0], **scores, "best": improved,
-               "examples": state["epoch_examples"], "tokens": state["epoch_tokens"],
-               "padded_tokens": state["epoch_padded"], "train_seconds": round(seconds, 3),
-               "tokens_per_s": state["epoch_tokens"] / seconds if seconds else 0.0,
-               "examples_per_s": state["epoch_examples"] / seconds if seconds else 0.0,
-               "eval_seconds": round(time.perf_counter() - started, 3)}
-        if improved:
-            save_model_dir(out_dir / BEST_DIR, model, tokenizer, encoder,
-                            {"best": {"metric": metric, "value": value, "epoch": state["epoch"] + 1,
-                                      "step": state["step"], "partial": partial}})
-            state["best_value"], state["best_epoch"] = value, state["epoch"] + 1
-        if not partial:
-            state["since_best"] = 0 if improved else state["since_best"] + 1
-        state["history"].append(row)
-        _write_log(out_dir, state["history"])
-
-    def after_deferred() -> None:
-        guard.deferring = False
-        if guard.requested:
-            raise KeyboardInterrupt
-
-    def end_epoch() -> None:
-        run_evaluation(partial=False)
-        state.update(epoch=state["epoch"] + 1, batch_in_epoch=0, epoch_loss_sum=0.0, epoch_loss_count=0,
-                     epoch_tokens=0, epoch_padded=0, epoch_examples=0, epoch_seconds=0.0)
-        if state["epoch"] >= config.epochs:
-            state.update(finished=True, stopped="epochs")
-        elif state["since_best"] >= config.patience:
-            state.update(finished=True, stopped="early stop")
-        save_checkpoint()
-        after_deferred()
-
-    threads_before = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    budget = None if config.max_minutes is None else config.max_minutes * 60.0
-    call_train_seconds = 0.0
-    stopped_by_budget = False
-    model.train()
-    try:
-        with guard:
-            last_checkpoint = time.perf_counter()
-            while not state["finished"]:
-                if state["batch_in_epoch"] >= steps_per_epoch:
-                    end_epoch()
-                    continue
-                batches = epoch_batches(lengths, config.batch_size, config.bucket_batches, config.seed, state["epoch"])
-                bar = _progress(progress, steps_per_epoch, state)
-                try:
-                    for rows in batches[state["batch_in_epoch"]:]:
-                        started = time.perf_counter()
-                        batch = task.batch(rows)
-                        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                        guard.deferring = True
-                        consistent = False
-                        loss = task.loss(model, batch, autocast_dtype)
-                        optimizer.zero_grad(set_to_none=True)
-                        loss.backward()
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        loss_value = float(loss.detach())
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        seconds = time.perf_counter() - started
-                        real = int(lengths[rows].sum())
-                        state["step"] += 1
-                        state["batch_in_epoch"] += 1
-                        state["epoch_loss_sum"] += loss_value * len(rows)
-                        state["epoch_loss_count"] += len(rows)
-                        state["epoch_tokens"] += real
-                        state["epoch_padded"] += int(batch["input_ids"].numel())
-                        state["epoch_examples"] += len(rows)
-                        state["epoch_seconds"] += seconds
-                        state["train_seconds"] += seconds
-                        state["train_tokens"] += real
-                        state["train_examples"] += len(rows)
-                        call_train_seconds += seconds
-                        consistent = True
-                        guard.deferring = False
-                        if bar is not None:
-                            bar.update(1)
-                            speed = state["epoch_tokens"] / max(state["epoch_seconds"], 1e-9)
-                            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{speed:.0f}", refresh=False)
-                        if callback is not None:
-                            callback({"epoch": state["epoch"], "step": state["step"],
-                                      "batch_in_epoch": state["batch_in_epoch"], "loss": loss_value})
-                        if guard.requested:
-                            raise KeyboardInterrupt
-                        if budget is not None and call_train_seconds >= budget:
-                            stopped_by_budget = True
-                            break
-                        if time.perf_counter() - last_checkpoint >= config.checkpoint_minutes * 60.0:
-                            save_checkpoint()
-                            after_deferred()
-                            last_checkpoint = time.perf_counter()
-                finally:
-                    if bar is not None:
-                        bar.close()
-                if stopped_by_budget:
-                    if state["batch_in_epoch"] < steps_per_epoch and state["partial_evaluated_at"] != state["step"]:
-                        run_evaluation(partial=True)
-                        state["partial_evaluated_at"] = state["step"]
-                    save_checkpoint()
-                    after_deferred()
-                    break
-    except KeyboardInterrupt:
-        if consistent and not saving["now"]:
-            save_checkpoint()
-            raise KeyboardInterrupt(f"checkpoint saved at epoch {state['epoch'] + 1}, step {state['step']} in "
-                                    f"{checkpoint}; run again with the same output folder to resume") from None
-        raise
-    finally:
-        torch.set_num_threads(threads_before)
-
-    best_dir = out_dir / BEST_DIR
-    if state["best_value"] is not None:
-        load_weights(model, best_dir)
-    evaluations = len(state["history"])
-    return TrainResult(
-        out_dir=out_dir, best_dir=best_dir, metric=metric,
-        best_value=float("nan") if state["best_value"] is None else float(state["best_value"]),
-        best_epoch=state["best_epoch"], epochs_run=evaluations, steps=state["step"],
-        stopped=state["stopped"] if state["finished"] else "time budget", history=list(state["history"]),
-        tokens_per_s=state["train_tokens"] / state["train_seconds"] if state["train_seconds"] else 0.0,
-        examples_per_s=state["train_examples"] / state["train_seconds"] if state["train_seconds"] else 0.0,
-    )
-
-
-def _progress(enabled: bool, total: int, state: dict[str, Any]):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=state["batch_in_epoch"], desc=f"epoch {state['epoch'] + 1}", unit="batch",
-                dynamic_ncols=True, leave=False)
+    return Trainer(model, task, out_dir, config, evaluate, progress, callback, metric).run()

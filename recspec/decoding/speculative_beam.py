@@ -25,7 +25,7 @@ One round, for every user of the batch at once (users may be at different depths
 
 The loop is :func:`~recspec.decoding.rounds.run_rounds`, shared with DSBD; this module wires it.
 
-With strict verification the result equals :func:`~recspec.decoding.beam.beam_search` (same
+With strict verification the result equals :func:`~recspec.decoding.beam_search.beam_search` (same
 items, order and scores, up to float noise in near-ties: :attr:`TopK.margin`).
 """
 
@@ -36,14 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.beam import Prompts, decode_batches
+from recspec.decoding.acceptance import RelaxedSampler
+from recspec.decoding.beams import TopK, best_first
 from recspec.decoding.drafters import SampledDrafter, TopNDrafter
 from recspec.decoding.frontier import Frontier
+from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_batches
 from recspec.decoding.rounds import SpecStats, run_rounds
-from recspec.decoding.sampling import best_first
-from recspec.decoding.topk import TopK
 from recspec.decoding.verifiers import StepVerifier
-from recspec.decoding.verify import RelaxedSampler
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
@@ -54,7 +53,7 @@ class SpecConfig:
     """``draft_beams``: N, drafted sequences per level (strict); ``gamma``: drafted levels per
     round (None: the rest of the identifier); ``verify``: ``"strict"`` or ``"relaxed"``;
     ``temperature``, ``seed`` and ``replacement``: of relaxed (sampling) verification, see
-    :class:`~recspec.decoding.verify.RelaxedSampler` (relaxed drafts K sequences per level, as
+    :class:`~recspec.decoding.acceptance.RelaxedSampler` (relaxed drafts K sequences per level, as
     atspeed.txt Alg. 2; ``draft_beams`` is strict's)."""
 
     draft_beams: int = 40
@@ -64,6 +63,20 @@ class SpecConfig:
     seed: int = 0
     replacement: bool = False
 
+    def check(self, k: int, trie: ItemTrie) -> None:
+        """Raise :class:`RecspecError` for settings no speculative search of ``k`` items over
+        ``trie`` can serve (called once, by :func:`speculative_beam_search`, before any work)."""
+        if self.verify not in VERIFICATIONS:
+            raise RecspecError(f"unknown verification {self.verify!r}; choose strict or relaxed")
+        if self.verify == "strict" and self.draft_beams < k:
+            raise RecspecError(f"draft beams N={self.draft_beams} must be at least k={k}: strict verification "
+                               f"accepts a step only when all k target beams were drafted")
+        if self.gamma is not None and not 1 <= self.gamma <= trie.depth - 1:
+            raise RecspecError(f"gamma={self.gamma} is outside [1, {trie.depth - 1}]: an identifier of length "
+                               f"{trie.depth} leaves at most {trie.depth - 1} steps to draft after the first")
+        if self.verify == "relaxed":
+            Warp(self.temperature).check()
+
 
 @dataclass
 class SpecResult:
@@ -71,7 +84,7 @@ class SpecResult:
     stats: SpecStats
 
 
-def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, config: SpecConfig,
+def atspeed_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, config: SpecConfig,
                   generator: torch.Generator) -> SpecResult:
     """Speculative beam search for one batch of users: AtSpeed's drafter and verifier in the
     shared round loop."""
@@ -79,8 +92,9 @@ def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
     if config.verify == "strict":
         drafter, sampler = TopNDrafter(trie, config.draft_beams), None
     else:  # relaxed: K sequences per level from the draft's q_beam, verified by Alg. 2
-        drafter = SampledDrafter(trie, Warp(config.temperature), k, generator, config.replacement)
-        sampler = RelaxedSampler(config.temperature, generator, config.replacement)
+        warp = Warp(config.temperature)
+        drafter = SampledDrafter(trie, warp, k, generator, config.replacement)
+        sampler = RelaxedSampler(warp, generator, config.replacement)
     out = TopK(items=torch.full((batch, k), -1, dtype=torch.int64, device=device),
                scores=torch.full((batch, k), -torch.inf, device=device),
                tokens=torch.zeros(batch, k, trie.depth, dtype=torch.int64, device=device),
@@ -95,29 +109,6 @@ def _decode_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
     return SpecResult(out if sampler is None else best_first(out), stats)
 
 
-def check_config(config: SpecConfig, k: int, trie: ItemTrie) -> None:
-    """Raise :class:`RecspecError` for settings no speculative search can serve."""
-    if config.verify not in VERIFICATIONS:
-        raise RecspecError(f"unknown verification {config.verify!r}; choose strict or relaxed")
-    if config.verify == "strict" and config.draft_beams < k:
-        raise RecspecError(f"draft beams N={config.draft_beams} must be at least k={k}: strict verification "
-                           f"accepts a step only when all k target beams were drafted")
-    if config.gamma is not None and not 1 <= config.gamma <= trie.depth - 1:
-        raise RecspecError(f"gamma={config.gamma} is outside [1, {trie.depth - 1}]: an identifier of length "
-                           f"{trie.depth} leaves at most {trie.depth - 1} steps to draft after the first")
-    if config.verify == "relaxed":
-        Warp(config.temperature).check()
-
-
-def check_draft_vocabulary(target, draft) -> None:
-    """Raise :class:`RecspecError` unless the draft's vocabulary is the target's."""
-    target_vocab = target.config.get_text_config().vocab_size
-    draft_vocab = draft.config.get_text_config().vocab_size
-    if target_vocab != draft_vocab:
-        raise RecspecError(f"the draft's vocabulary ({draft_vocab}) differs from the target's ({target_vocab}); "
-                           f"train the draft with the target's tokenizer")
-
-
 def speculative_beam_search(
     target, draft, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
     config: SpecConfig | None = None, batch_size: int | None = None,
@@ -127,16 +118,16 @@ def speculative_beam_search(
     ``target``, ``draft``: HF causal LMs over the same vocabulary (full-attention caches, custom
     4D masks); ``prompts``: one 1-D int tensor per user; batches of ``batch_size`` users (all if
     None) are left-padded with ``pad_token_id``. Strict verification returns what
-    :func:`~recspec.decoding.beam.beam_search` returns; relaxed verification samples.
+    :func:`~recspec.decoding.beam_search.beam_search` returns; relaxed verification samples.
     """
     config = config or SpecConfig()
 
     def check() -> None:
-        check_config(config, k, trie)
+        config.check(k, trie)
         check_draft_vocabulary(target, draft)
 
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     parts = decode_batches(target, prompts, trie, k, pad_token_id, batch_size,
-                           lambda batch, on_device: _decode_batch(target, draft, batch, on_device, k, config, generator),
+                           lambda batch, on_device: atspeed_batch(target, draft, batch, on_device, k, config, generator),
                            check)
     return SpecResult(TopK.cat([part.topk for part in parts]), SpecStats.cat([part.stats for part in parts]))

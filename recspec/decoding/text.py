@@ -1,0 +1,192 @@
+"""The text decoders (knowledge generation): plain sampling, speculative sampling,
+TopK-ImpSpecDec, beam sampling and DSBD, over a causal LM and a draft with the same tokenizer;
+each method is a few lines of wiring here.
+
+* ``sample``: ancestral sampling from the warped target distribution: beam sampling with one beam
+  (:func:`beam_sample`, the same code as ``beam-sample``).
+* ``spec-sample``: the draft samples ``gamma`` tokens (:class:`~recspec.decoding.drafters.
+  ChainDrafter`), the target scores the pending token and all of them in one call, Leviathan's
+  test keeps a prefix (:func:`~recspec.decoding.acceptance.verify_chain`), in the chain loop
+  :func:`~recspec.decoding.rounds.run_chain`.
+* ``topk-imp``: as ``spec-sample``, each drafted token drawn from the draft's top-K reweighted by
+  ``p / q`` (:func:`~recspec.decoding.drafters.importance_proposal`); the target is run once per
+  drafted token.
+* ``beam-sample``: the target's beam sampling with ``W`` independent draws per step from the
+  warped joint distribution (dsbd.txt Eq. 1), the plain beam loop over
+  :class:`~recspec.decoding.space.FreeText`; the output is the best beam by target score.
+* ``dsbd`` (:mod:`recspec.decoding.dsbd`): DSBD over the free vocabulary, the same output
+  distribution as ``beam-sample`` with a fixed width.
+
+Generation stops at ``max_new_tokens`` or when every beam of a row is finished; outputs are cut
+after their first end token. Chain methods keep rows of different lengths in one batch
+(:class:`~recspec.decoding.chain.Chain`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from recspec.decoding.acceptance import check_lenience
+from recspec.decoding.beam_search import TreeCache, beam_steps
+from recspec.decoding.beams import Beams, sample_step
+from recspec.decoding.drafters import ChainDrafter
+from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
+from recspec.decoding.prompts import Prompts, check_draft_vocabulary, left_pad, prompt_batches
+from recspec.decoding.rounds import ChainStats, SpecStats, run_chain
+from recspec.decoding.scorer import next_log_probs, prefill
+from recspec.decoding.space import FreeText
+from recspec.decoding.warp import Warp
+from recspec.errors import RecspecError
+from recspec.hub import keep_last_logits
+
+METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
+#: Methods that need a draft model.
+DRAFTED = ("spec-sample", "topk-imp", "dsbd")
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """Settings of the text decoders: ``max_new_tokens``; ``warp`` (temperature, top-k, top-p of
+    every method); ``gamma`` (drafted tokens or layers per round); ``lenience`` (``spec-sample``,
+    speculative_decoding.txt A.5); ``candidates`` (TopK-ImpSpecDec's K); ``beams`` (``W`` of
+    ``beam-sample``, and ``W_min`` of ``dsbd``); ``draft_width``, ``threshold``, ``one_cache``
+    (``dsbd``); ``seed``."""
+
+    max_new_tokens: int = 64
+    warp: Warp = Warp()
+    gamma: int = 4
+    lenience: float = 1.0
+    candidates: int = 10
+    beams: int = 2
+    draft_width: int = 4
+    threshold: float | None = None
+    one_cache: bool = False
+    seed: int = 0
+
+    def dsbd(self) -> DSBDConfig:
+        return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width, min_width=self.beams,
+                          threshold=self.threshold, one_cache=self.one_cache, warp=self.warp, seed=self.seed)
+
+
+@dataclass
+class Generated:
+    """Per prompt, the generated token ids (through the first end token) and, for the drafted
+    methods, their statistics."""
+
+    tokens: list[list[int]]
+    stats: SpecStats | None = None
+    seconds: float = 0.0
+
+
+def check_request(method: str, options: TextOptions, has_draft: bool) -> None:
+    """Raise :class:`RecspecError` for settings no text decoder can serve (before any work)."""
+    if method not in METHODS:
+        raise RecspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method in DRAFTED and not has_draft:
+        raise RecspecError(f"method {method} needs a draft model: pass --draft or --draft-layers")
+    options.warp.check()
+    if isinstance(options.max_new_tokens, bool) or not isinstance(options.max_new_tokens, int) \
+            or options.max_new_tokens < 2:
+        raise RecspecError(f"max_new_tokens must be an integer of at least 2, got {options.max_new_tokens!r}")
+    if method in DRAFTED and (not isinstance(options.gamma, int) or options.gamma < 1):
+        raise RecspecError(f"gamma must be a positive integer (tokens drafted per round), got {options.gamma!r}")
+    check_lenience(options.lenience)
+    if method == "topk-imp" and options.candidates < 1:
+        raise RecspecError(f"the number of top-K candidates must be positive, got {options.candidates!r}")
+    if method in ("beam-sample", "dsbd") and options.beams < 1:
+        raise RecspecError(f"the number of beams must be positive, got {options.beams!r}")
+    if method == "dsbd":
+        options.dsbd().check(options.max_new_tokens - 1)
+
+
+def beam_sample(model, prompts: Prompts, space: FreeText, width: int, warp: Warp,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's beam sampling with ``width`` independent draws per step (``width=1``: plain
+    sampling), with tree attention: the plain beam loop of the item decoders over free text.
+    Returns the scores ``[B, W]`` (target joint log-probabilities, untempered) and tokens
+    ``[B, W, d]``."""
+    ends = space if space.eos is not None else None
+
+    def select(beams: Beams, log_probs: torch.Tensor, space: FreeText, k: int) -> Beams:
+        return sample_step(beams, log_probs, space, k, warp, generator, replacement=True, ends=ends)
+
+    log_probs, cache = prefill(model, prompts)
+    beams = beam_steps(log_probs, TreeCache(model, prompts, width, cache), space, width, select,
+                       stop=lambda beams: bool(space.complete(beams.nodes).all()))
+    return beams.scores, beams.tokens
+
+
+def best_texts(scores: torch.Tensor, tokens: torch.Tensor, eos: int | None) -> list[list[int]]:
+    """Each row's best beam (highest score), cut after its first end token."""
+    best = tokens.gather(1, scores.argmax(dim=1)[:, None, None].expand(-1, 1, tokens.shape[2]))[:, 0]
+    texts = []
+    for row in best.tolist():  # once per output, after decoding
+        if eos is not None and eos in row:
+            row = row[:row.index(eos) + 1]
+        texts.append(row)
+    return texts
+
+
+def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], options: TextOptions, pad_token_id: int,
+             eos: int | None, batch_size: int | None = None) -> Generated:
+    """Generate from every prompt (1-D token ids, at least 3 tokens) with ``method``."""
+    check_request(method, options, draft is not None)
+    if draft is not None:
+        check_draft_vocabulary(target, draft)
+    short = [i for i, prompt in enumerate(prompts) if len(prompt) < 3]
+    if short:
+        raise RecspecError(f"prompt {short[0]} has fewer than 3 tokens; the text decoders need at least 3")
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(options.seed)
+    vocab = target.config.get_text_config().vocab_size
+    texts: list[list[int]] = []
+    stats: list[SpecStats] = []
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for batch in prompt_batches(prompts, pad_token_id, device, batch_size):
+            space = FreeText(vocab, options.max_new_tokens, eos, device)
+            if method in ("sample", "beam-sample"):
+                width = 1 if method == "sample" else options.beams
+                texts += best_texts(*beam_sample(target, batch, space, width, options.warp, generator), eos)
+            elif method == "dsbd":
+                result = dsbd_batch(target, draft, batch, space, options.beams, options.dsbd(), generator, ends=space)
+                texts += best_texts(result.scores, result.tokens, eos)
+                stats.append(result.stats)
+            else:
+                drafter = ChainDrafter(options.warp, options.gamma, generator,
+                                       options.candidates if method == "topk-imp" else None)
+                part_stats = ChainStats.zeros(len(batch.lengths))
+                texts += run_chain(target, draft, batch, drafter, options.lenience, options.max_new_tokens, eos,
+                                   part_stats)
+                stats.append(part_stats)
+    seconds = time.perf_counter() - started
+    merged = None if not stats else (DSBDStats if method == "dsbd" else ChainStats).cat(stats)
+    return Generated(tokens=texts, stats=merged, seconds=seconds)
+
+
+def log_likelihood(model, prompts: Sequence[torch.Tensor], outputs: Sequence[Sequence[int]], pad_token_id: int,
+                   batch_size: int = 4) -> torch.Tensor:
+    """The model's mean log-probability per generated token of each output after its prompt
+    (untempered, full vocabulary): float32 ``[N]`` (NaN for an empty output)."""
+    means = []
+    with torch.inference_mode():
+        for start in range(0, len(prompts), batch_size):
+            pairs = list(zip(prompts[start:start + batch_size], outputs[start:start + batch_size]))
+            width = max(len(output) for _, output in pairs)
+            sequences = [torch.cat((prompt.long(), torch.tensor(output, dtype=torch.int64))) for prompt, output in pairs]
+            batch = left_pad(sequences, pad_token_id, model.device)
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids, **keep_last_logits(model, width + 1)).logits
+            log_probs = next_log_probs(logits[:, -(width + 1):-1])  # [b, width, V]: predicting the last width tokens
+            for row, (_, output) in enumerate(pairs):
+                if not output:
+                    means.append(float("nan"))
+                    continue
+                own = log_probs[row, width - len(output):]
+                ids = torch.tensor(output, device=own.device)[:, None]
+                means.append(float(own.gather(1, ids).mean()))
+    return torch.tensor(means)
