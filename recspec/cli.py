@@ -469,6 +469,37 @@ def distill_command(
         f"{result['valid_pairs']} validation texts, {result['tokens_per_s']:.0f} tokens/s)")
 
 
+@app.command("calibrate")
+def calibrate_command(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    draft: Annotated[Optional[Path], typer.Option(help="Its draft model folder, measured the same way.")] = None,
+    remeasure: Annotated[bool, typer.Option(help="Measure again even where a matching record is kept.")] = False,
+    repeats: Annotated[int, typer.Option(help="Timed calls per size (median).")] = 10,
+    threads: Annotated[int, typer.Option(help="torch threads (as the decoders will run).")] = 2,
+    device: str = "cpu",
+) -> None:
+    """Measure each model's call cost F + r * n on this device (kept in the model folder as
+    calibration-<device>.json, reused while weights, device, threads and prompt length match)."""
+    import statistics
+
+    import torch
+
+    from recspec.calibration import call_cost
+    from recspec.models.checkpoint import trained_model_dir
+    from recspec.recommend import Recommender
+
+    _positive(repeats=repeats, threads=threads)
+    torch.set_num_threads(threads)
+    recommender = Recommender.load(target, device=_device(device), draft_dir=draft)
+    prompt_len = int(statistics.median(len(p) for p in recommender.encoder.prompts(recommender.examples("test"))))
+    for name, folder, model in (("target", target, recommender.model), ("draft", draft, recommender.draft)):
+        if model is None:
+            continue
+        cost = call_cost(model, trained_model_dir(folder), prompt_len, repeats, remeasure)
+        typer.echo(f"{name}: F = {cost.fixed_s * 1e3:.2f} ms per call + r = {cost.per_token_s * 1e3:.3f} ms per "
+                   f"token (prompts of {prompt_len} tokens; {', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in cost.samples)})")
+
+
 @app.command("eval")
 def eval_command(
     dataset: DatasetArg,

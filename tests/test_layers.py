@@ -13,7 +13,7 @@ LAYERS = (
     ("errors", "fileio", "devices", "statefile", "assets", "hub", "data", "eval"),
     ("itemids", "models"),
     ("decoding",),
-    ("recommend", "fit", "knowledge", "align"),
+    ("recommend", "calibration", "fit", "knowledge", "align"),
     ("bench",),
     ("cli",),
 )
@@ -21,7 +21,7 @@ ROOT = Path(recspec.__file__).parent
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
 #: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
 DECODING = (
-    ("warp", "cache", "tree", "space", "beams"),
+    ("warp", "cache", "tree", "space", "beams", "cost"),
     ("prompts",),
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),

@@ -13,7 +13,7 @@ from recspec.data.splits import PAD_ITEM, Examples
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
-from recspec.bench.cost import measure_call_cost
+from recspec.decoding.cost import measure_call_cost
 from recspec.models.presets import PRESETS, build_model, count_parameters
 from recspec.models.tokenizer import (
     CONTROL_TOKENS,

@@ -128,6 +128,10 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     # both models are draft-tiny here: the same parameters, so the same cost up to timing noise
     assert rows[0]["target_parameters"] == rows[0]["draft_parameters"] and 0.2 < rows[0]["c"] < 5
     assert recspec("bench", "cost", "--target", str(out), "--out", str(bench)).returncode == 2
+    result = recspec("calibrate", "--target", str(out), "--draft", str(draft), "--repeats", "2", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == ["target", "draft"]
+    assert (out / "best" / "calibration-cpu.json").is_file() and (draft / "best" / "calibration-cpu.json").is_file()
 
     result = recspec("eval", "--recs", str(tmp_path / "beam.jsonl"), "--dataset", str(data), "--split", "loo",
                      "--k", "1", "--k", "5")

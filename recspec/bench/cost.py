@@ -16,21 +16,20 @@ runs on an idle machine, Beauty vocabulary), and the draft / target ratio c:
 one decoding step 16 x 1 over 84 cached 17.1 vs 0.46 ms (c = 0.027), 1 x 1: 9.0 vs 0.30 ms
 (c = 0.034). The draft's small calls are mostly framework overhead, so c grows as calls shrink.
 
-:func:`measure_call_cost` times one forward call, the unit in which speculative decoding pays:
-a draft call must cost a small fraction c of a target call for drafting to pay off.
+:func:`~recspec.decoding.cost.measure_call_cost` times one forward call, the unit in which
+speculative decoding pays: a draft call must cost a small fraction c of a target call for
+drafting to pay off.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from recspec.bench.report import markdown_table, write_results
+from recspec.decoding.cost import measure_call_cost
 from recspec.models.presets import count_parameters
 from recspec.recommend import Recommender
 
@@ -42,58 +41,6 @@ SHAPES: tuple[tuple[str, int, int, int], ...] = (  # name, batch, new tokens, ca
     ("step of 16 beams over 16 cached prompts", 16, 1, PROMPT),
     ("step of 1 beam over 1 cached prompt", 1, 1, PROMPT),
 )
-
-
-@torch.inference_mode()
-def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_len: int = 0,
-                      warmup: int = 3) -> float:
-    """Median wall time (seconds) of one forward call on ``batch`` x ``seq_len`` new tokens.
-
-    With ``past_len`` > 0 the call runs over a KV cache of ``past_len`` tokens (built once, not
-    timed, cropped back after each call), as a verification or draft step does. Runs on the
-    model's device with its dtype, in eval mode; random token ids (the cost does not depend on them).
-    """
-    if batch < 1 or seq_len < 1 or repeats < 1 or past_len < 0:
-        raise ValueError("batch, seq_len and repeats must be positive and past_len non-negative")
-    from transformers import DynamicCache
-
-    from recspec.decoding.cache import gather_positions
-
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    new = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
-    cache = None
-    if past_len:
-        past = torch.randint(0, vocab, (batch, past_len), generator=generator).to(device)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=past, past_key_values=cache, use_cache=True)
-    keep = torch.arange(past_len, device=device)[None, :].expand(batch, past_len)
-    positions = torch.arange(past_len, past_len + seq_len, device=device)[None, :].expand(batch, seq_len)
-    mask = torch.ones(batch, past_len + seq_len, dtype=torch.long, device=device)
-
-    def call() -> None:
-        model(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=cache,
-              use_cache=cache is not None)
-        if cache is not None:  # drop the new tokens again, through the layers' keys / values
-            gather_positions(cache, keep)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    times = []
-    for i in range(warmup + repeats):
-        sync()
-        start = time.perf_counter()
-        call()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    model.train(was_training)
-    return statistics.median(times)
 
 
 def run(out: Path, pairs: Sequence[tuple[Path, Path]], repeats: int = 20, name: str = "cost") -> str:

@@ -17,7 +17,7 @@ output embeddings stay tied as in SmolLM2), the history wrapped in a short instr
 by SmolLM2's chat template; fully fine-tuned. ``draft-llm``: its draft, a one-block Llama of
 width 128 over the same extended tokenizer and prompt (tied embeddings: the 50k-token embedding is
 most of its 6.6M parameters and of its per-token cost). What a forward call of each costs is
-measured by :func:`recspec.bench.cost.measure_call_cost`.
+measured by :func:`recspec.decoding.cost.measure_call_cost`.
 """
 
 from __future__ import annotations

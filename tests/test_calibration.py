@@ -1,0 +1,77 @@
+"""The call-cost model F + r * n: the fit, and the record kept beside a model (reused only when it
+matches the weights, device, threads and prompt length, and its digest checks out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from recspec.calibration import calibration_path, call_cost
+from recspec.decoding.cost import CallCost, fit_call_cost
+from recspec.errors import RecspecError
+from recspec.fileio import read_json, write_json_atomic
+
+
+def test_fit_recovers_a_line_and_stays_non_negative() -> None:
+    cost = fit_call_cost([1, 4, 16, 64], [0.012 + 0.0007 * n for n in (1, 4, 16, 64)])
+    assert cost.fixed_s == pytest.approx(0.012) and cost.per_token_s == pytest.approx(0.0007)
+    assert cost.call_s(10) == pytest.approx(0.019)
+    flat = fit_call_cost([1, 64], [0.02, 0.019])  # noise on a flat curve: no negative slope
+    assert flat.per_token_s == 0 and flat.fixed_s == pytest.approx(0.0195)
+    steep = fit_call_cost([10, 20], [0.001, 0.004])  # an intercept below zero: through the origin
+    assert steep.fixed_s == 0 and steep.per_token_s == pytest.approx((10 * 0.001 + 20 * 0.004) / (10**2 + 20**2))
+    assert CallCost.from_json(cost.to_json()) == cost
+    with pytest.raises(RecspecError, match="two or more token counts"):
+        fit_call_cost([4, 4], [0.1, 0.2])
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.save_pretrained(tmp_path / "m")
+    return model, tmp_path / "m"
+
+
+def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny) -> None:
+    model, folder = tiny
+    first = call_cost(model, folder, prompt_len=8, repeats=2)
+    path = calibration_path(folder, torch.device("cpu"))
+    record = read_json(path)
+    assert record["prompt_len"] == 8 and record["device"] == "cpu" and len(record["sha256"]) == 64
+    assert [n for n, _ in first.samples] == [1, 4, 16, 64] and first.fixed_s >= 0 and first.per_token_s >= 0
+    stamp = path.stat().st_mtime_ns
+    assert call_cost(model, folder, prompt_len=8, repeats=2) == first and path.stat().st_mtime_ns == stamp
+
+    write_json_atomic(path, {**record, "cost": {**record["cost"], "fixed_s": 123.0}})  # altered: digest fails
+    again = call_cost(model, folder, prompt_len=8, repeats=2)
+    assert again.fixed_s != 123.0 and read_json(path)["cost"]["fixed_s"] == again.fixed_s
+
+    other = call_cost(model, folder, prompt_len=16, repeats=2)  # another prompt length: measured again
+    assert read_json(path)["prompt_len"] == 16 and other.samples != again.samples
+    path.write_text("{damaged")
+    assert call_cost(model, folder, prompt_len=16, repeats=2).fixed_s >= 0
+    assert read_json(path)["prompt_len"] == 16
+
+
+def test_weights_change_invalidates_the_record(tiny) -> None:
+    model, folder = tiny
+    call_cost(model, folder, prompt_len=8, repeats=2)
+    key = read_json(calibration_path(folder, torch.device("cpu")))["weights_sha256"]
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    model.save_pretrained(folder)
+    call_cost(model, folder, prompt_len=8, repeats=2)
+    assert read_json(calibration_path(folder, torch.device("cpu")))["weights_sha256"] != key
+
+
+def test_a_record_that_cannot_be_written_still_measures(tiny) -> None:
+    model, folder = tiny
+    blocked = calibration_path(folder, torch.device("cpu"))
+    blocked.mkdir()  # the record's place is taken: writing it fails (as in a read-only folder)
+    assert call_cost(model, folder, prompt_len=8, repeats=2).per_token_s >= 0
+    assert blocked.is_dir()
