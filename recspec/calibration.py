@@ -1,6 +1,7 @@
 """Per-model measurements on this machine, taken once and kept beside the model: the call cost
-``F + r * n`` (:class:`~recspec.decoding.cost.CallCost`) that draft trees and ``--decoder auto``
-are sized from.
+``F + r * n`` (:class:`~recspec.decoding.cost.CallCost`) of a target, a draft model or a draft
+head, and a draft's acceptance per round level and width (:func:`acceptance_tables`, counted by
+:class:`CountingVerifier`), that draft trees and ``--decoder auto`` are sized from.
 
 The record lives in the model folder as ``calibration-<device>.json``: the cost, what it was
 measured for (the sha256 of the weights, the device, torch's thread count, the prompt length) and
@@ -13,27 +14,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recspec.decoding.cost import CallCost, measure_cost_model
+from recspec.decoding.cost import CallCost, measure_cost_model, measure_head_cost
+from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_tree import Level
+from recspec.decoding.drafters import TopNDrafter
+from recspec.decoding.frontier import Frontier
+from recspec.decoding.prompts import prompt_batches
+from recspec.decoding.rounds import RoundOutcome, SpecStats, drafted_per_row, run_rounds
+from recspec.decoding.tree_plan import Acceptance
+from recspec.decoding.verifiers import StepVerifier
 from recspec.errors import RecspecError
-from recspec.fileio import CHECKSUMS, read_json, sha256_file, write_json_atomic
-
-WEIGHTS = "model.safetensors"
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """sha256 of the folder's weights: from its ``checksums.json`` where recspec wrote one (the
-    loader has checked it), else hashed here."""
-    listing = model_dir / CHECKSUMS
-    if listing.is_file():
-        entry = read_json(listing).get("files", {}).get(WEIGHTS)
-        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
-            return entry["sha256"]
-    return sha256_file(model_dir / WEIGHTS)
+from recspec.fileio import read_json, write_json_atomic
+from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
+from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
 
 
 def calibration_path(model_dir: Path, device: torch.device) -> Path:
@@ -45,16 +45,10 @@ def _digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
-              remeasure: bool = False) -> CallCost:
-    """The call cost of ``model`` (loaded from ``model_dir``) on its device for prompts of about
-    ``prompt_len`` tokens: the kept record where it matches (see the module doc), else measured
-    now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept."""
-    model_dir = Path(model_dir)
-    device = next(model.parameters()).device
-    path = calibration_path(model_dir, device)
-    key = {"weights_sha256": weights_fingerprint(model_dir), "device": str(device),
-           "threads": torch.get_num_threads(), "prompt_len": int(prompt_len)}
+def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], remeasure: bool = False) -> Any:
+    """The value kept in the record ``path`` when the record's ``key`` fields equal ``key`` and its
+    digest checks out; else ``measure()``, kept there (atomically) for the next time. A record
+    that cannot be written (a read-only folder) is measured again in the next process."""
     if not remeasure and path.is_file():
         try:
             record = read_json(path)
@@ -62,12 +56,150 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
             record = None
         if (isinstance(record, dict) and record.get("sha256") == _digest(record)
                 and all(record.get(name) == value for name, value in key.items())):
-            return CallCost.from_json(record["cost"])
-    cost = measure_cost_model(model, prompt_len, repeats)
-    record = {**key, "cost": cost.to_json()}
+            return record["value"]
+    value = measure()
+    record = {**key, "value": value}
     record["sha256"] = _digest(record)
     try:
         write_json_atomic(path, record)
-    except OSError:  # a read-only model folder: measured again in the next process
+    except OSError:
         pass
-    return cost
+    return value
+
+
+def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
+              remeasure: bool = False) -> CallCost:
+    """The call cost of ``model`` (loaded from ``model_dir``) on its device for prompts of about
+    ``prompt_len`` tokens: the kept record where it matches (see the module doc), else measured
+    now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept."""
+    model_dir = Path(model_dir)
+    device = next(model.parameters()).device
+    key = {"weights_sha256": weights_fingerprint(model_dir), "device": str(device),
+           "threads": torch.get_num_threads(), "prompt_len": int(prompt_len)}
+    value = kept_record(calibration_path(model_dir, device), key,
+                        lambda: measure_cost_model(model, prompt_len, repeats).to_json(), remeasure)
+    return CallCost.from_json(value)
+
+
+@dataclass
+class CountingVerifier:
+    """Strict verification that also counts what it accepts: per round kind (the first round, drafted
+    from the root, or a later one) and round level ``j``, the users whose round reached level ``j``
+    (it was drafted and the levels before it accepted) and those accepted there; and per absolute
+    identifier level, the rounds that drafted it first in the round and how many were accepted
+    (coverage from the target's exact beams)."""
+
+    inner: StepVerifier
+    reached: dict[tuple[bool, int], int] = field(default_factory=dict)
+    accepted: dict[tuple[bool, int], int] = field(default_factory=dict)
+    level_rounds: dict[int, int] = field(default_factory=dict)
+    level_accepted: dict[int, int] = field(default_factory=dict)
+
+    def verify(self, front: Frontier, levels: list[Level], log_p: torch.Tensor) -> RoundOutcome:
+        outcome = self.inner.verify(front, levels, log_p)
+        drafted = len(levels) - 1
+        if drafted:
+            first = bool((front.depth == 0).all())
+            own = drafted_per_row(front.depth, self.inner.trie.depth, drafted)
+            took = outcome.counters["accepted_steps"].cpu().float()
+            for j in range(1, drafted + 1):
+                here = own >= j
+                _add(self.reached, (first, j), int((here & (took >= j - 1)).sum()))
+                _add(self.accepted, (first, j), int((here & (took >= j)).sum()))
+            for level, hit, own_levels in zip((front.depth + 1).tolist(), (took >= 1).tolist(), own.tolist()):
+                if own_levels >= 1:  # users ahead of the batch draft nothing this round
+                    _add(self.level_rounds, level, 1)
+                    _add(self.level_accepted, level, int(hit))
+        return outcome
+
+    def finished(self, front: Frontier) -> torch.Tensor:
+        return self.inner.finished(front)
+
+    def carry(self, front: Frontier) -> Frontier:
+        return self.inner.carry(front)
+
+    def rates(self, first: bool) -> list[float]:
+        """Acceptance of round levels 1, 2, ... (of the first round or the later ones) given the
+        levels before them (0 where no round reached a level)."""
+        levels = sorted(j for kind, j in self.reached if kind == first)
+        return [self.accepted[(first, j)] / self.reached[(first, j)] if self.reached[(first, j)] else 0.0
+                for j in range(1, (max(levels) if levels else 0) + 1)]
+
+
+def _add(counts: dict, key, value: int) -> None:
+    counts[key] = counts.get(key, 0) + value
+
+
+@torch.inference_mode()
+def count_rounds(recommender, draft, prompts, k: int, n: int, gamma: int | None,
+                 batch_size: int = 16) -> CountingVerifier:
+    """Strict speculative rounds of ``draft`` at width ``n`` over ``prompts``, counted."""
+    trie, device = recommender.trie, next(recommender.model.parameters()).device
+    verifier = CountingVerifier(StepVerifier(trie, k))
+    for batch in prompt_batches(prompts, recommender.encoder.pad_id, device, batch_size):
+        run_rounds(recommender.model, draft, batch, trie, gamma, TopNDrafter(trie, n), verifier,
+                   SpecStats.zeros(len(batch.lengths)), lambda rows, front: None)
+    return verifier
+
+
+def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, ...]) -> dict[str, Any]:
+    """``{"first": ..., "later": ...}``: :class:`~recspec.decoding.tree_plan.Acceptance` tables (as
+    JSON) of ``draft`` at every width of ``choices``, from rounds over ``prompts``."""
+    first: list[dict[int, float]] = []
+    later: list[dict[int, float]] = []
+    for n in choices:
+        counts = count_rounds(recommender, draft, prompts, k, n, None)
+        for tables, rates in ((first, counts.rates(True)), (later, counts.rates(False))):
+            for j, rate in enumerate(rates):
+                if j == len(tables):
+                    tables.append({})
+                tables[j][n] = rate
+    return {"first": Acceptance(tuple(first)).to_json(), "later": Acceptance(tuple(later)).to_json()}
+
+
+def _draft_identity(recommender) -> dict[str, str]:
+    """sha256 of the weights of each draft folder (a model and / or a head)."""
+    identity = {}
+    for folder in recommender.draft_dirs:
+        if is_head_dir(folder):
+            identity["head_sha256"] = weights_fingerprint(head_dir(folder), HEAD_WEIGHTS)
+        else:
+            identity["draft_sha256"] = weights_fingerprint(trained_model_dir(folder))
+    return identity
+
+
+def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int = 128,
+                      remeasure: bool = False) -> tuple[Acceptance, Acceptance]:
+    """The loaded draft's acceptance per round level and width (first round, later rounds) on the
+    first ``users`` validation users, kept in the target's folder as ``acceptance-k<K>.json``
+    while target, draft, K, widths and users match."""
+    key = {"target_sha256": weights_fingerprint(recommender.folder), **_draft_identity(recommender), "k": k,
+           "choices": list(choices), "users": users}
+    prompts = recommender.encoder.prompts(recommender.examples("valid", users))
+    value = kept_record(recommender.folder / f"acceptance-k{k}.json", key,
+                        lambda: measure_acceptance(recommender, recommender.draft, prompts, k, choices), remeasure)
+    return Acceptance.from_json(value["first"]), Acceptance.from_json(value["later"])
+
+
+def head_cost(head: HeadDraft, folder: Path, repeats: int = 10, remeasure: bool = False) -> CallCost:
+    """One drafting step of ``head`` (saved in ``folder``) on its device, kept beside it."""
+    key = {"head_sha256": weights_fingerprint(folder, HEAD_WEIGHTS), "device": str(head.device),
+           "threads": torch.get_num_threads()}
+    value = kept_record(calibration_path(folder, head.device), key,
+                        lambda: measure_head_cost(head, repeats).to_json(), remeasure)
+    return CallCost.from_json(value)
+
+
+def draft_costs(recommender, prompt_len: int) -> tuple[CallCost, CallCost, CallCost, bool]:
+    """What drafting costs with the loaded draft: per level in the first round and in later
+    rounds, the draft's prefill, and whether the first round is the target's prefill alone (a
+    head without a draft model)."""
+    draft, free = recommender.draft, CallCost(0.0, 0.0)
+    folders = {is_head_dir(folder): folder for folder in recommender.draft_dirs}
+    head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
+    model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft
+    model_cost = None if model is None else call_cost(model, trained_model_dir(folders[False]), prompt_len)
+    head_step = None if head is None else head_cost(head, head_dir(folders[True]))
+    if model_cost is None:
+        return free, head_step, free, True
+    return model_cost, head_step or model_cost, model_cost, False

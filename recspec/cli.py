@@ -267,7 +267,11 @@ def align_train(
     alpha: Annotated[float, typer.Option(help="Weight of the alignment loss against L_Rec, in [0, 1].")] = 0.5,
     preset: Annotated[str, typer.Option(help="Draft preset: draft-tiny (target-small) or draft-llm.")] = "draft-tiny",
     target: Annotated[Optional[Path], typer.Option(help="The target, to select epochs by validation acceptance "
-                                                        "(else by validation loss).")] = None,
+                                                        "(else by validation loss; needed with --head).")] = None,
+    head: Annotated[bool, typer.Option(help="Train a feature-level draft head over the target's hidden states "
+                                            "instead of a draft model (needs --target).")] = False,
+    head_layers: Annotated[int, typer.Option(help="Blocks of the head.")] = 1,
+    feature_weight: Annotated[float, typer.Option(help="Weight of the head's feature regression loss.")] = 1.0,
     epochs: int = 10,
     batch_size: int = 64,
     lr: float = 1e-3,
@@ -282,15 +286,27 @@ def align_train(
     device: str = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
 ) -> None:
-    """Train a draft with an alignment method (AtSpeed-S / -R, SFT, WordKD, SeqKD, TVDKD)."""
+    """Train a draft (a small model, or with --head a feature-level head over the target) with an
+    alignment method (AtSpeed-S / -R, SFT, WordKD, SeqKD, TVDKD)."""
     from recspec.align.train import align_fit
     from recspec.models.train import TrainConfig
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
                          seed=seed, precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads)
-    _positive(eval_users=eval_users, eval_k=eval_k)
-    with _on_interrupt(f"the last checkpoint in {out / 'checkpoint'} is kept; run the same command to resume"):
-        result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k, overwrite=overwrite)
+    _positive(eval_users=eval_users, eval_k=eval_k, head_layers=head_layers)
+    if head and target is None:
+        raise RecspecError("--head needs --target: a head drafts from that target's features")
+    if not math.isfinite(feature_weight) or feature_weight < 0:
+        raise RecspecError(f"--feature-weight must be a finite number >= 0, got {feature_weight}")
+    with _on_interrupt(f"the last checkpoint in {out} is kept; run the same command to resume"):
+        if head:
+            from recspec.align.train import head_fit
+
+            result = head_fit(data, target, out, method, alpha, head_layers, feature_weight, config, eval_users,
+                              eval_k, overwrite=overwrite)
+        else:
+            result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k,
+                               overwrite=overwrite)
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
                f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
@@ -300,10 +316,13 @@ def align_train(
 def recommend_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
     out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
-    decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict, spec-relaxed or "
-                                              "dsbd.")] = "tree-beam",
+    decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict, spec-relaxed, "
+                                              "dsbd, or auto (the fastest exact one for these models, K and "
+                                              "batch size, from measured costs and acceptance).")] = "tree-beam",
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
-    draft: Annotated[Optional[Path], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd).")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd), a draft "
+                                                     "head (`align train --head`), or MODEL+HEAD: the model drafts "
+                                                     "the first round, the head the rest.")] = None,
     draft_beams: Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")] = 40,
     gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the "
                                                       "identifier).")] = None,
@@ -339,13 +358,15 @@ def recommend_command(
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
                             threshold=threshold, one_cache=one_cache)
     recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
-                                   draft_dir=draft if decoder in DRAFTED else None, k=k)
+                                   draft_dir=draft if decoder in (*DRAFTED, "auto") else None, k=k)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
     with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
         decoded = recommender.recommend(examples, k, decoder, batch_size, options, progress=True)
     seconds = time.perf_counter() - started
     write_recs(out, recommender, examples, decoded.topk)
+    if decoded.choice:
+        typer.echo(decoded.choice)
     typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
                f"wrote {out}")
     if decoded.stats is not None:
@@ -586,6 +607,43 @@ def bench_spec(
 
     typer.echo(run(_results_dir(out), _pairs(target, draft), k, users, repeats, draft_beams, gamma, temperature, quality_k,
                    quality_users, name=name))
+
+
+@bench_app.command("coverage")
+def bench_coverage(
+    target: Annotated[Path, typer.Option(help="A trained target folder.")],
+    draft: Annotated[list[Path], typer.Option(help="Its drafts: model folders or heads (repeatable).")],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [10],
+    factor: Annotated[list[float], typer.Option(help="N = factor * K (repeatable).")] = [1.0, 1.5, 2.0, 4.0],
+    users: Annotated[int, typer.Option(help="Test users.")] = 200,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "coverage",
+) -> None:
+    """Per level: how often the draft's top-N holds the target's top-K (strict acceptance from exact beams)."""
+    from recspec.bench.coverage import run
+
+    _positive(users=users, k=min(k))
+    if any(not math.isfinite(f) or f < 1 for f in factor):
+        raise RecspecError(f"--factor must be >= 1 (N >= K), got {factor}")
+    typer.echo(run(_results_dir(out), target, draft, k, factor, users, name))
+
+
+@bench_app.command("auto")
+def bench_auto(
+    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
+    draft: Annotated[list[Path], typer.Option(help="The draft of each target (a model, a head, or MODEL+HEAD).")],
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
+    batch_size: Annotated[list[int], typer.Option(help="Users per batch (repeatable).")] = [1, 16],
+    users: Annotated[int, typer.Option(help="Test users per cell.")] = 32,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "auto",
+) -> None:
+    """`--decoder auto` against beam, tree-beam and spec-strict in every cell of K x batch size."""
+    from recspec.bench.auto import run
+
+    _positive(users=users, repeats=repeats, k=min(k), batch_size=min(batch_size))
+    typer.echo(run(_results_dir(out), _pairs(target, draft), k, batch_size, users, repeats, name))
 
 
 @bench_app.command("cost")

@@ -20,11 +20,13 @@ import torch
 
 from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
+from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.beam_search import sampling_beam_search
 from recspec.decoding.beams import distinct_items
 from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
+from recspec.decoding.tree_plan import CostPlanner
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
@@ -33,6 +35,7 @@ from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
 from recspec.models.checkpoint import INDEX_FILE, load_trained, run_info, trained_model_dir
 from recspec.models.examples import PromptEncoder, saved_template
+from recspec.models.head import bind_head, head_dir, head_fingerprint, is_head_dir, load_head, read_head_config
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 
 #: The exact top-K decoders (trie-constrained beam search), all returning the same items.
@@ -40,7 +43,7 @@ BEAM_DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": b
                                                  "tree-beam": tree_beam_search}
 #: Decoders that need a draft model.
 SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed"}
-DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE, "dsbd")
+DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE, "dsbd", "auto")
 #: Every decoder that needs a draft model.
 DRAFTED = (*SPECULATIVE, "dsbd")
 PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
@@ -52,7 +55,8 @@ class DecodeOptions:
     (N) and ``gamma`` of speculative search; ``temperature``, ``seed`` and ``replacement`` of
     sampling (``beam-sample``, ``spec-relaxed``; independent draws may repeat an item, which then
     comes out once); ``draft_width`` (W_S, default 2K), ``min_width`` (W_min, default K), ``threshold`` (t) and
-    ``one_cache`` of ``dsbd`` (:class:`~recspec.decoding.dsbd.DSBDConfig`)."""
+    ``one_cache`` of ``dsbd`` (:class:`~recspec.decoding.dsbd.DSBDConfig`); ``planner``: rounds of
+    ``spec-strict`` sized by cost (what ``auto`` sets)."""
 
     draft_beams: int = 40
     gamma: int | None = None
@@ -63,6 +67,7 @@ class DecodeOptions:
     min_width: int | None = None
     threshold: float | None = None
     one_cache: bool = False
+    planner: CostPlanner | None = None
 
     def dsbd(self, k: int) -> DSBDConfig:
         return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width or 2 * k, min_width=self.min_width or k,
@@ -72,10 +77,12 @@ class DecodeOptions:
 
 @dataclass
 class Decoded:
-    """A decoder's top-K items and, for speculative decoders, their per-user statistics."""
+    """A decoder's top-K items and, for speculative decoders, their per-user statistics;
+    ``choice``: what ``auto`` ran and why (empty for the other decoders)."""
 
     topk: TopK
     stats: SpecStats | None = None
+    choice: str = ""
 
 
 def item_rows(dataset_keys: Sequence[str], keys: Sequence[str]) -> np.ndarray:
@@ -101,8 +108,11 @@ def check_decoder(name: str, has_draft: bool = False) -> None:
 
 def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_id: int,
                 options: DecodeOptions = DecodeOptions(), batch_size: int | None = None) -> Decoded:
-    """Top-``k`` items of every prompt by decoder ``name`` (``draft`` for speculative ones)."""
+    """Top-``k`` items of every prompt by decoder ``name`` (``draft`` for speculative ones;
+    ``auto`` chooses from measurements kept beside the model folders: :meth:`Recommender.recommend`)."""
     check_decoder(name, draft is not None)
+    if name == "auto":
+        raise RecspecError("decoder auto chooses from measurements of the loaded models: use Recommender.recommend")
     if name in BEAM_DECODERS:
         return Decoded(BEAM_DECODERS[name](target, prompts, trie, k, pad_id, batch_size))
     if name == "beam-sample":
@@ -113,7 +123,8 @@ def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie:
         topk, stats = dsbd_beam_search(target, draft, prompts, trie, k, pad_id, options.dsbd(k), batch_size)
         return Decoded(distinct_items(topk), stats)
     config = SpecConfig(draft_beams=options.draft_beams, gamma=options.gamma, verify=SPECULATIVE[name],
-                        temperature=options.temperature, seed=options.seed, replacement=options.replacement)
+                        temperature=options.temperature, seed=options.seed, replacement=options.replacement,
+                        planner=options.planner)
     result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)
     independent = config.verify == "relaxed" and options.replacement  # independent draws may repeat an item
     return Decoded(distinct_items(result.topk) if independent else result.topk, result.stats)
@@ -131,35 +142,52 @@ class Recommender:
     dataset: Dataset
     info: dict[str, Any]
     draft: Any = None
+    folder: Path | None = None  # the target's model folder
+    draft_dirs: tuple[Path, ...] = ()  # the draft's folders (a model, a head, or both)
 
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
-             draft_dir: str | Path | None = None, k: int | None = None) -> Recommender:
+             draft_dir: str | Path | Sequence[str | Path] | None = None, k: int | None = None) -> Recommender:
         """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained
         one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
-        trained with the same item index and tokenizer. ``k``: the number of items to be asked
+        trained with the same item index and tokenizer, or a draft head (`recspec align train
+        --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
+        the model drafts the first round, the head the rest. ``k``: the number of items to be asked
         for, refused before any model is loaded when the index has fewer items."""
         folder, info = run_info(Path(model_dir))
         index = ItemIndex.load(folder / INDEX_FILE)
         if k is not None and not 1 <= k <= len(index.item_keys):
             raise RecspecError(f"k={k} is outside [1, {len(index.item_keys)}]: the item index of {folder} has "
                                f"{len(index.item_keys)} items")
-        if draft_dir is not None:
-            trained_model_dir(draft_dir)  # a damaged draft is named before the target is loaded
+        folders = draft_folders(draft_dir)
+        heads = [path for path in folders if is_head_dir(path)]
+        models = [path for path in folders if not is_head_dir(path)]
+        if len(heads) > 1 or len(models) > 1:
+            raise RecspecError(f"--draft takes a draft model, a head, or a model and a head joined by '+' "
+                               f"(got {len(models)} models and {len(heads)} heads)")
+        for path in heads:
+            read_head_config(head_dir(path))  # a damaged draft is named before the target is loaded
+        for path in models:
+            trained_model_dir(path)
         model, tokenizer = load_trained(folder, index, device=device)
         template = saved_template(trained_model_dir(folder), tokenizer)
-        draft = None
-        if draft_dir is not None:
-            draft, draft_tokenizer = load_trained(draft_dir, index, device=device)
+        draft_model = head = None
+        if heads:
+            fingerprint = head_fingerprint(trained_model_dir(folder), index)
+            head = bind_head(load_head(heads[0], fingerprint, device), model, tokenizer, index)
+        if models:
+            draft_model, draft_tokenizer = load_trained(models[0], index, device=device)
             check_same_vocabulary(draft_tokenizer, tokenizer)
-            if saved_template(trained_model_dir(draft_dir), draft_tokenizer) != template:
-                raise RecspecError(f"{draft_dir}: the draft was trained with another prompt template than the "
+            if saved_template(trained_model_dir(models[0]), draft_tokenizer) != template:
+                raise RecspecError(f"{models[0]}: the draft was trained with another prompt template than the "
                                    f"target; train it with the target's preset family")
+        draft = HybridPair(draft_model, head) if draft_model is not None and head is not None else draft_model or head
         if dataset is None:
             dataset = load_dataset(info["dataset"], info.get("format"))
         encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
-        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft)
+        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, trained_model_dir(folder),
+                   tuple(folders))
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
@@ -176,6 +204,12 @@ class Recommender:
         """Top-``k`` items (index rows) of every example by ``decoder``; with ``progress``, the users
         go through in chunks of whole batches (about 256 users) under a progress bar, chunk ``i``
         of a sampling decoder seeded with ``seed + i`` (so chunks draw independent streams)."""
+        if decoder == "auto":  # the fastest exact decoder for this pair, K and batch size
+            from recspec.auto import choose
+
+            choice = choose(self, k, batch_size or len(examples))
+            decoded = self.recommend(examples, k, choice.decoder, batch_size, choice.options, progress)
+            return replace(decoded, choice=choice.reason)
         prompts = self.encoder.prompts(examples)
         if not progress:
             return run_decoder(decoder, self.model, self.draft, prompts, self.trie, k, self.encoder.pad_id, options,
@@ -193,6 +227,16 @@ class Recommender:
         stats = None if parts[0].stats is None else SpecStats.cat([part.stats for part in parts])
         return Decoded(TopK.cat([part.topk for part in parts]), stats)
 
+
+
+def draft_folders(draft_dir: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The folders of a ``--draft`` value: one folder, two joined by ``+`` (a draft model for the
+    first round and a head for the rest), or a sequence of folders."""
+    if draft_dir is None:
+        return []
+    if isinstance(draft_dir, (str, Path)):
+        return [Path(part) for part in str(draft_dir).split("+")]
+    return [Path(part) for part in draft_dir]
 
 
 def check_finite_scores(topk: TopK, user_ids: Sequence[str]) -> None:

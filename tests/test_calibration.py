@@ -47,9 +47,9 @@ def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny) -> No
     stamp = path.stat().st_mtime_ns
     assert call_cost(model, folder, prompt_len=8, repeats=2) == first and path.stat().st_mtime_ns == stamp
 
-    write_json_atomic(path, {**record, "cost": {**record["cost"], "fixed_s": 123.0}})  # altered: digest fails
+    write_json_atomic(path, {**record, "value": {**record["value"], "fixed_s": 123.0}})  # altered: digest fails
     again = call_cost(model, folder, prompt_len=8, repeats=2)
-    assert again.fixed_s != 123.0 and read_json(path)["cost"]["fixed_s"] == again.fixed_s
+    assert again.fixed_s != 123.0 and read_json(path)["value"]["fixed_s"] == again.fixed_s
 
     other = call_cost(model, folder, prompt_len=16, repeats=2)  # another prompt length: measured again
     assert read_json(path)["prompt_len"] == 16 and other.samples != again.samples
@@ -75,3 +75,27 @@ def test_a_record_that_cannot_be_written_still_measures(tiny) -> None:
     blocked.mkdir()  # the record's place is taken: writing it fails (as in a read-only folder)
     assert call_cost(model, folder, prompt_len=8, repeats=2).per_token_s >= 0
     assert blocked.is_dir()
+
+
+def test_round_plans_maximise_levels_per_second() -> None:
+    from recspec.decoding.tree_plan import Acceptance, plan_round
+
+    cost = CallCost(0.012, 0.0007)
+    free = lambda n: 0.0  # noqa: E731
+    perfect = plan_round(lambda j, n: 1.0, 4, cost, 10, free, (10, 15, 20))
+    assert perfect.widths == (10, 10, 10) and perfect.steps == 4  # all levels at the narrowest width
+    assert perfect.seconds == pytest.approx(cost.call_s(40))
+    hopeless = plan_round(lambda j, n: 0.0, 4, cost, 10, free, (10, 20))
+    assert hopeless.widths == () and hopeless.rate == pytest.approx(1 / cost.call_s(10))  # plain decoding
+    # a width buys acceptance: 15 nodes for 0.9 against 10 for 0.5 (one level left to draft)
+    table = Acceptance(({10: 0.5, 15: 0.9},))
+    plan = plan_round(table, 2, cost, 10, free, (10, 15))
+    assert plan.widths == (15,) and plan.steps == pytest.approx(1.9)
+    assert table(1, 12) == 0.5 and table(1, 40) == 0.9 and table(1, 5) == 0.0 and table(3, 15) == 0.9
+    assert Acceptance.from_json(table.to_json()) == table
+    # a costly draft makes drafting lose: 20 ms per level against a 19 ms plain step
+    assert plan_round(lambda j, n: 1.0, 4, cost, 10, lambda n: 0.02, (10,)).widths == ()
+    # 16 rows per call: the per-node part grows 16-fold, so the plan stops drafting (alone it drafts)
+    accept = lambda j, n: 0.8  # noqa: E731
+    assert plan_round(accept, 3, cost, 10, free, (10,)).widths == (10, 10)
+    assert plan_round(accept, 3, cost, 10, free, (10,), rows=16).widths == ()

@@ -13,7 +13,7 @@ LAYERS = (
     ("errors", "fileio", "devices", "statefile", "assets", "hub", "data", "eval"),
     ("itemids", "models"),
     ("decoding",),
-    ("recommend", "calibration", "fit", "knowledge", "align"),
+    ("recommend", "calibration", "auto", "fit", "knowledge", "align"),
     ("bench",),
     ("cli",),
 )
@@ -21,12 +21,12 @@ ROOT = Path(recspec.__file__).parent
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
 #: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
 DECODING = (
-    ("warp", "cache", "tree", "space", "beams", "cost"),
+    ("warp", "cache", "tree", "space", "beams", "cost", "tree_plan"),
     ("prompts",),
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),
     ("frontier", "acceptance"),
-    ("drafters",),
+    ("drafters", "draft_sources"),
     ("rounds",),
     ("verifiers",),
     ("speculative_beam", "dsbd"),

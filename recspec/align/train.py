@@ -5,10 +5,12 @@ validation alignment loss."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from recspec.align.data import PARTS
 from recspec.align.task import AlignmentTask, check_method, read_manifest
@@ -19,25 +21,26 @@ from recspec.models.examples import PromptEncoder
 from recspec.fit import prepare_training_dir
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids, index_fingerprint
+from recspec.models.head import HeadConfig
 from recspec.models.train import TrainConfig, TrainResult, train
 
 ACCEPTANCE_METRIC = "accepted_steps"
 
 
-def acceptance_evaluator(target_dir: Path, task: AlignmentTask, users: int, k: int, draft_beams: int,
-                         relaxed: bool):
+def acceptance_evaluator(target, task: AlignmentTask, users: int, k: int, draft_beams: int, relaxed: bool,
+                         bind: Callable[[Any], Any] = lambda draft: draft):
     """``evaluate(draft)``: mean accepted steps (and target calls) of speculative beam search with
-    the target on the first ``users`` validation prompts, strict or relaxed (seeded)."""
+    the loaded ``target`` on the first ``users`` validation prompts, strict or relaxed (seeded);
+    ``bind`` turns the model being trained into what drafts (a head: bound to the target)."""
     from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 
-    target, _ = load_trained(target_dir, task.encoder.index)
     valid = task.examples[PARTS[1]]
     prompts = task.encoder.prompts(valid, np.arange(min(users, len(valid))))
     config = SpecConfig(draft_beams=max(draft_beams, k), verify="relaxed" if relaxed else "strict")
 
     def evaluate(draft) -> dict[str, float]:
         device = next(draft.parameters()).device
-        stats = speculative_beam_search(target.to(device), draft, prompts, task.trie.to(device), k,
+        stats = speculative_beam_search(target.to(device), bind(draft), prompts, task.trie.to(device), k,
                                         task.encoder.pad_id, config, batch_size=64).stats.summary()
         return {ACCEPTANCE_METRIC: stats["accepted_steps"], "target_calls": stats["target_calls"]}
 
@@ -69,5 +72,42 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
     write_run_info(out_dir, index, info)
     if target_dir is None:
         return train(model, task, out_dir, config, progress=progress)
-    evaluate = acceptance_evaluator(Path(target_dir), task, eval_users, eval_k, eval_beams, method == "atspeed-r")
+    target, _ = load_trained(target_dir, task.encoder.index)
+    evaluate = acceptance_evaluator(target, task, eval_users, eval_k, eval_beams, method == "atspeed-r")
+    return train(model, task, out_dir, config, evaluate=evaluate, progress=progress, metric=ACCEPTANCE_METRIC)
+
+
+def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha: float = 0.5,
+             layers: int = 1, feature_weight: float = 1.0, config: TrainConfig | None = None,
+             eval_users: int = 256, eval_k: int = 10, eval_beams: int = 40, overwrite: bool = False,
+             progress: bool = True) -> TrainResult:
+    """Train a draft head for the target of ``target_dir`` on its alignment data ``data_dir``
+    (:mod:`recspec.align.head`): ``layers`` blocks of the target's width with an MLP of twice
+    that; epochs selected by validation acceptance."""
+    from recspec.align.head import HeadAlignmentTask, HeadStore
+    from recspec.models.checkpoint import trained_model_dir
+    from recspec.models.head import DraftHead, bind_head, head_fingerprint
+    from recspec.recommend import Recommender
+
+    check_method(method, alpha)
+    config = config or TrainConfig()
+    manifest = read_manifest(data_dir)
+    recommender = Recommender.load(target_dir)
+    if index_fingerprint(recommender.index) != manifest["index_fingerprint"]:
+        raise RecspecError(f"{data_dir}: alignment data made for another item index than {target_dir}'s")
+    out_dir = prepare_training_dir(out_dir, overwrite)
+    hidden = recommender.model.config.get_text_config().hidden_size
+    head = HeadConfig(hidden=hidden, intermediate=2 * hidden, layers=layers, levels=recommender.trie.depth)
+    torch.manual_seed(config.seed)
+    model = DraftHead(head)
+    bound = bind_head(model, recommender.model, recommender.tokenizer, recommender.index)
+    info = {"target": str(Path(target_dir).resolve()),
+            "alignment": {"method": method, "alpha": alpha, "feature_weight": feature_weight,
+                          "data": str(Path(data_dir).resolve())}}
+    store = HeadStore(out_dir, head_fingerprint(trained_model_dir(target_dir), recommender.index), info)
+    base = AlignmentTask.load(Path(data_dir), recommender.encoder, recommender.trie.to("cpu"), method, alpha)
+    task = HeadAlignmentTask(base, bound, store, feature_weight)
+    evaluate = acceptance_evaluator(recommender.model, task, eval_users, eval_k, eval_beams, method == "atspeed-r",
+                                    bind=lambda trained: bind_head(trained, recommender.model, recommender.tokenizer,
+                                                                   recommender.index))
     return train(model, task, out_dir, config, evaluate=evaluate, progress=progress, metric=ACCEPTANCE_METRIC)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from recspec.decoding.cache import gather_positions
 from recspec.errors import RecspecError
+from recspec.models.head import HeadDraft
 
 #: Tokens fed per timed call of :func:`measure_cost_model` (one row over a cached prompt).
 COST_SIZES = (1, 4, 16, 64)
@@ -102,6 +103,14 @@ def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_l
         if cache is not None:  # drop the new tokens again, through the layers' keys / values
             gather_positions(cache, keep)
 
+    seconds = median_seconds(call, device, repeats, warmup)
+    model.train(was_training)
+    return seconds
+
+
+def median_seconds(call: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median wall time of ``call()`` over ``repeats`` timed calls after ``warmup`` untimed ones,
+    waiting for ``device`` before and after each."""
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -114,7 +123,6 @@ def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_l
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    model.train(was_training)
     return statistics.median(times)
 
 
@@ -123,4 +131,19 @@ def measure_cost_model(model, prompt_len: int, repeats: int = 10, sizes: Sequenc
     cached prompt of ``prompt_len`` tokens, median of ``repeats`` calls each, fitted by
     :func:`fit_call_cost`. Time it alone: another busy process on the same cores distorts it."""
     seconds = [measure_call_cost(model, 1, n, repeats, past_len=prompt_len) for n in sizes]
+    return fit_call_cost(list(sizes), seconds)
+
+
+@torch.inference_mode()
+def measure_head_cost(head: HeadDraft, repeats: int = 10, sizes: Sequence[int] = COST_SIZES) -> CallCost:
+    """``F`` and ``r`` of one drafting step of a head (:class:`~recspec.models.head.HeadDraft`):
+    guessed features and log-probs for ``n`` nodes of one row, for each of ``sizes``."""
+    hidden = head.head.config.hidden
+    seconds = []
+    for n in sizes:
+        parent = torch.randn(1, n, hidden, device=head.device)
+        tokens = head.token_ids[torch.arange(n, device=head.device) % len(head.token_ids)][None]
+        level = torch.zeros(1, n, dtype=torch.int64, device=head.device)
+        seconds.append(median_seconds(lambda: head.log_probs(head.features(parent, tokens, level)), head.device,
+                                      repeats))
     return fit_call_cost(list(sizes), seconds)

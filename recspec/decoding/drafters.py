@@ -46,6 +46,7 @@ test with ``r`` as the proposal, would restore exactness, but the paper does not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,13 +67,20 @@ def _child(parent: Level, chosen: Beams, depth: torch.Tensor, proposal: torch.Te
 
 @dataclass(frozen=True)
 class TopNDrafter:
-    """The top ``n`` children of the previous level in ``trie`` by prefix score."""
+    """The top ``n`` children of the previous level in ``trie`` by prefix score; with a
+    ``planner`` (:class:`~recspec.decoding.tree_plan.CostPlanner`) each round's levels and widths
+    are the ones of highest expected levels per second instead."""
 
     trie: ItemTrie
     n: int
+    planner: Callable[[bool, int], tuple[int, ...]] | None = None
 
-    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor) -> Level:
-        chosen = select_top_k(level_beams(parent, front.beams.margin), log_q, self.trie, self.n)
+    def widths(self, first: bool, remaining: int, drafted: int) -> tuple[int, ...]:
+        return self.planner(first, remaining) if self.planner is not None else (self.n,) * drafted
+
+    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor,
+                width: int) -> Level:
+        chosen = select_top_k(level_beams(parent, front.beams.margin), log_q, self.trie, width)
         return _child(parent, chosen, depth)
 
 
@@ -89,7 +97,12 @@ class SampledDrafter:
     replacement: bool
     ends: Ends | None = None
 
-    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor) -> Level:
+    def widths(self, first: bool, remaining: int, drafted: int) -> tuple[int, ...]:
+        return (self.count,) * drafted
+
+    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor,
+                width: int) -> Level:
+        """``width`` is :meth:`widths`' ``count`` (a sampled level's draws)."""
         if self.ends is not None:
             log_q = self.ends.absorb(parent.nodes, log_q)
         start = level_beams(parent, front.beams.margin)

@@ -70,6 +70,8 @@ from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_bat
 from recspec.decoding.rounds import SpecStats, run_rounds
 from recspec.decoding.verifiers import ForestVerifier
 from recspec.decoding.warp import Warp
+from recspec.decoding.draft_sources import HybridPair
+from recspec.models.head import HeadDraft
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
@@ -168,6 +170,8 @@ def dsbd_beam_search(target, draft, prompts: Sequence[torch.Tensor], trie: ItemT
         if trie.depth < 2:
             raise RecspecError("DSBD needs identifiers of at least 2 tokens: with 1 there is nothing to draft")
         config.check(trie.depth - 1)
+        if isinstance(draft, (HeadDraft, HybridPair)):
+            raise RecspecError("dsbd drafts with a draft model; a draft head serves spec-strict and spec-relaxed")
         check_draft_vocabulary(target, draft)
 
     generator = torch.Generator(device=target.device).manual_seed(config.seed)

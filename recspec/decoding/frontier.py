@@ -6,7 +6,7 @@ compacting the KV caches)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,7 +24,9 @@ class Frontier:
     ``beams``: scores, trie nodes and margin ``[B, K]`` / ``[B]`` (its ``tokens`` are not kept;
     ``paths`` holds them); ``paths``: int64 ``[B, K, L]``; ``depth``: int64 ``[B]``;
     ``visible``: bool ``[B, K, T]``, each beam's view of the cache (prompt and ancestors);
-    ``lengths``: int64 ``[B]``, real prompt tokens; ``users``: int64 ``[B]``, row in the batch.
+    ``lengths``: int64 ``[B]``, real prompt tokens; ``users``: int64 ``[B]``, row in the batch;
+    ``features``: float ``[B, K, H]``, the target's last hidden state at each beam's parent (the
+    node whose distribution chose the pending token), kept only for a draft head (else None).
     """
 
     beams: Beams
@@ -33,6 +35,7 @@ class Frontier:
     visible: torch.Tensor
     lengths: torch.Tensor
     users: torch.Tensor
+    features: torch.Tensor | None = None
 
 
 def root_frontier(prompts: Prompts, space) -> Frontier:
@@ -87,10 +90,11 @@ def where_beams(rows: torch.Tensor, new: Beams, old: Beams) -> Beams:
 
 
 def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch.Tensor,
-            steps: torch.Tensor) -> Frontier:
+            steps: torch.Tensor, features: torch.Tensor | None = None) -> Frontier:
     """The frontier after the round: the new ``beams`` (``[B, K]``), whose parents are the fed
     nodes ``parent_at`` (int64 ``[B, K]``), ``steps`` (int64 ``[B]``) deeper; each beam sees the
-    uncompacted cache as its parent did (prompt and ancestors)."""
+    uncompacted cache as its parent did (prompt and ancestors). ``features``: the target's features
+    at the fed nodes ``[B, M, H]``, if a draft head needs them (each beam keeps its parent's)."""
     _, visible, _ = stacked(levels)  # [B, M, W]: every node's view
     width = visible.shape[2]
     paths = torch.cat([level.paths for level in levels], dim=1)
@@ -100,8 +104,9 @@ def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch
     new_paths = paths.gather(1, parent_at[:, :, None].expand(-1, -1, paths.shape[2])).clone()
     new_paths.scatter_(2, (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, k, 1),
                        beams.tokens[:, :, -1:])
+    kept = None if features is None else features.gather(1, parent_at[:, :, None].expand(-1, -1, features.shape[2]))
     return Frontier(beams=beams, paths=new_paths, depth=depth, visible=view, lengths=front.lengths,
-                    users=front.users)
+                    users=front.users, features=kept)
 
 
 def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
@@ -113,7 +118,8 @@ def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
     beams = Beams(scores=pick(b.scores), nodes=pick(b.nodes), tokens=pick(b.tokens), parents=pick(b.parents),
                   margin=b.margin)
     return Frontier(beams=beams, paths=pick(front.paths), depth=front.depth, visible=pick(front.visible),
-                    lengths=front.lengths, users=front.users)
+                    lengths=front.lengths, users=front.users,
+                    features=None if front.features is None else pick(front.features))
 
 
 def compact_frontier(front: Frontier, caches: Sequence) -> Frontier:
@@ -124,8 +130,7 @@ def compact_frontier(front: Frontier, caches: Sequence) -> Frontier:
     view = front.visible[:, :, :width]
     positions, filled = compact(caches, view.any(dim=1))
     visible = view.gather(2, positions[:, None, :].expand(-1, view.shape[1], -1)) & filled[:, None, :]
-    return Frontier(beams=front.beams, paths=front.paths, depth=front.depth, visible=visible,
-                    lengths=front.lengths, users=front.users)
+    return replace(front, visible=visible)
 
 
 def select_users(front: Frontier, rows: torch.Tensor, caches: Sequence) -> Frontier:
@@ -137,4 +142,4 @@ def select_users(front: Frontier, rows: torch.Tensor, caches: Sequence) -> Front
         beams=Beams(scores=b.scores[rows], nodes=b.nodes[rows], tokens=b.tokens[rows], parents=b.parents[rows],
                     margin=b.margin[rows]),
         paths=front.paths[rows], depth=front.depth[rows], visible=front.visible[rows], lengths=front.lengths[rows],
-        users=front.users[rows])
+        users=front.users[rows], features=None if front.features is None else front.features[rows])

@@ -32,11 +32,12 @@ from recspec.decoding.acceptance import verify_chain
 from recspec.decoding.beams import Beams
 from recspec.decoding.cache import require_full_attention
 from recspec.decoding.chain import Chain
-from recspec.decoding.draft_tree import Level, feed, stacked
+from recspec.decoding.draft_sources import draft_source
+from recspec.decoding.draft_tree import Level, stacked
 from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
                                        select_users)
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs, prefill
+from recspec.decoding.scorer import forward_features, forward_visible, next_log_probs, prompt_and_tree
 
 
 @dataclass
@@ -149,11 +150,16 @@ class RoundOutcome:
 
 
 class Drafter(Protocol):
-    """Proposes the round's level ``j`` from level ``j - 1`` (``parent``) and the draft's
-    log-probs at its nodes (``log_q``, float32 ``[B, n, V]``); ``depth``: int64 ``[B]``, each
-    user's depth of the new level."""
+    """Says how many levels a round drafts and how wide (``widths``: given whether it is the first
+    round, the levels left and the round's default count ``drafted``), and proposes the round's
+    level ``j`` of ``width`` nodes from level ``j - 1`` (``parent``) and the draft's log-probs at
+    its nodes (``log_q``, float32 ``[B, n, V]``); ``depth``: int64 ``[B]``, each user's depth of
+    the new level."""
 
-    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor) -> Level: ...
+    def widths(self, first: bool, remaining: int, drafted: int) -> tuple[int, ...]: ...
+
+    def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor,
+                width: int) -> Level: ...
 
 
 class ChainDrafting(Protocol):
@@ -171,6 +177,21 @@ class ChainDrafting(Protocol):
               tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+class DraftSource(Protocol):
+    """Gives the drafter its log-probabilities (see :mod:`recspec.decoding.draft_sources`)."""
+
+    wants_features: bool
+
+    @property
+    def caches(self) -> tuple: ...
+
+    def start(self, prompts: Prompts) -> torch.Tensor | None: ...
+
+    def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor: ...
+
+    def feed_last(self, levels: list[Level]) -> None: ...
+
+
 class Verifier(Protocol):
     """Verifies the scored tree (``log_p``, float32 ``[B, M, V]``: the target's log-probs at every
     fed node, levels in order), says which users are done, and which beams go on."""
@@ -182,34 +203,52 @@ class Verifier(Protocol):
     def carry(self, front: Frontier) -> Frontier: ...
 
 
-def draft_levels(draft, cache, level0: Level, root_log_q: torch.Tensor | None, front: Frontier, drafter: Drafter,
-                 drafted: int, feed_last: bool) -> list[Level]:
-    """Levels ``0 .. drafted`` of this round's tree. The draft is fed each level it drafts from
-    (level 0 not in the first round: ``root_log_q`` ``[B, 1, V]`` are its prefill's log-probs) and,
-    if ``feed_last``, the last level too, so that its cache holds what the target's will."""
+def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | None, front: Frontier,
+                 drafter: Drafter, widths: tuple[int, ...], feed_last: bool) -> list[Level]:
+    """Levels ``0 .. len(widths)`` of this round's tree, level ``j`` of ``widths[j - 1]`` nodes.
+    The draft source gives the log-probs at each level it drafts from (level 0 not in the first
+    round: ``root_log_q`` ``[B, 1, V]`` are its prefill's) and, if ``feed_last``, takes the last
+    level too, so that a draft cache holds what the target's will."""
     levels = [level0]
-    for j in range(1, drafted + 1):
-        log_q = root_log_q if j == 1 and root_log_q is not None else feed(draft, cache, levels[-1:])
-        levels.append(drafter.propose(levels[-1], log_q, front, front.depth + j))
+    for j, width in enumerate(widths, start=1):
+        log_q = root_log_q if j == 1 and root_log_q is not None else source.log_probs(levels, front)
+        levels.append(drafter.propose(levels[-1], log_q, front, front.depth + j, width))
     if feed_last:
-        feed(draft, cache, levels[-1:])
+        source.feed_last(levels)
     return levels
 
 
-def score_levels(target, cache, levels: list[Level], prompts: Prompts | None) -> torch.Tensor:
-    """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``. In the
-    first round (``prompts`` given) the prompt is fed in the same call, before levels 1.., and
-    row 0 of the result is the prompt's last position (level 0, the root)."""
+def score_levels(target, cache, levels: list[Level], prompts: Prompts | None,
+                 features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and its
+    features there ``[B, sum n, H]`` if ``features`` (else None). In the first round (``prompts``
+    given) the prompt is fed in the same call, before levels 1.., and row 0 of the result is the
+    prompt's last position (level 0, the root)."""
     if prompts is None:
-        return feed(target, cache, levels)
-    return next_log_probs(forward_prompt_and_tree(target, cache, prompts.input_ids, prompts.attention_mask,
-                                                  prompts.position_ids, *stacked(levels[1:])))
+        block, keep = stacked(levels), None
+    else:
+        *block, keep = prompt_and_tree(prompts.input_ids, prompts.attention_mask, prompts.position_ids,
+                                       *(stacked(levels[1:]) if len(levels) > 1 else empty_block(prompts)))
+    if features:
+        logits, hidden = forward_features(target, cache, *block, keep_last=keep)
+        return next_log_probs(logits), hidden
+    return next_log_probs(forward_visible(target, cache, *block, keep_last=keep)), None
+
+
+def empty_block(prompts: Prompts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """No tree nodes after the prompts (a first round that drafts nothing): tokens and positions
+    ``[B, 0]``, visibility ``[B, 0, P]``."""
+    batch, width = prompts.input_ids.shape
+    none = prompts.input_ids[:, :0]
+    return none, torch.zeros(batch, 0, width, dtype=torch.bool, device=none.device), none
 
 
 def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: Drafter, verifier: Verifier,
                stats: SpecStats, finish: Callable[[torch.Tensor, Frontier], None]) -> None:
     """Speculative rounds for one batch until every user is finished (see the module doc).
 
+    ``draft``: a draft causal LM or a draft head (:func:`~recspec.decoding.draft_sources.draft_source`;
+    a head's first round drafts nothing: the target's prefill gives level 1 and its features);
     ``space``: the item trie or the text vocabulary (``depth`` steps at most); ``gamma``: levels
     drafted per round (None: up to the last depth that has children: the step after it is
     computed from that depth's distributions whatever the draft guesses); ``finish(rows,
@@ -217,33 +256,40 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     """
     clock = Clock(prompts.input_ids.device)
     started = clock.now()
-    root_log_q, draft_cache = prefill(draft, prompts)
+    source = draft_source(draft)
+    root_log_q = source.start(prompts)
     target_cache = DynamicCache(config=target.config)
-    caches = (target_cache, draft_cache)
+    caches = (target_cache, *source.caches)
     clock.add("prefill", started)
     front = root_frontier(prompts, space)
-    stats.draft_calls += 1
+    stats.draft_calls += root_log_q is not None
     first = True
     while True:
         remaining = space.depth - int(front.depth.min())
-        drafted = min(gamma or remaining, remaining - 1)
-        feed_last = drafted < remaining - 1  # a bonus step can then leave sequences incomplete
+        default = 0 if first and root_log_q is None else min(gamma or remaining, remaining - 1)
+        widths = drafter.widths(first, remaining, default) if default else ()
+        drafted = len(widths)
+        # a bonus step can leave sequences incomplete: the draft then takes the last level too
+        # (not in a first round that drafts nothing: the draft's prefill already holds the root)
+        feed_last = drafted < remaining - 1 and (drafted > 0 or not first)
         users = front.users.cpu()
         own_drafted = drafted_per_row(front.depth, space.depth, drafted)
         mark = clock.now()
-        levels = draft_levels(draft, draft_cache, level_zero(front, prompts if first else None),
-                              root_log_q if first else None, front, drafter, drafted, feed_last)
+        levels = draft_levels(source, level_zero(front, prompts if first else None),
+                              root_log_q if first else None, front, drafter, widths, feed_last)
         mark = clock.add("draft", mark)
-        log_p = score_levels(target, target_cache, levels, prompts if first else None)
+        log_p, features = score_levels(target, target_cache, levels, prompts if first else None,
+                                       source.wants_features)
         if first:
-            require_full_attention(target_cache)
-            require_full_attention(draft_cache)
+            for cache in caches:
+                require_full_attention(cache)
         outcome = verifier.verify(front, levels, log_p)
         clock.add("verify", mark)
-        front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps)
+        front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, features)
         for name, value in outcome.counters.items():
             getattr(stats, name)[users] += value.cpu().float()
-        stats.add_round(users, own_drafted, drafted - first + feed_last, sum(level.width for level in levels[first:]))
+        draft_calls = drafted - (first and root_log_q is not None and drafted > 0) + (feed_last and bool(source.caches))
+        stats.add_round(users, own_drafted, draft_calls, sum(level.width for level in levels[first:]))
         first = False
         finished = verifier.finished(front)
         if bool(finished.any()):

@@ -73,10 +73,27 @@ def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, p
     node attends to (cached positions, then the nodes fed now; a node must see itself). With
     ``cache`` None nothing is cached (training).
     """
+    return _forward(model, cache, tokens, visible, position_ids, keep_last, False)[0]
+
+
+def forward_features(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
+                     keep_last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_visible` that also returns the model's last hidden state at the same nodes
+    (after its final norm, so that the output layer maps it to the logits): ``(logits [B, N, V],
+    features [B, N, H])``, what a draft head reads."""
+    logits, features = _forward(model, cache, tokens, visible, position_ids, keep_last, True)
+    assert features is not None
+    return logits, features
+
+
+def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
+             keep_last: int | None, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_last_logits(model, keep_last)
-    logits = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
-                   position_ids=position_ids, past_key_values=cache, use_cache=cache is not None, **keep).logits
-    return logits if keep_last is None else logits[:, -keep_last:]
+    out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
+                position_ids=position_ids, past_key_values=cache, use_cache=cache is not None,
+                output_hidden_states=features, **keep)
+    last = slice(None) if keep_last is None else slice(-keep_last, None)
+    return out.logits[:, last], (out.hidden_states[-1][:, last] if features else None)
 
 
 def forward_prompt_and_tree(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -91,11 +108,21 @@ def forward_prompt_and_tree(model, cache, input_ids: torch.Tensor, attention_mas
     its ancestors, itself). Prompt tokens attend causally to real prompt tokens. ``cache``: an
     empty cache to fill, or None. The output layer runs for the ``1 + M`` positions only.
     """
+    return forward_visible(model, cache, *prompt_and_tree(input_ids, attention_mask, position_ids, tokens,
+                                                          tree_visible, tree_positions))
+
+
+def prompt_and_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    tokens: torch.Tensor, tree_visible: torch.Tensor,
+                    tree_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The inputs of :func:`forward_prompt_and_tree` as one block of nodes for
+    :func:`forward_visible` / :func:`forward_features`: tokens and position ids ``[B, P + M]``,
+    visibility ``[B, P + M, P + M]`` and ``keep_last = 1 + M`` (the root and the tree)."""
     prompt_len = input_ids.shape[1]
     width = tree_visible.shape[2]
     real = attention_mask.bool()
     causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=real.device).tril()
     prompt_rows = (causal & real[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=real.device)
     visible = torch.cat((torch.nn.functional.pad(prompt_rows, (0, width - prompt_len)), tree_visible), dim=1)
-    return forward_visible(model, cache, torch.cat((input_ids, tokens), dim=1), visible,
-                           torch.cat((position_ids, tree_positions), dim=1), keep_last=tokens.shape[1] + 1)
+    return (torch.cat((input_ids, tokens), dim=1), visible, torch.cat((position_ids, tree_positions), dim=1),
+            tokens.shape[1] + 1)

@@ -38,14 +38,17 @@ import torch
 
 from recspec.decoding.acceptance import RelaxedSampler
 from recspec.decoding.beams import TopK, best_first
+from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.drafters import SampledDrafter, TopNDrafter
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_batches
 from recspec.decoding.rounds import SpecStats, run_rounds
+from recspec.decoding.tree_plan import CostPlanner
 from recspec.decoding.verifiers import StepVerifier
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
+from recspec.models.head import HeadDraft
 
 VERIFICATIONS = ("strict", "relaxed")
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class SpecConfig:
     round (None: the rest of the identifier); ``verify``: ``"strict"`` or ``"relaxed"``;
     ``temperature``, ``seed`` and ``replacement``: of relaxed (sampling) verification, see
     :class:`~recspec.decoding.acceptance.RelaxedSampler` (relaxed drafts K sequences per level, as
-    atspeed.txt Alg. 2; ``draft_beams`` is strict's)."""
+    atspeed.txt Alg. 2; ``draft_beams`` is strict's); ``planner``: strict rounds sized by cost
+    (:class:`~recspec.decoding.tree_plan.CostPlanner`: levels and widths per round) instead of
+    ``draft_beams`` and ``gamma``."""
 
     draft_beams: int = 40
     gamma: int | None = None
@@ -62,6 +67,7 @@ class SpecConfig:
     temperature: float = 1.0
     seed: int = 0
     replacement: bool = False
+    planner: CostPlanner | None = None
 
     def check(self, k: int, trie: ItemTrie) -> None:
         """Raise :class:`RecspecError` for settings no speculative search of ``k`` items over
@@ -90,7 +96,7 @@ def atspeed_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
     shared round loop."""
     batch, device = len(prompts.lengths), prompts.input_ids.device
     if config.verify == "strict":
-        drafter, sampler = TopNDrafter(trie, config.draft_beams), None
+        drafter, sampler = TopNDrafter(trie, config.draft_beams, config.planner), None
     else:  # relaxed: K sequences per level from the draft's q_beam, verified by Alg. 2
         warp = Warp(config.temperature)
         drafter = SampledDrafter(trie, warp, k, generator, config.replacement)
@@ -116,7 +122,8 @@ def speculative_beam_search(
     """Top-``k`` items per prompt by speculative beam search (see the module doc).
 
     ``target``, ``draft``: HF causal LMs over the same vocabulary (full-attention caches, custom
-    4D masks); ``prompts``: one 1-D int tensor per user; batches of ``batch_size`` users (all if
+    4D masks), or ``draft`` a head bound to the target (:class:`~recspec.models.head.HeadDraft`)
+    or a draft model and a head (:class:`~recspec.decoding.draft_sources.HybridPair`); ``prompts``: one 1-D int tensor per user; batches of ``batch_size`` users (all if
     None) are left-padded with ``pad_token_id``. Strict verification returns what
     :func:`~recspec.decoding.beam_search.beam_search` returns; relaxed verification samples.
     """
@@ -124,7 +131,9 @@ def speculative_beam_search(
 
     def check() -> None:
         config.check(k, trie)
-        check_draft_vocabulary(target, draft)
+        model = draft.model if isinstance(draft, HybridPair) else draft
+        if not isinstance(model, HeadDraft):  # a head drafts over its target's own output layer
+            check_draft_vocabulary(target, model)
 
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     parts = decode_batches(target, prompts, trie, k, pad_token_id, batch_size,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from recspec.errors import RecspecError
-from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, verify_checksums, write_json_atomic
+from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, sha256_file, verify_checksums, write_json_atomic
 from recspec.hub import check_finite_weights, loading_errors
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
@@ -130,6 +130,17 @@ class ModelFolders:
     def load_best(self, model) -> None:
         """The best model's weights into ``model``."""
         load_weights(model, self.best_dir)
+
+
+def weights_fingerprint(model_dir: Path, name: str = WEIGHTS_FILE) -> str:
+    """sha256 of the folder's weights file ``name``: from its ``checksums.json`` where recspec
+    wrote one (the loader has checked it), else hashed here."""
+    listing = model_dir / CHECKSUMS
+    if listing.is_file():
+        entry = read_json(listing).get("files", {}).get(name)
+        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    return sha256_file(model_dir / name)
 
 
 def trained_model_dir(path: str | Path) -> Path:

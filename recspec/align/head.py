@@ -1,0 +1,138 @@
+"""Training a draft head (:mod:`recspec.models.head`) on alignment data: `recspec align train --head`.
+
+The head learns from the frozen target's own features. One target forward over the prompts and
+the node tree of the alignment data (the prefixes of the target's top-K sequences and of the
+ground truth) gives, at every node, the target's last hidden state ``h``; it runs the first time a
+prompt is batched, and the features are kept for the later epochs (float16 in memory: 1 + M
+nodes x H per prompt, e.g. 26 x 512 x 2 bytes for MovieLens, so 100 MB per 4,000 prompts). The head then
+guesses each node's feature from its parent's, level by level from the root, exactly as it drafts:
+a node under the root (an item's first token) reads the target's feature at the prompt's last
+position, a deeper node the head's own guess at its parent. Its distributions at the nodes enter
+the same alignment losses as a draft model's (AtSpeed-S / -R, WordKD, SeqKD, TVDKD, SFT:
+:class:`~recspec.align.task.AlignmentTask`), with the target's exact level-1 distribution at the
+root (a head never drafts level 1), plus EAGLE's feature regression: ``feature_weight`` times the
+smooth-L1 distance between the guessed and the true features.
+
+The folder is a head folder (``best/``: :func:`~recspec.models.head.save_head`), tied to the
+target's weights and item index; the checkpoint is the head's weights with the trainer's state
+(``checkpoint.{safetensors,json}``, never a pickle). Epochs are selected by validation
+acceptance (mean accepted steps of strict speculative beam search with the head).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recspec.align.data import PARTS, tree_view
+from recspec.align.task import AlignmentTask
+from recspec.decoding.scorer import forward_features, prompt_and_tree
+from recspec.models.head import DraftHead, HeadDraft, load_head, save_head
+from recspec.models.train import autocast
+from recspec.statefile import has_state, load_state, save_state, state_files
+
+CHECKPOINT = "checkpoint"
+BEST = "best"
+REMEDY = "delete the checkpoint files to start over, or choose another output folder"
+
+
+class HeadStore:
+    """The trainer's model store for a head: ``checkpoint.{safetensors,json}`` and ``best/``."""
+
+    def __init__(self, out_dir: Path, fingerprint: dict[str, str], info: dict[str, Any]) -> None:
+        self.out_dir, self.fingerprint, self.info = Path(out_dir), fingerprint, info
+        self.checkpoint_path, self.best_dir = state_files(out_dir, CHECKPOINT)[1], Path(out_dir) / BEST
+
+    def read_checkpoint(self) -> dict[str, Any] | None:
+        return load_state(self.out_dir, CHECKPOINT, REMEDY) if has_state(self.out_dir, CHECKPOINT) else None
+
+    def load_checkpoint(self, model: DraftHead, saved: dict[str, Any]) -> None:
+        model.load_state_dict(saved["weights"])
+
+    def save_checkpoint(self, model: DraftHead, state: dict[str, Any], info: dict[str, Any]) -> None:
+        weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+        save_state(self.out_dir, CHECKPOINT, {**state, "weights": weights})
+
+    def save_best(self, model: DraftHead, info: dict[str, Any]) -> None:
+        save_head(self.best_dir, model, self.fingerprint,
+                  {**self.info, "best": {key: info[key] for key in ("metric", "value", "epoch") if key in info}})
+
+    def load_best(self, model: DraftHead) -> None:
+        best = load_head(self.best_dir, self.fingerprint, next(model.parameters()).device)
+        model.load_state_dict(best.state_dict())
+
+
+class HeadAlignmentTask(AlignmentTask):
+    """:class:`~recspec.align.task.AlignmentTask` for a head bound to a frozen target (``bound``);
+    the model the trainer trains is ``bound.head``."""
+
+    def __init__(self, base: AlignmentTask, bound: HeadDraft, store: HeadStore, feature_weight: float = 1.0) -> None:
+        super().__init__(base.encoder, base.trie, base.examples, base.data, base.method, base.alpha, base.k,
+                         base.valid_batch_size)
+        self.bound, self.head_store, self.feature_weight = bound, store, feature_weight
+        self.kept: dict[tuple[int, int], torch.Tensor] = {}  # (part, row) -> the target's features
+        for parameter in bound.target.parameters():
+            parameter.requires_grad_(False)
+
+    def store(self, out_dir: Path) -> HeadStore:
+        return self.head_store
+
+    def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        draft, feature_loss = self.head_outputs(batch, autocast_dtype)
+        return self.combine(draft, batch) + self.feature_weight * feature_loss
+
+    def batch(self, rows, part: str = "train") -> dict[str, torch.Tensor]:
+        """:meth:`AlignmentTask.batch` plus the rows and part, under which the target's features
+        are kept after the first time (:meth:`target_features`)."""
+        out = super().batch(rows, part)
+        return {**out, "rows": torch.as_tensor(rows, dtype=torch.int64),
+                "part": torch.tensor(PARTS.index(part))}
+
+    def target_features(self, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        """The frozen target's features at the root and at every node of the batch: float32
+        ``[B, 1 + M, H]`` (zeros at padding nodes). Computed by one target forward over the prompts
+        and the node tree the first time a row is seen, then kept (float16, per row: the data
+        does not change between epochs)."""
+        parents, tokens = batch["node_parents"], batch["node_tokens"]
+        counts = 1 + batch["real"][:, 1:].any(dim=2).sum(dim=1)  # root + real nodes (they come first)
+        keys = [(int(batch["part"]), row) for row in batch["rows"].tolist()]
+        if any(key not in self.kept for key in keys):
+            visible, depths = tree_view(parents, batch["attention_mask"])
+            lengths = batch["attention_mask"].sum(dim=1)
+            target = self.bound.target.to(tokens.device).eval()
+            with torch.no_grad(), autocast(tokens.device, autocast_dtype):
+                features = forward_features(target, None, *prompt_and_tree(
+                    batch["input_ids"], batch["attention_mask"], batch["position_ids"], tokens, visible,
+                    lengths[:, None] + depths))[1]
+            for key, row, count in zip(keys, features, counts.tolist()):
+                self.kept[key] = row[:count].to("cpu", torch.float16)
+        out = torch.zeros(len(keys), tokens.shape[1] + 1, self.bound.head.config.hidden, device=tokens.device)
+        for b, key in enumerate(keys):
+            out[b, :len(self.kept[key])] = self.kept[key].to(tokens.device, torch.float32)
+        return out
+
+    def head_outputs(self, batch: dict[str, torch.Tensor],
+                     autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's log-probs of every node's children, float32 ``[B, 1 + M, C]`` (row 0, the
+        root, holds the target's from the alignment data: level 1 is never drafted), and the
+        feature loss (a scalar)."""
+        bound = self.bound
+        parents, tokens = batch["node_parents"], batch["node_tokens"]  # [B, M]
+        depths = tree_view(parents, batch["attention_mask"])[1]
+        features = self.target_features(batch, autocast_dtype)  # [B, 1 + M, H]: the root, then the nodes
+        real = batch["real"][:, 1:].any(dim=2)  # [B, M]
+        guessed = torch.zeros_like(features[:, 1:])
+        with autocast(tokens.device, autocast_dtype):
+            for depth in range(int(depths.max()) + 1 if real.any() else 0):  # root's children first
+                above = guessed.gather(1, parents.clamp(min=0)[:, :, None].expand_as(guessed))
+                parent = torch.where((parents < 0)[:, :, None], features[:, :1].expand_as(guessed), above)
+                now = (depths == depth) & real
+                guessed = torch.where(now[:, :, None], bound.features(parent, tokens, depths).float(), guessed)
+        feature_loss = torch.nn.functional.smooth_l1_loss(guessed[real], features[:, 1:][real])
+        rows = bound.id_log_probs(guessed)  # [B, M, V_id]
+        ids = bound.token_ids.to(tokens.device)
+        slot = torch.searchsorted(ids, batch["children"][:, 1:].clamp(max=int(ids.max())))
+        nodes = rows.gather(2, slot)
+        return torch.cat((batch["target"][:, :1], nodes), dim=1).masked_fill(~batch["real"], -torch.inf), feature_loss

@@ -1,0 +1,91 @@
+"""``--decoder auto``: the fastest exact decoder for a model pair, device, K and batch size.
+
+Candidates: ``tree-beam`` (one target call per identifier level over the ``K`` beams; ``beam``
+feeds the same nodes and also copies caches, so it is never faster here: BENCHMARKS.md) and, when
+a draft is loaded, ``spec-strict`` with rounds sized by cost (:class:`~recspec.decoding.tree_plan.
+CostPlanner`). The choice comes from measurements kept beside the models
+(:mod:`recspec.calibration`): the call cost ``F + r * n`` of the target and the draft on this
+device, and the draft's acceptance per round level and width on validation users. From them the
+expected time of a batch is computed level by level (:func:`expected_seconds`); speculative
+search is chosen only when it is predicted at least ``margin`` faster (the prediction leaves out
+per-round bookkeeping). The choice and its reason are returned for printing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from recspec.calibration import acceptance_tables, draft_costs, call_cost
+from recspec.decoding.tree_plan import CostPlanner
+from recspec.recommend import DecodeOptions, Recommender
+
+#: Widths tried per drafted level, as multiples of K.
+WIDTH_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``decoder`` and ``options`` to run; ``predicted_ms``: per candidate, expected ms per user;
+    ``reason``: one line saying why."""
+
+    decoder: str
+    options: DecodeOptions
+    predicted_ms: dict[str, float]
+    reason: str
+
+
+def expected_seconds(planner: CostPlanner, levels: int, head_first: bool, draft_prefill_s: float) -> float:
+    """Expected seconds of one batch: the first round (a head's is the target's prefill alone;
+    a draft model's drafts from the root in the prompt's call, after the draft's prefill
+    ``draft_prefill_s``), then rounds planned by ``planner`` until all ``levels`` are decoded,
+    each advancing ``1 + a`` levels where ``a`` is the number of its drafted levels accepted."""
+    after = [0.0] * (levels + 1)  # after[d]: expected seconds from depth d (later rounds)
+    for depth in range(levels - 1, 0, -1):
+        after[depth] = _round_seconds(planner, False, levels - depth, lambda s: after[min(levels, depth + s)])
+    if head_first:
+        return planner.target.call_s(planner.rows * planner.prompt_len) + after[1]
+    return draft_prefill_s + _round_seconds(planner, True, levels, lambda s: after[min(levels, s)])
+
+
+def _round_seconds(planner: CostPlanner, first: bool, remaining: int, then) -> float:
+    plan = planner.plan(first, remaining)
+    table = planner.first if first else planner.later
+    reach, total, mass = 1.0, plan.seconds, 0.0
+    for j, width in enumerate(plan.widths, start=1):
+        accepted = reach * table(j, width)
+        total += (reach - accepted) * then(j)  # levels 1 .. j - 1 accepted, j rejected: j steps
+        mass += reach - accepted
+        reach = accepted
+    return total + (1.0 - mass) * then(len(plan.widths) + 1)
+
+
+def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.05,
+           valid_users: int = 128) -> Choice:
+    """The decoder ``auto`` runs for ``k`` items at ``batch_size`` users per batch (module doc)."""
+    folder = recommender.folder
+    prompts = recommender.encoder.prompts(recommender.examples("test"))
+    prompt_len = int(statistics.median(len(p) for p in prompts))
+    target = call_cost(recommender.model, folder, prompt_len)
+    levels = recommender.trie.depth
+    rows = batch_size
+    tree_beam = target.call_s(rows * prompt_len) + (levels - 1) * target.call_s(rows * k)
+    predicted = {"tree-beam": 1e3 * tree_beam / rows}
+    plain = Choice("tree-beam", DecodeOptions(), predicted, "")
+    if recommender.draft is None:
+        return replace(plain, reason=f"auto: tree-beam (no draft loaded; {predicted['tree-beam']:.1f} ms/user "
+                                     f"predicted at batch {rows})")
+    choices = tuple(sorted({max(k, round(f * k)) for f in WIDTH_FACTORS}))
+    first, later = acceptance_tables(recommender, k, choices, valid_users)
+    first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len)
+    planner = CostPlanner(first, later, target, first_draft, later_draft, k, prompt_len, choices, rows)
+    spec = expected_seconds(planner, levels, head_first, draft_prefill.call_s(rows * prompt_len))
+    predicted["spec-strict"] = 1e3 * spec / rows
+    plan = planner.plan(not head_first, levels if not head_first else levels - 1)
+    detail = (f"tree-beam {predicted['tree-beam']:.1f} ms/user, spec-strict {predicted['spec-strict']:.1f} "
+              f"ms/user predicted at batch {rows} (first drafted round: widths {list(plan.widths) or 'none'}, "
+              f"{plan.steps:.2f} levels expected per call)")
+    if spec < (1.0 - margin) * tree_beam:
+        return Choice("spec-strict", DecodeOptions(planner=planner), predicted, f"auto: spec-strict with cost-sized "
+                      f"trees ({detail})")
+    return replace(plain, reason=f"auto: tree-beam ({detail}; speculation must be predicted {margin:.0%} faster)")

@@ -1,0 +1,193 @@
+"""Feature-level draft heads: strict speculative beam search with a head returns exactly what beam
+search returns (random targets and heads, several K, N, gamma and batchings; a trained target and
+a trained head through the CLI); the head's first round is the target's prefill alone; head
+folders are checked (checksums, the target they were trained for); training on alignment data
+lowers the loss and the head drafts better than the untrained one."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from recspec.align.train import head_fit
+from recspec.bench.coverage import level_coverage
+from recspec.decoding import beam_search
+from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
+from recspec.errors import RecspecError
+from recspec.models.head import DraftHead, HeadConfig, HeadDraft, load_head, save_head
+from recspec.models.train import TrainConfig
+from recspec.recommend import Recommender, run_decoder
+from tests.test_align import alignment_data, small_target  # noqa: F401  (fixtures)
+from tests.test_beam import CONTROL, PAD, SETUPS, Setup
+from tests.test_cli import recspec
+from tests.test_recommend_cli import small_data  # noqa: F401  (fixture)
+from tests.test_speculative import small_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_head(setup: Setup, seed: int, scale: float = 1.0) -> HeadDraft:
+    """An untrained head over ``setup``'s target, its weights perturbed by ``scale`` so that it
+    disagrees with the target."""
+    torch.manual_seed(seed)
+    head = DraftHead(HeadConfig(hidden=setup.model.config.hidden_size, intermediate=48, layers=1,
+                                levels=setup.trie.depth))
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(scale * torch.randn_like(parameter) * 0.1)
+    return HeadDraft(head.eval(), setup.model, torch.arange(CONTROL, setup.model.config.vocab_size))
+
+
+@pytest.fixture(scope="module", params=sorted(SETUPS))
+def setup(request) -> Setup:
+    return SETUPS[request.param]()
+
+
+@pytest.mark.parametrize("k", (1, 5, 10))
+def test_strict_with_a_head_equals_beam_search(setup: Setup, k: int) -> None:
+    reference = beam_search(setup.model, setup.prompts, setup.trie, k, PAD)
+    longest = setup.trie.depth - 1
+    for seed, n, gamma, batch in ((0, k, None, None), (1, 2 * k, 1, 3), (2, 4 * k, None, 1), (3, 3 * k, longest, 4)):
+        result = speculative_beam_search(setup.model, random_head(setup, seed), setup.prompts, setup.trie, k, PAD,
+                                         SpecConfig(draft_beams=n, gamma=gamma), batch_size=batch)
+        assert torch.equal(result.topk.items, reference.items), (seed, n, gamma, batch)
+        torch.testing.assert_close(result.topk.scores, reference.scores, atol=1e-4, rtol=0)
+        assert torch.equal(result.topk.tokens, reference.tokens)
+        stats = result.stats
+        # the first round is the prefill alone (level 1 exact), then at least one drafted round
+        assert (stats.target_calls >= 2).all() and torch.equal(stats.target_calls, stats.rounds)
+        assert (stats.accepted_steps <= (stats.rounds - 1) * longest).all()
+
+
+@pytest.mark.parametrize("k", (1, 5, 10))
+def test_strict_with_a_model_then_a_head_equals_beam_search(setup: Setup, k: int) -> None:
+    reference = beam_search(setup.model, setup.prompts, setup.trie, k, PAD)
+    draft = small_llama(setup.model.config.vocab_size, seed=7)
+    for seed, n, gamma, batch in ((5, k, None, None), (6, 2 * k, 1, 3), (7, 3 * k, None, 1)):
+        pair = HybridPair(draft, random_head(setup, seed))
+        result = speculative_beam_search(setup.model, pair, setup.prompts, setup.trie, k, PAD,
+                                         SpecConfig(draft_beams=n, gamma=gamma), batch_size=batch)
+        assert torch.equal(result.topk.items, reference.items), (seed, n, gamma, batch)
+        torch.testing.assert_close(result.topk.scores, reference.scores, atol=1e-4, rtol=0)
+        assert torch.equal(result.stats.target_calls, result.stats.rounds)
+    perfect = speculative_beam_search(setup.model, HybridPair(setup.model, random_head(setup, 0)), setup.prompts,
+                                      setup.trie, k, PAD, SpecConfig(draft_beams=k))
+    assert (perfect.stats.target_calls == 1).all()  # the model drafts the first round, in the prompt's call
+
+
+def test_relaxed_with_a_head_returns_k_real_items() -> None:
+    setup = SETUPS["L3"]()
+    result = speculative_beam_search(setup.model, random_head(setup, 4), setup.prompts, setup.trie, 5, PAD,
+                                     SpecConfig(verify="relaxed", seed=3))
+    assert (result.topk.items >= 0).all() and all(len(set(row)) == 5 for row in result.topk.items.tolist())
+    assert (result.topk.scores[:, :-1] >= result.topk.scores[:, 1:]).all()
+
+
+def test_dsbd_refuses_a_head() -> None:
+    setup = SETUPS["L3"]()
+    for draft in (random_head(setup, 0), HybridPair(setup.model, random_head(setup, 0))):
+        with pytest.raises(RecspecError, match="dsbd drafts with a draft model"):
+            run_decoder("dsbd", setup.model, draft, setup.prompts, setup.trie, 3, PAD)
+
+
+def test_head_folder_is_checked(tmp_path: Path) -> None:
+    head = DraftHead(HeadConfig(hidden=16, intermediate=32, layers=2, levels=3))
+    fingerprint = {"target_weights_sha256": "a" * 64, "index_sha256": "b" * 64}
+    save_head(tmp_path / "head", head, fingerprint, {"note": "test"})
+    loaded = load_head(tmp_path / "head", fingerprint)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+    with pytest.raises(RecspecError, match="trained for another target"):
+        load_head(tmp_path / "head", {**fingerprint, "target_weights_sha256": "c" * 64})
+    weights = tmp_path / "head" / "head.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RecspecError, match="head.safetensors"):
+        load_head(tmp_path / "head", fingerprint)
+    with pytest.raises(RecspecError, match="not a head folder"):
+        (tmp_path / "bare").mkdir()
+        (tmp_path / "bare" / "head.json").write_text("{}")
+        load_head(tmp_path / "bare", fingerprint)
+
+
+@pytest.mark.slow
+def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_data: Path,  # noqa: F811
+                                                          tmp_path: Path) -> None:
+    target_dir, _ = small_target
+    config = TrainConfig(epochs=3, batch_size=32, lr=0.003, warmup_steps=2, precision="fp32", patience=3)
+    result = head_fit(alignment_data, target_dir, tmp_path / "head", "atspeed-s", config=config, eval_users=20,
+                      eval_k=5, progress=False)
+    losses = [row["train_loss"] for row in result.history if "train_loss" in row]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert result.metric == "accepted_steps" and 0 < result.best_value <= 2
+
+    recommender = Recommender.load(target_dir, draft_dir=tmp_path / "head")
+    assert isinstance(recommender.draft, HeadDraft)
+    examples = recommender.examples("test", users=40)
+    beam = recommender.recommend(examples, 5, "beam")
+    spec = recommender.recommend(examples, 5, "spec-strict", options=recommender_options(5))
+    assert torch.equal(spec.topk.items, beam.topk.items)
+    torch.testing.assert_close(spec.topk.scores, beam.topk.scores, atol=1e-4, rtol=0)
+
+    prompts = recommender.encoder.prompts(examples)
+    own = level_coverage(recommender, recommender.model, prompts, 5, 5)  # the target drafting for itself
+    assert 1 in own and set(own) <= set(range(1, recommender.trie.depth))  # a perfect draft skips by its bonus
+    assert all(hit == n for hit, n in own.values())
+    head = level_coverage(recommender, recommender.draft, prompts, 5, 10)
+    assert head and min(head) == 2 and all(0 <= hit <= n for hit, n in head.values())  # level 1: the prefill
+
+    for batch in (1, 16):  # auto: whatever it picks, the items are beam search's
+        auto = recommender.recommend(examples, 5, "auto", batch_size=batch)
+        assert auto.choice.startswith("auto: ") and torch.equal(auto.topk.items, beam.topk.items), auto.choice
+    folder = recommender.folder
+    assert (folder / "acceptance-k5.json").is_file() and (folder / "calibration-cpu.json").is_file()
+    assert (tmp_path / "head" / "best" / "calibration-cpu.json").is_file()
+    plain = Recommender.load(target_dir).recommend(examples, 5, "auto", batch_size=4)
+    assert plain.choice.startswith("auto: tree-beam (no draft loaded")
+
+    out = tmp_path / "recs.jsonl"
+    run = recspec("recommend", "--target", str(target_dir), "--decoder", "spec-strict", "--draft",
+                  str(tmp_path / "head"), "--k", "5", "--draft-beams", "5", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    plain = recspec("recommend", "--target", str(target_dir), "--decoder", "beam", "--k", "5", "--out",
+                    str(tmp_path / "beam.jsonl"))
+    assert plain.returncode == 0
+    read = lambda path: [json.loads(line)["items"] for line in path.read_text().splitlines()]  # noqa: E731
+    assert read(out) == read(tmp_path / "beam.jsonl") and read(out)
+    auto = recspec("recommend", "--target", str(target_dir), "--decoder", "auto", "--draft",
+                   f"{target_dir}+{tmp_path / 'head'}", "--k", "5", "--batch-size", "1", "--out", str(tmp_path / "a.jsonl"))
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.startswith("auto: ") and read(tmp_path / "a.jsonl") == read(out)
+
+    bench = recspec("bench", "auto", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
+                    "--batch-size", "2", "--users", "4", "--repeats", "1", "--out", str(tmp_path / "bench"))
+    assert bench.returncode == 0, bench.stderr
+    row = json.loads((tmp_path / "bench" / "auto.json").read_text())["rows"][0]
+    assert row["same_as_beam"] and row["auto_vs_best"] > 0 and row["choice"].startswith("auto: ")
+    coverage = recspec("bench", "coverage", "--target", str(target_dir), "--draft", str(target_dir), "--k", "5",
+                       "--factor", "1", "--users", "8", "--out", str(tmp_path / "bench"))
+    assert coverage.returncode == 0, coverage.stderr
+    rows = json.loads((tmp_path / "bench" / "coverage.json").read_text())["rows"]
+    assert rows and all(r["coverage"] == 1.0 for r in rows)  # the target covers itself at N = K
+
+    cli = recspec("align", "train", "--head", "--data", str(alignment_data), "--out", str(tmp_path / "cli"),
+                  "--target", str(target_dir), "--epochs", "1", "--precision", "fp32", "--batch-size", "32",
+                  "--eval-users", "10", "--eval-k", "5")
+    assert cli.returncode == 0, cli.stderr
+    assert (tmp_path / "cli" / "best" / "head.json").is_file()
+    no_target = recspec("align", "train", "--head", "--data", str(alignment_data), "--out", str(tmp_path / "x"))
+    assert no_target.returncode == 2 and "--head needs --target" in no_target.stderr
+    dsbd = recspec("recommend", "--target", str(target_dir), "--decoder", "dsbd", "--draft", str(tmp_path / "head"),
+                   "--k", "5", "--out", str(tmp_path / "dsbd.jsonl"))
+    assert dsbd.returncode == 2 and "dsbd drafts with a draft model" in dsbd.stderr
+
+
+def recommender_options(n: int):
+    from recspec.recommend import DecodeOptions
+
+    return DecodeOptions(draft_beams=n)
