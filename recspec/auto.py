@@ -6,22 +6,29 @@ a draft is loaded, ``spec-strict`` with rounds sized by cost (:class:`~recspec.d
 CostPlanner`). The choice comes from measurements kept beside the models
 (:mod:`recspec.calibration`): the call cost ``F + r * n`` of the target and the draft on this
 device, and the draft's acceptance per round level and width on validation users. From them the
-expected time of a batch is computed level by level (:func:`expected_seconds`); speculative
-search is chosen only when it is predicted at least ``margin`` faster (the prediction leaves out
-per-round bookkeeping). The choice and its reason are returned for printing.
+expected time of a batch is computed level by level (:func:`expected_seconds`). The prediction
+leaves out the Python work of each step and round (it runs about 30% low), so a predicted win (at
+least ``margin``) is checked by timing both candidates on a few validation users (:func:`probe`,
+kept beside the target like the other measurements), and speculative search runs only when it is
+measured at least 3% faster there. The choice and its reason are returned for printing.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from dataclasses import dataclass, replace
 
-from recspec.calibration import acceptance_tables, draft_costs, call_cost
+from recspec.calibration import acceptance_tables, call_cost, decoding_key, draft_costs, kept_record
 from recspec.decoding.tree_plan import CostPlanner
 from recspec.recommend import DecodeOptions, Recommender
 
 #: Widths tried per drafted level, as multiples of K.
 WIDTH_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
+#: Validation users of the timed check of a predicted win, and the margin it must show.
+PROBE_USERS = 16
+PROBE_MARGIN = 0.03
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,30 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     detail = (f"tree-beam {predicted['tree-beam']:.1f} ms/user, spec-strict {predicted['spec-strict']:.1f} "
               f"ms/user predicted at batch {rows} (first drafted round: widths {list(plan.widths) or 'none'}, "
               f"{plan.steps:.2f} levels expected per call)")
-    if spec < (1.0 - margin) * tree_beam:
-        return Choice("spec-strict", DecodeOptions(planner=planner), predicted, f"auto: spec-strict with cost-sized "
-                      f"trees ({detail})")
-    return replace(plain, reason=f"auto: tree-beam ({detail}; speculation must be predicted {margin:.0%} faster)")
+    if spec >= (1.0 - margin) * tree_beam:
+        return replace(plain, reason=f"auto: tree-beam ({detail}; speculation must be predicted {margin:.0%} faster)")
+    options = DecodeOptions(planner=planner)
+    measured = probe(recommender, k, rows, options)
+    detail += (f"; measured on {PROBE_USERS} validation users: tree-beam {measured['tree-beam']:.1f}, spec-strict "
+               f"{measured['spec-strict']:.1f} ms/user")
+    if measured["spec-strict"] < (1.0 - PROBE_MARGIN) * measured["tree-beam"]:
+        return Choice("spec-strict", options, predicted, f"auto: spec-strict with cost-sized trees ({detail})")
+    return replace(plain, reason=f"auto: tree-beam ({detail})")
+
+
+def probe(recommender: Recommender, k: int, batch_size: int, options: DecodeOptions) -> dict[str, float]:
+    """ms per user of ``tree-beam`` and of the planned ``spec-strict`` on the first
+    :data:`PROBE_USERS` validation users (best of two alternating runs), kept beside the target
+    while target, draft, K, batch size, device and threads match."""
+    def measure() -> dict[str, float]:
+        examples = recommender.examples("valid", PROBE_USERS)
+        best = {"tree-beam": math.inf, "spec-strict": math.inf}
+        for _ in range(2):
+            for name, opts in (("tree-beam", DecodeOptions()), ("spec-strict", options)):
+                started = time.perf_counter()
+                recommender.recommend(examples, k, name, batch_size, opts)
+                best[name] = min(best[name], time.perf_counter() - started)
+        return {name: 1e3 * seconds / len(examples) for name, seconds in best.items()}
+
+    key = {**decoding_key(recommender), "k": k, "batch_size": batch_size, "users": PROBE_USERS}
+    return kept_record(recommender.folder / f"probe-k{k}-b{batch_size}.json", key, measure)

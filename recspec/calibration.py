@@ -46,8 +46,8 @@ def _digest(record: dict[str, Any]) -> str:
 
 
 def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], remeasure: bool = False) -> Any:
-    """The value kept in the record ``path`` when the record's ``key`` fields equal ``key`` and its
-    digest checks out; else ``measure()``, kept there (atomically) for the next time. A record
+    """The value kept in the record ``path`` when the record was made for exactly ``key`` (the same
+    fields, the same values) and its digest checks out; else ``measure()``, kept there (atomically) for the next time. A record
     that cannot be written (a read-only folder) is measured again in the next process."""
     if not remeasure and path.is_file():
         try:
@@ -55,7 +55,7 @@ def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], rem
         except RecspecError:  # a damaged record is measured again, never trusted
             record = None
         if (isinstance(record, dict) and record.get("sha256") == _digest(record)
-                and all(record.get(name) == value for name, value in key.items())):
+                and {name: value for name, value in record.items() if name not in ("value", "sha256")} == key):
             return record["value"]
     value = measure()
     record = {**key, "value": value}
@@ -157,6 +157,13 @@ def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, 
     return {"first": Acceptance(tuple(first)).to_json(), "later": Acceptance(tuple(later)).to_json()}
 
 
+def decoding_key(recommender) -> dict[str, Any]:
+    """What a timing of the loaded models depends on: the target's and the draft's weights, the
+    device and torch's thread count."""
+    return {"target_sha256": weights_fingerprint(recommender.folder), **_draft_identity(recommender),
+            "device": str(next(recommender.model.parameters()).device), "threads": torch.get_num_threads()}
+
+
 def _draft_identity(recommender) -> dict[str, str]:
     """sha256 of the weights of each draft folder (a model and / or a head)."""
     identity = {}
@@ -190,7 +197,8 @@ def head_cost(head: HeadDraft, folder: Path, repeats: int = 10, remeasure: bool 
     return CallCost.from_json(value)
 
 
-def draft_costs(recommender, prompt_len: int) -> tuple[CallCost, CallCost, CallCost, bool]:
+def draft_costs(recommender, prompt_len: int, repeats: int = 10,
+                remeasure: bool = False) -> tuple[CallCost, CallCost, CallCost, bool]:
     """What drafting costs with the loaded draft: per level in the first round and in later
     rounds, the draft's prefill, and whether the first round is the target's prefill alone (a
     head without a draft model)."""
@@ -198,8 +206,9 @@ def draft_costs(recommender, prompt_len: int) -> tuple[CallCost, CallCost, CallC
     folders = {is_head_dir(folder): folder for folder in recommender.draft_dirs}
     head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
     model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft
-    model_cost = None if model is None else call_cost(model, trained_model_dir(folders[False]), prompt_len)
-    head_step = None if head is None else head_cost(head, head_dir(folders[True]))
+    model_cost = (None if model is None else
+                  call_cost(model, trained_model_dir(folders[False]), prompt_len, repeats, remeasure))
+    head_step = None if head is None else head_cost(head, head_dir(folders[True]), repeats, remeasure)
     if model_cost is None:
         return free, head_step, free, True
     return model_cost, head_step or model_cost, model_cost, False

@@ -493,32 +493,46 @@ def distill_command(
 @app.command("calibrate")
 def calibrate_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
-    draft: Annotated[Optional[Path], typer.Option(help="Its draft model folder, measured the same way.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Its draft: a model folder, a head, or MODEL+HEAD.")] = None,
+    k: Annotated[list[int], typer.Option(help="Also count the draft's acceptance per round level and width "
+                                              "at this K (repeatable), as --decoder auto does.")] = [],
     remeasure: Annotated[bool, typer.Option(help="Measure again even where a matching record is kept.")] = False,
     repeats: Annotated[int, typer.Option(help="Timed calls per size (median).")] = 10,
     threads: Annotated[int, typer.Option(help="torch threads (as the decoders will run).")] = 2,
     device: str = "cpu",
 ) -> None:
-    """Measure each model's call cost F + r * n on this device (kept in the model folder as
-    calibration-<device>.json, reused while weights, device, threads and prompt length match)."""
+    """Measure the call cost F + r * n of the target and its draft on this device (kept in the
+    model folders as calibration-<device>.json, reused while weights, device, threads and prompt
+    length match) and, with --k, the draft's acceptance (acceptance-k<K>.json beside the target)."""
     import statistics
 
     import torch
 
-    from recspec.calibration import call_cost
-    from recspec.models.checkpoint import trained_model_dir
+    from recspec.auto import WIDTH_FACTORS
+    from recspec.calibration import acceptance_tables, call_cost, draft_costs
     from recspec.recommend import Recommender
 
-    _positive(repeats=repeats, threads=threads)
+    _positive(repeats=repeats, threads=threads, **({"k": min(k)} if k else {}))
     torch.set_num_threads(threads)
     recommender = Recommender.load(target, device=_device(device), draft_dir=draft)
     prompt_len = int(statistics.median(len(p) for p in recommender.encoder.prompts(recommender.examples("test"))))
-    for name, folder, model in (("target", target, recommender.model), ("draft", draft, recommender.draft)):
-        if model is None:
-            continue
-        cost = call_cost(model, trained_model_dir(folder), prompt_len, repeats, remeasure)
+    costs = {"target": call_cost(recommender.model, recommender.folder, prompt_len, repeats, remeasure)}
+    if recommender.draft is not None:
+        first, later, _, head_first = draft_costs(recommender, prompt_len, repeats, remeasure)
+        costs.update({"draft, later rounds": later} if head_first else
+                     {"draft, first round": first, "draft, later rounds": later})
+    for name, cost in costs.items():
         typer.echo(f"{name}: F = {cost.fixed_s * 1e3:.2f} ms per call + r = {cost.per_token_s * 1e3:.3f} ms per "
                    f"token (prompts of {prompt_len} tokens; {', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in cost.samples)})")
+    if k and recommender.draft is None:
+        raise RecspecError("--k counts a draft's acceptance: pass --draft")
+    for beams in k:
+        choices = tuple(sorted({max(beams, round(f * beams)) for f in WIDTH_FACTORS}))
+        first_table, later_table = acceptance_tables(recommender, beams, choices, remeasure=remeasure)
+        for label, table in (("first round", first_table), ("later rounds", later_table)):
+            rows = "; ".join(f"level {j}: " + ", ".join(f"N={n} {rate:.0%}" for n, rate in sorted(row.items()))
+                             for j, row in enumerate(table.rates, start=1))
+            typer.echo(f"acceptance at K={beams}, {label}: {rows or 'nothing drafted'}")
 
 
 @app.command("eval")

@@ -277,6 +277,16 @@ def test_data_resumes_and_refuses_to_mix(small_target, alignment_data: Path, tmp
         AlignmentTask.load(alignment_data, recommender.encoder, recommender.trie, "distill", 0.5)
 
 
+def cli_spec_and_beam(target_dir: Path, draft: str, out_dir: Path, draft_beams: int) -> tuple[list, list]:
+    """The items of `recspec recommend` with spec-strict (``draft``) and with beam, K = 5."""
+    read = lambda path: [json.loads(line)["items"] for line in path.read_text().splitlines()]  # noqa: E731
+    for decoder, extra in (("spec-strict", ["--draft", draft, "--draft-beams", str(draft_beams)]), ("beam", [])):
+        run = recspec("recommend", "--target", str(target_dir), "--decoder", decoder, "--k", "5", *extra,
+                      "--out", str(out_dir / f"{decoder}.jsonl"), "--overwrite")
+        assert run.returncode == 0, run.stderr
+    return read(out_dir / "spec-strict.jsonl"), read(out_dir / "beam.jsonl")
+
+
 def test_align_train_every_method_then_speculative(small_target, alignment_data: Path, tmp_path: Path) -> None:
     target_dir, data = small_target
     config = TrainConfig(epochs=1, batch_size=32, lr=0.01, warmup_steps=2, precision="fp32")
@@ -285,15 +295,8 @@ def test_align_train_every_method_then_speculative(small_target, alignment_data:
                            eval_users=20, eval_k=5, progress=False)
         assert result.metric == "accepted_steps" and 0 <= result.best_value <= 2
         assert math.isfinite(result.history[0]["train_loss"])
-    out = tmp_path / "recs.jsonl"
-    run = recspec("recommend", "--target", str(target_dir), "--decoder", "spec-strict", "--draft",
-                  str(tmp_path / "atspeed-s"), "--k", "5", "--draft-beams", "10", "--out", str(out))
-    assert run.returncode == 0, run.stderr
-    beam = recspec("recommend", "--target", str(target_dir), "--decoder", "beam", "--k", "5", "--out",
-                   str(tmp_path / "beam.jsonl"))
-    assert beam.returncode == 0
-    assert out.read_text().splitlines()[0] and [json.loads(x)["items"] for x in out.read_text().splitlines()] == [
-        json.loads(x)["items"] for x in (tmp_path / "beam.jsonl").read_text().splitlines()]
+    spec, beam = cli_spec_and_beam(target_dir, str(tmp_path / "atspeed-s"), tmp_path, 10)
+    assert spec and spec == beam
     cli = recspec("align", "train", "--data", str(alignment_data), "--out", str(tmp_path / "cli"), "--method",
                   "atspeed-r", "--epochs", "1", "--precision", "fp32", "--batch-size", "32")
     assert cli.returncode == 0, cli.stderr

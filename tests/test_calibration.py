@@ -99,3 +99,36 @@ def test_round_plans_maximise_levels_per_second() -> None:
     accept = lambda j, n: 0.8  # noqa: E731
     assert plan_round(accept, 3, cost, 10, free, (10,)).widths == (10, 10)
     assert plan_round(accept, 3, cost, 10, free, (10,), rows=16).widths == ()
+
+
+def test_expected_seconds_of_a_batch_follow_the_plans() -> None:
+    from recspec.auto import expected_seconds
+    from recspec.decoding.tree_plan import Acceptance, CostPlanner
+
+    cost, free = CallCost(0.012, 0.0007), CallCost(0.0, 0.0)
+
+    def planner(rate: float) -> CostPlanner:
+        table = Acceptance(({10: rate}, {10: rate}))
+        return CostPlanner(table, table, cost, free, free, k=10, prompt_len=20, choices=(10,))
+
+    # a perfect draft: one call over the prompt and two drafted levels
+    assert expected_seconds(planner(1.0), 3, False, 0.0) == pytest.approx(cost.call_s(40))
+    # a hopeless one: the plans draft nothing, which is tree-beam's prefill and two plain steps
+    assert expected_seconds(planner(0.0), 3, False, 0.005) == pytest.approx(0.005 + cost.call_s(20) + 2 * cost.call_s(10))
+    # a head: the prefill, then one call over the K pending beams and one drafted level
+    assert expected_seconds(planner(1.0), 3, True, 0.0) == pytest.approx(cost.call_s(20) + cost.call_s(20))
+    # half the rounds accepted: between the two, by the expectation over where each round stops
+    half = expected_seconds(planner(0.5), 3, False, 0.0)
+    assert cost.call_s(40) < half < cost.call_s(20) + 2 * cost.call_s(10)
+
+
+def test_a_record_serves_only_its_own_key(tmp_path: Path) -> None:
+    from recspec.calibration import kept_record
+
+    calls = []
+    measure = lambda: calls.append(1) or len(calls)  # noqa: E731
+    path = tmp_path / "record.json"
+    assert kept_record(path, {"a": 1, "b": 2}, measure) == 1
+    assert kept_record(path, {"a": 1, "b": 2}, measure) == 1  # kept
+    assert kept_record(path, {"a": 1}, measure) == 2  # a key with fewer fields is another key
+    assert kept_record(path, {"a": 1}, measure, remeasure=True) == 3

@@ -22,7 +22,7 @@ from recspec.errors import RecspecError
 from recspec.models.head import DraftHead, HeadConfig, HeadDraft, load_head, save_head
 from recspec.models.train import TrainConfig
 from recspec.recommend import Recommender, run_decoder
-from tests.test_align import alignment_data, small_target  # noqa: F401  (fixtures)
+from tests.test_align import alignment_data, cli_spec_and_beam, small_target  # noqa: F401  (fixtures)
 from tests.test_beam import CONTROL, PAD, SETUPS, Setup
 from tests.test_cli import recspec
 from tests.test_recommend_cli import small_data  # noqa: F401  (fixture)
@@ -150,20 +150,21 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     plain = Recommender.load(target_dir).recommend(examples, 5, "auto", batch_size=4)
     assert plain.choice.startswith("auto: tree-beam (no draft loaded")
 
-    out = tmp_path / "recs.jsonl"
-    run = recspec("recommend", "--target", str(target_dir), "--decoder", "spec-strict", "--draft",
-                  str(tmp_path / "head"), "--k", "5", "--draft-beams", "5", "--out", str(out))
-    assert run.returncode == 0, run.stderr
-    plain = recspec("recommend", "--target", str(target_dir), "--decoder", "beam", "--k", "5", "--out",
-                    str(tmp_path / "beam.jsonl"))
-    assert plain.returncode == 0
+    spec_items, beam_items = cli_spec_and_beam(target_dir, str(tmp_path / "head"), tmp_path, 5)
+    assert spec_items and spec_items == beam_items
     read = lambda path: [json.loads(line)["items"] for line in path.read_text().splitlines()]  # noqa: E731
-    assert read(out) == read(tmp_path / "beam.jsonl") and read(out)
     auto = recspec("recommend", "--target", str(target_dir), "--decoder", "auto", "--draft",
                    f"{target_dir}+{tmp_path / 'head'}", "--k", "5", "--batch-size", "1", "--out", str(tmp_path / "a.jsonl"))
     assert auto.returncode == 0, auto.stderr
-    assert auto.stdout.startswith("auto: ") and read(tmp_path / "a.jsonl") == read(out)
+    assert auto.stdout.startswith("auto: ") and read(tmp_path / "a.jsonl") == beam_items
 
+    calibrate = recspec("calibrate", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
+                        "--repeats", "2", "--threads", "1")
+    assert calibrate.returncode == 0, calibrate.stderr
+    lines = calibrate.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["target", "draft, later rounds", "acceptance at K=5, first round",
+                                                       "acceptance at K=5, later rounds"]
+    assert "nothing drafted" in lines[2] and "level 1: N=5" in lines[3]  # a head drafts from the second round on
     bench = recspec("bench", "auto", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
                     "--batch-size", "2", "--users", "4", "--repeats", "1", "--out", str(tmp_path / "bench"))
     assert bench.returncode == 0, bench.stderr

@@ -130,7 +130,8 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     assert recspec("bench", "cost", "--target", str(out), "--out", str(bench)).returncode == 2
     result = recspec("calibrate", "--target", str(out), "--draft", str(draft), "--repeats", "2", "--threads", "1")
     assert result.returncode == 0, result.stderr
-    assert [line.split(":")[0] for line in result.stdout.splitlines()] == ["target", "draft"]
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == ["target", "draft, first round",
+                                                                          "draft, later rounds"]
     assert (out / "best" / "calibration-cpu.json").is_file() and (draft / "best" / "calibration-cpu.json").is_file()
 
     result = recspec("eval", "--recs", str(tmp_path / "beam.jsonl"), "--dataset", str(data), "--split", "loo",
