@@ -367,7 +367,9 @@ def test_interrupted_commands_say_what_was_kept(trained, tmp_path: Path) -> None
     assert code == 130 and last.startswith("interrupted: checkpoint saved at epoch"), err
     assert "Traceback" not in err and (out / "checkpoint" / "trainer_state.json").is_file()
     recs = tmp_path / "recs.jsonl"
-    code, err = _interrupt_when(["recommend", "--target", str(out), "--decoder", "hf", "--k", "20", "--batch-size",
+    # hf at K = 40 (every item), one user per batch: the slowest decode of the small data (about 1.5 s), so
+    # the signal lands while it runs even when the suite's other worker loads the machine
+    code, err = _interrupt_when(["recommend", "--target", str(out), "--decoder", "hf", "--k", "40", "--batch-size",
                                  "1", "--part", "valid", "--out", str(recs)], "hf:")
     last = err.strip().splitlines()[-1]
     assert code == 130 and last.startswith(f"interrupted: nothing was written to {recs}"), err
