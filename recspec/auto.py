@@ -16,11 +16,11 @@ measured at least 3% faster there. The choice and its reason are returned for pr
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, replace
 
-from recspec.calibration import acceptance_tables, call_cost, decoding_key, draft_costs, kept_record
+from recspec.calibration import (acceptance_tables, call_cost, decoding_key, draft_costs, kept_record,
+                                 median_prompt_length)
 from recspec.decoding.tree_plan import CostPlanner
 from recspec.recommend import DecodeOptions, Recommender
 
@@ -71,8 +71,7 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
            valid_users: int = 128) -> Choice:
     """The decoder ``auto`` runs for ``k`` items at ``batch_size`` users per batch (module doc)."""
     folder = recommender.folder
-    prompts = recommender.encoder.prompts(recommender.examples("test"))
-    prompt_len = int(statistics.median(len(p) for p in prompts))
+    prompt_len = median_prompt_length(recommender)
     target = call_cost(recommender.model, folder, prompt_len)
     levels = recommender.trie.depth
     rows = batch_size

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,11 @@ def calibration_path(model_dir: Path, device: torch.device) -> Path:
 def _digest(record: dict[str, Any]) -> str:
     body = {key: value for key, value in record.items() if key != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def median_prompt_length(recommender) -> int:
+    """The median length of the test prompts: the prompt a call-cost record is measured over."""
+    return int(statistics.median(len(p) for p in recommender.encoder.prompts(recommender.examples("test"))))
 
 
 def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], remeasure: bool = False) -> Any:

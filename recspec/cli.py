@@ -504,18 +504,16 @@ def calibrate_command(
     """Measure the call cost F + r * n of the target and its draft on this device (kept in the
     model folders as calibration-<device>.json, reused while weights, device, threads and prompt
     length match) and, with --k, the draft's acceptance (acceptance-k<K>.json beside the target)."""
-    import statistics
-
     import torch
 
     from recspec.auto import WIDTH_FACTORS
-    from recspec.calibration import acceptance_tables, call_cost, draft_costs
+    from recspec.calibration import acceptance_tables, call_cost, draft_costs, median_prompt_length
     from recspec.recommend import Recommender
 
     _positive(repeats=repeats, threads=threads, **({"k": min(k)} if k else {}))
     torch.set_num_threads(threads)
     recommender = Recommender.load(target, device=_device(device), draft_dir=draft)
-    prompt_len = int(statistics.median(len(p) for p in recommender.encoder.prompts(recommender.examples("test"))))
+    prompt_len = median_prompt_length(recommender)
     costs = {"target": call_cost(recommender.model, recommender.folder, prompt_len, repeats, remeasure)}
     if recommender.draft is not None:
         first, later, _, head_first = draft_costs(recommender, prompt_len, repeats, remeasure)

@@ -108,10 +108,9 @@ class HeadAlignmentTask(AlignmentTask):
                     lengths[:, None] + depths))[1]
             for key, row, count in zip(keys, features, counts.tolist()):
                 self.kept[key] = row[:count].to("cpu", torch.float16)
-        out = torch.zeros(len(keys), tokens.shape[1] + 1, self.bound.head.config.hidden, device=tokens.device)
-        for b, key in enumerate(keys):
-            out[b, :len(self.kept[key])] = self.kept[key].to(tokens.device, torch.float32)
-        return out
+        rows = torch.nn.utils.rnn.pad_sequence([self.kept[key] for key in keys], batch_first=True)
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, tokens.shape[1] + 1 - rows.shape[1]))
+        return rows.to(tokens.device, torch.float32)
 
     def head_outputs(self, batch: dict[str, torch.Tensor],
                      autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
