@@ -37,6 +37,13 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="Dataset format when it cannot be detected: recbole, grouplens, atspeed, amazon-json, csv.")]
 KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at least this many interactions.")]
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
+DraftOpt = Annotated[Optional[str], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd), a draft "
+                                                 "head (`align train --head`), or MODEL+HEAD: the model drafts the "
+                                                 "first round, the head the rest.")]
+DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")]
+GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
+TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
 
 
 def _device(name: str) -> str:
@@ -320,13 +327,10 @@ def recommend_command(
                                               "dsbd, or auto (the fastest exact one for these models, K and "
                                               "batch size, from measured costs and acceptance).")] = "tree-beam",
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
-    draft: Annotated[Optional[str], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd), a draft "
-                                                     "head (`align train --head`), or MODEL+HEAD: the model drafts "
-                                                     "the first round, the head the rest.")] = None,
-    draft_beams: Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")] = 40,
-    gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the "
-                                                      "identifier).")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")] = 1.0,
+    draft: DraftOpt = None,
+    draft_beams: DraftBeamsOpt = 40,
+    gamma: GammaOpt = None,
+    temperature: TemperatureOpt = 1.0,
     replacement: Annotated[bool, typer.Option(help="beam-sample / spec-relaxed: independent draws (the distribution "
                                                    "dsbd samples), not K distinct items.")] = False,
     draft_width: Annotated[Optional[int], typer.Option(help="dsbd: W_S, draft beams per layer (default 2K).")] = None,
@@ -334,7 +338,7 @@ def recommend_command(
                                                           "(default K).")] = None,
     threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
     one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the sampling decoders.")] = 0,
+    seed: SeedOpt = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
     part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
@@ -375,6 +379,60 @@ def recommend_command(
                    f"{summary['target_calls']:.2f}/user, draft calls {summary['draft_calls']:.2f}/user, tree nodes "
                    f"{summary['tree_nodes']:.1f}/user")
 
+
+
+@app.command("serve")
+def serve_command(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    draft: DraftOpt = None,
+    decoder: Annotated[str, typer.Option(help="Default decoder of requests that name none: auto (the fastest exact "
+                                              "one for the loaded models), tree-beam, spec-strict, ...")] = "auto",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: a free one, printed).")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Requests decoded together at most (1: one at a time).")] = 16,
+    max_wait_ms: Annotated[float, typer.Option(help="How long the oldest waiting request waits for a batch to "
+                                                    "fill.")] = 5.0,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting at most; more get 503 with Retry-After.")] = 256,
+    timeout_s: Annotated[float, typer.Option(help="Per-request deadline (504 past it, the work dropped).")] = 30.0,
+    max_body_kb: Annotated[int, typer.Option(help="Largest request body accepted (413 above).")] = 1024,
+    draft_beams: DraftBeamsOpt = 40,
+    gamma: GammaOpt = None,
+    temperature: TemperatureOpt = 1.0,
+    seed: SeedOpt = 0,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: one per core); the decode "
+                                                        "thread should have the cores to itself.")] = None,
+    device: str = "cpu",
+) -> None:
+    """Serve recommendations over HTTP (FastAPI + uvicorn): POST /v1/recommend, POST /v1/chat/completions,
+    GET /health, /v1/models, /metrics; concurrent requests decoded in dynamic batches. SIGTERM or
+    Ctrl-C: stop accepting, answer what is in flight, exit 0."""
+    from recspec.recommend import check_decoder
+    from recspec.serve.run import serve
+
+    _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
+              max_body_kb=max_body_kb)
+    if not 0 <= port < 65536:
+        raise RecspecError(f"--port must lie in [0, 65535], got {port}")
+    if max_wait_ms < 0 or timeout_s <= 0:
+        raise RecspecError("--max-wait-ms must be at least 0 and --timeout-s above 0")
+    check_decoder(decoder, draft is not None)
+    from recspec.models.checkpoint import run_info
+    from recspec.recommend import DecodeOptions, draft_folders
+
+    run_info(target)  # a wrong folder is named before the server starts
+    for folder in draft_folders(draft):
+        if not folder.is_dir():
+            raise RecspecError(f"--draft {folder}: no such folder")
+    from recspec.serve.app import ServeConfig
+
+    config = ServeConfig(target=target, draft=draft, decoder=decoder, device=_device(device), max_batch=max_batch,
+                         max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s,
+                         max_body_bytes=max_body_kb * 1024, threads=threads,
+                         options=DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature,
+                                               seed=seed))
+    code = serve(config, host, port)
+    if code:
+        raise typer.Exit(code)
 
 @app.command("generate")
 def generate_command(
@@ -656,6 +714,34 @@ def bench_auto(
 
     _positive(users=users, repeats=repeats, k=min(k), batch_size=min(batch_size))
     typer.echo(run(_results_dir(out), _pairs(target, draft), k, batch_size, users, repeats, name))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    draft: Annotated[Optional[Path], typer.Option(help="Its draft (for spec-strict and auto).")] = None,
+    decoder: Annotated[list[str], typer.Option(help="Decoders served (repeatable).")] = ["tree-beam", "spec-strict",
+                                                                                       "auto"],
+    concurrency: Annotated[list[int], typer.Option(help="Concurrent clients (repeatable).")] = [1, 4, 16, 64],
+    k: Annotated[int, typer.Option(help="Items per request.")] = 10,
+    users: Annotated[int, typer.Option(help="Test users whose histories are sent.")] = 128,
+    requests: Annotated[int, typer.Option(help="Requests per closed-loop run (at least 4 per client).")] = 64,
+    repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
+    max_batch: Annotated[int, typer.Option(help="--max-batch of batching on.")] = 16,
+    max_seconds: Annotated[float, typer.Option(help="Time cap of one run.")] = 60.0,
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "serve",
+) -> None:
+    """`recspec serve` under load: requests/s and p50/p95/p99 latency per decoder, batching on and
+    off, at several concurrencies, and an open-loop run at twice the sustainable rate."""
+    from recspec.bench.serve import run
+    from recspec.recommend import check_decoder
+
+    _positive(k=k, users=users, requests=requests, repeats=repeats, max_batch=max_batch, concurrency=min(concurrency))
+    for name_ in decoder:
+        check_decoder(name_, draft is not None)
+    typer.echo(run(_results_dir(out), target, draft, decoder, concurrency, k, users, requests, repeats, max_batch,
+                   max_seconds, name))
 
 
 @bench_app.command("cost")

@@ -15,7 +15,7 @@ LAYERS = (
     ("decoding",),
     ("recommend", "calibration", "auto", "fit", "knowledge", "align"),
     ("bench",),
-    ("cli",),
+    ("serve", "cli"),
 )
 ROOT = Path(recspec.__file__).parent
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,

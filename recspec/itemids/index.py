@@ -111,8 +111,11 @@ class ItemIndex:
             raise RecspecError(f"{self.source or 'item index'}: unknown item id(s) {shown}")
         return np.fromiter((lookup[k] for k in keys), dtype=np.int64, count=len(keys))
 
-    def trie(self, token_ids: Mapping[str, int] | None = None, vocab_size: int | None = None) -> ItemTrie:
-        """The prefix trie over all identifiers, with tokens mapped to ``token_ids`` (default: ``tokens`` order)."""
+    def trie(self, token_ids: Mapping[str, int] | None = None, vocab_size: int | None = None,
+             keep: np.ndarray | None = None) -> ItemTrie:
+        """The prefix trie over all identifiers (``keep``: int64 index rows, the trie over those
+        items only, still reporting index rows), with tokens mapped to ``token_ids`` (default:
+        ``tokens`` order)."""
         if token_ids is None:
             ids = self.codes
             vocab_size = len(self.tokens) if vocab_size is None else vocab_size
@@ -123,8 +126,9 @@ class ItemIndex:
             table = np.array([token_ids[t] for t in self.tokens], dtype=np.int64)
             ids = table[self.codes]
             vocab_size = int(table.max()) + 1 if vocab_size is None else vocab_size
+        rows = None if keep is None else torch.as_tensor(np.asarray(keep, dtype=np.int64))
         try:
-            return ItemTrie(torch.as_tensor(ids), vocab_size)
+            return ItemTrie(torch.as_tensor(ids if keep is None else ids[np.asarray(keep)]), vocab_size, rows)
         except ValueError as err:  # duplicate identifiers, ids outside the vocabulary
             raise RecspecError(f"{self.source or 'item index'}: {err}; resolve collisions with "
                                f"`recspec ids show` / load_released") from None

@@ -47,8 +47,10 @@ class ItemTrie:
     vocab_size: int
     root: int = 0
 
-    def __init__(self, codes: torch.Tensor, vocab_size: int) -> None:
-        """Build the trie from ``codes``, int ``[num_items, L]``; row ``i`` holds item ``i``'s ids.
+    def __init__(self, codes: torch.Tensor, vocab_size: int, item_ids: torch.Tensor | None = None) -> None:
+        """Build the trie from ``codes``, int ``[num_items, L]``; row ``i`` holds item ``i``'s ids,
+        or those of item ``item_ids[i]`` when given (int ``[num_items]``: a trie over some of the
+        items that still reports their index rows, e.g. the catalogue less excluded items).
 
         The trie's tensors are placed on ``codes.device``. Raises ``ValueError`` for input that is
         not a non-empty 2-D integer tensor, for ids outside ``[0, vocab_size)`` and for two items
@@ -107,7 +109,7 @@ class ItemTrie:
         self._max_children = int((self._offsets[1:] - self._offsets[:-1]).max())
         self._node_depth = torch.cat([torch.zeros(1, dtype=torch.int64), *depths])
         self._node_item = torch.full((next_id,), -1, dtype=torch.int64)
-        self._node_item[node_of_item] = order
+        self._node_item[node_of_item] = order if item_ids is None else torch.as_tensor(item_ids).cpu().long()[order]
         for name in _TENSORS:
             setattr(self, name, getattr(self, name).to(device))
 

@@ -1,0 +1,216 @@
+"""The models behind the service: request checks, prompts, and one batched decode per group.
+
+:class:`RecommendService` is synchronous and knows nothing of HTTP: ``parse`` / ``parse_chat``
+turn a validated body into a :class:`Query` (a prompt, ``k``, a decoder and excluded items) or
+raise :class:`BadRequest` before any model work; ``decode`` runs queries that share
+:attr:`Query.key` as one left-padded batch through one decoder (the batcher calls it from its
+decode thread). Exclusions are exact: the search runs over a trie of the catalogue without those
+items (kept in a small LRU cache), so a request with ``exclude`` gets what the decoder returns
+for a catalogue that lacks them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from recspec.auto import Choice, choose
+from recspec.data.splits import PAD_ITEM, Examples
+from recspec.itemids.trie import ItemTrie
+from recspec.models.presets import MAX_POSITIONS
+from recspec.models.tokenizer import identifier_token_ids
+from recspec.recommend import DECODERS, DRAFTED, DecodeOptions, Recommender, run_decoder
+from recspec.serve.schemas import ChatCompletionRequest, RecommendRequest
+
+#: Tries of distinct exclusion sets kept for reuse.
+EXCLUDE_TRIES = 64
+
+
+class BadRequest(Exception):
+    """A request the models cannot answer: ``status`` (422 unless said), ``kind`` (the metrics
+    label), a one-line message and, for unknown items, the ids."""
+
+    def __init__(self, message: str, kind: str = "invalid", status: int = 422,
+                 items: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.status, self.items = kind, status, items
+
+
+@dataclass(frozen=True)
+class Query:
+    """One request, ready to decode: ``prompt`` int64 ``[P]``, ``k``, the requested ``decoder``
+    (``auto`` included), ``exclude`` (sorted index rows), ``timeout_s`` (None: the server's)."""
+
+    prompt: torch.Tensor
+    k: int
+    decoder: str
+    exclude: tuple[int, ...] = ()
+    timeout_s: float | None = None
+
+    @property
+    def key(self) -> tuple[int, str, tuple[int, ...]]:
+        """Queries with the same key can share one batched decode."""
+        return self.k, self.decoder, self.exclude
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One query's result: raw item ids and scores best first, identifiers (token strings),
+    the decoder that ran, AS and target calls of its user, the batch size and its decode time."""
+
+    items: list[str]
+    scores: list[float]
+    identifiers: list[str]
+    decoder: str
+    accepted_steps: float
+    drafted_steps: float
+    target_calls: float
+    batch_size: int
+    decode_s: float
+
+
+def _duplicates(values: list[str]) -> list[str]:
+    seen: set[str] = set()
+    return sorted({v for v in values if v in seen or seen.add(v)})
+
+
+class RecommendService:
+    """``recommender`` (target, optional draft, index, trie) served with ``decoder`` by default
+    and ``options`` for the sampling / speculative decoders; ``max_batch`` sizes ``auto``'s choice."""
+
+    def __init__(self, recommender: Recommender, decoder: str = "auto", options: DecodeOptions = DecodeOptions(),
+                 max_batch: int = 16) -> None:
+        self.recommender = recommender
+        self.options = options
+        self.max_batch = max_batch
+        self.decoder = self.check_decoder(decoder)
+        self.max_history = int(recommender.info.get("max_history") or 20)
+        self.num_items = len(recommender.index.item_keys)
+        self._dataset_item = {key: i for i, key in enumerate(recommender.dataset.item_ids)}
+        self._token_ids = identifier_token_ids(recommender.tokenizer, recommender.index)
+        self._tries: OrderedDict[tuple[int, ...], ItemTrie] = OrderedDict()
+        self._choices: dict[tuple[int, int], Choice] = {}
+        #: whether prompts are chat messages (an LLM preset): /v1/chat/completions serves them
+        self.chat = bool(getattr(recommender.tokenizer, "chat_template", None))
+
+    @property
+    def decoders(self) -> list[str]:
+        """The decoders the loaded models can run."""
+        return [name for name in DECODERS if name not in DRAFTED or self.recommender.draft is not None]
+
+    def check_decoder(self, name: str | None) -> str:
+        name = self.decoder if name is None else name
+        if name not in DECODERS:
+            raise BadRequest(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}", "unknown_decoder")
+        if name in DRAFTED and self.recommender.draft is None:
+            raise BadRequest(f"decoder {name} needs a draft model and the server has none loaded; start it with "
+                             f"--draft or ask for one of {', '.join(self.decoders)}", "needs_draft")
+        return name
+
+    def _check_k(self, k: int, excluded: int) -> None:
+        available = self.num_items - excluded
+        if not 1 <= k <= available:
+            raise BadRequest(f"k={k} is outside [1, {available}]: the catalogue has {self.num_items} items"
+                             + (f", {excluded} excluded" if excluded else ""), "bad_k")
+
+    def parse(self, request: RecommendRequest) -> Query:
+        """A recommend body as a :class:`Query`; unknown or duplicate ids, a bad ``k`` or decoder raise."""
+        for name, ids in (("history", request.history), ("exclude", request.exclude)):
+            repeated = _duplicates(ids)
+            if repeated:
+                raise BadRequest(f"{name} repeats item id(s) {', '.join(repeated[:10])}", "duplicate_items",
+                                 items=repeated)
+        unknown = [key for key in request.history if key not in self._dataset_item]
+        unknown += [key for key in request.exclude if key not in self.recommender.index.key_to_position]
+        if unknown:
+            shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+            raise BadRequest(f"unknown item id(s) {shown}", "unknown_items", items=unknown)
+        decoder = self.check_decoder(request.decoder)
+        self._check_k(request.k, len(request.exclude))
+        history = np.array([self._dataset_item[key] for key in request.history[-self.max_history:]], dtype=np.int64)
+        examples = Examples(np.zeros(1, dtype=np.int64), history[None, :], np.zeros(2, dtype=np.int64),
+                            np.zeros(0, dtype=np.int64))
+        prompt = self.recommender.encoder.prompts(examples)[0]
+        exclude = tuple(sorted(self.recommender.index.positions(request.exclude).tolist()))
+        return Query(prompt, request.k, decoder, exclude, _seconds(request.timeout_ms))
+
+    def parse_chat(self, request: ChatCompletionRequest) -> Query:
+        """A chat body as a :class:`Query`: the messages through the tokenizer's chat template."""
+        if not self.chat:
+            raise BadRequest("this model's prompts are identifier tokens, not chat messages; use /v1/recommend",
+                             "not_chat")
+        decoder = self.check_decoder(request.decoder)
+        self._check_k(request.n, 0)
+        tokenizer = self.recommender.tokenizer
+        messages = [message.model_dump() for message in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # a template that refuses these roles or their order
+            raise BadRequest(f"the chat template refused these messages: {err}", "bad_messages") from None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        limit = MAX_POSITIONS - self.recommender.trie.depth
+        if len(ids) > limit:
+            raise BadRequest(f"the messages are {len(ids)} tokens; this model takes at most {limit}", "too_long")
+        return Query(torch.tensor(ids, dtype=torch.int64), request.n, decoder, (), _seconds(request.timeout_ms))
+
+    def trie(self, exclude: tuple[int, ...]) -> ItemTrie:
+        """The item trie without the index rows ``exclude`` (the full trie for none)."""
+        if not exclude:
+            return self.recommender.trie
+        if exclude not in self._tries:
+            keep = np.setdiff1d(np.arange(self.num_items), np.array(exclude, dtype=np.int64))
+            device = self.recommender.trie.device
+            self._tries[exclude] = self.recommender.index.trie(self._token_ids, len(self.recommender.tokenizer),
+                                                               keep).to(device)
+            while len(self._tries) > EXCLUDE_TRIES:
+                self._tries.popitem(last=False)
+        self._tries.move_to_end(exclude)
+        return self._tries[exclude]
+
+    def choice(self, k: int, batch: int) -> Choice:
+        """``auto``'s choice for ``k`` at ``batch`` users, per power-of-two batch size (made once,
+        from the measurements kept beside the models)."""
+        size = min(self.max_batch, 1 << max(0, batch - 1).bit_length())
+        if (k, size) not in self._choices:
+            self._choices[(k, size)] = choose(self.recommender, k, size)
+        return self._choices[(k, size)]
+
+    def decode(self, queries: list[Query]) -> list[Answer]:
+        """Decode ``queries`` (one :attr:`Query.key`) as one batch."""
+        first = queries[0]
+        if any(query.key != first.key for query in queries):
+            raise ValueError("a batch must share one key (k, decoder, exclusions)")
+        recommender = self.recommender
+        name, options = first.decoder, self.options
+        if name == "auto":
+            choice = self.choice(first.k, len(queries))
+            name, options = choice.decoder, replace(choice.options, seed=self.options.seed)
+        started = time.perf_counter()
+        decoded = run_decoder(name, recommender.model, recommender.draft, [query.prompt for query in queries],
+                              self.trie(first.exclude), first.k, recommender.encoder.pad_id, options)
+        seconds = time.perf_counter() - started
+        topk = decoded.topk
+        if not bool(torch.isfinite(topk.scores[topk.items >= 0]).all()):
+            raise RuntimeError("the model gave non-finite scores; its weights are damaged or diverged")
+        keys, identifiers = recommender.index.item_keys, recommender.index.identifiers
+        levels = float(recommender.trie.depth)
+        stats = decoded.stats
+        answers = []
+        for row, (items, scores) in enumerate(zip(topk.items.tolist(), topk.scores.tolist())):  # per user, once
+            real = [(item, score) for item, score in zip(items, scores) if item >= 0]
+            answers.append(Answer(
+                items=[keys[item] for item, _ in real], scores=[round(score, 6) for _, score in real],
+                identifiers=["".join(identifiers[item]) for item, _ in real], decoder=name,
+                accepted_steps=0.0 if stats is None else float(stats.accepted_steps[row]),
+                drafted_steps=0.0 if stats is None else float(stats.drafted_steps[row]),
+                target_calls=levels if stats is None else float(stats.target_calls[row]),
+                batch_size=len(queries), decode_s=seconds))
+        return answers
+
+
+def _seconds(milliseconds: int | None) -> float | None:
+    return None if milliseconds is None else milliseconds / 1e3
