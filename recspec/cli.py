@@ -380,7 +380,6 @@ def recommend_command(
                    f"{summary['tree_nodes']:.1f}/user")
 
 
-
 @app.command("serve")
 def serve_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
@@ -406,7 +405,8 @@ def serve_command(
     """Serve recommendations over HTTP (FastAPI + uvicorn): POST /v1/recommend, POST /v1/chat/completions,
     GET /health, /v1/models, /metrics; concurrent requests decoded in dynamic batches. SIGTERM or
     Ctrl-C: stop accepting, answer what is in flight, exit 0."""
-    from recspec.recommend import check_decoder
+    from recspec.recommend import DecodeOptions, check_decoder, check_folders
+    from recspec.serve.app import ServeConfig
     from recspec.serve.run import serve
 
     _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
@@ -416,15 +416,7 @@ def serve_command(
     if max_wait_ms < 0 or timeout_s <= 0:
         raise RecspecError("--max-wait-ms must be at least 0 and --timeout-s above 0")
     check_decoder(decoder, draft is not None)
-    from recspec.models.checkpoint import run_info
-    from recspec.recommend import DecodeOptions, draft_folders
-
-    run_info(target)  # a wrong folder is named before the server starts
-    for folder in draft_folders(draft):
-        if not folder.is_dir():
-            raise RecspecError(f"--draft {folder}: no such folder")
-    from recspec.serve.app import ServeConfig
-
+    check_folders(target, draft)  # a wrong folder is named before the server starts
     config = ServeConfig(target=target, draft=draft, decoder=decoder, device=_device(device), max_batch=max_batch,
                          max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s,
                          max_body_bytes=max_body_kb * 1024, threads=threads,
@@ -433,6 +425,7 @@ def serve_command(
     code = serve(config, host, port)
     if code:
         raise typer.Exit(code)
+
 
 @app.command("generate")
 def generate_command(

@@ -154,21 +154,11 @@ class Recommender:
         --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
         the model drafts the first round, the head the rest. ``k``: the number of items to be asked
         for, refused before any model is loaded when the index has fewer items."""
-        folder, info = run_info(Path(model_dir))
+        folder, info, models, heads = check_folders(model_dir, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
         if k is not None and not 1 <= k <= len(index.item_keys):
             raise RecspecError(f"k={k} is outside [1, {len(index.item_keys)}]: the item index of {folder} has "
                                f"{len(index.item_keys)} items")
-        folders = draft_folders(draft_dir)
-        heads = [path for path in folders if is_head_dir(path)]
-        models = [path for path in folders if not is_head_dir(path)]
-        if len(heads) > 1 or len(models) > 1:
-            raise RecspecError(f"--draft takes a draft model, a head, or a model and a head joined by '+' "
-                               f"(got {len(models)} models and {len(heads)} heads)")
-        for path in heads:
-            read_head_config(head_dir(path))  # a damaged draft is named before the target is loaded
-        for path in models:
-            trained_model_dir(path)
         model, tokenizer = load_trained(folder, index, device=device)
         template = saved_template(trained_model_dir(folder), tokenizer)
         draft_model = head = None
@@ -187,7 +177,7 @@ class Recommender:
         encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, trained_model_dir(folder),
-                   tuple(folders))
+                   (*models, *heads))
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
@@ -227,6 +217,25 @@ class Recommender:
         stats = None if parts[0].stats is None else SpecStats.cat([part.stats for part in parts])
         return Decoded(TopK.cat([part.topk for part in parts]), stats)
 
+
+
+def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | Path] | None = None
+                  ) -> tuple[Path, dict[str, Any], list[Path], list[Path]]:
+    """What :meth:`Recommender.load` checks before loading any weights: the target's trained
+    folder and run info, then the draft models and heads of ``draft_dir`` (:func:`draft_folders`;
+    at most one of each, each folder readable), so that a damaged draft is named first."""
+    folder, info = run_info(Path(model_dir))
+    folders = draft_folders(draft_dir)
+    heads = [path for path in folders if is_head_dir(path)]
+    models = [path for path in folders if not is_head_dir(path)]
+    if len(heads) > 1 or len(models) > 1:
+        raise RecspecError(f"--draft takes a draft model, a head, or a model and a head joined by '+' "
+                           f"(got {len(models)} models and {len(heads)} heads)")
+    for path in heads:
+        read_head_config(head_dir(path))
+    for path in models:
+        trained_model_dir(path)
+    return folder, info, models, heads
 
 
 def draft_folders(draft_dir: str | Path | Sequence[str | Path] | None) -> list[Path]:

@@ -126,9 +126,10 @@ class ItemIndex:
             table = np.array([token_ids[t] for t in self.tokens], dtype=np.int64)
             ids = table[self.codes]
             vocab_size = int(table.max()) + 1 if vocab_size is None else vocab_size
-        rows = None if keep is None else torch.as_tensor(np.asarray(keep, dtype=np.int64))
+        rows = None if keep is None else np.asarray(keep, dtype=np.int64)
         try:
-            return ItemTrie(torch.as_tensor(ids if keep is None else ids[np.asarray(keep)]), vocab_size, rows)
+            return ItemTrie(torch.as_tensor(ids if rows is None else ids[rows]), vocab_size,
+                            None if rows is None else torch.from_numpy(rows))
         except ValueError as err:  # duplicate identifiers, ids outside the vocabulary
             raise RecspecError(f"{self.source or 'item index'}: {err}; resolve collisions with "
                                f"`recspec ids show` / load_released") from None

@@ -103,7 +103,8 @@ class BodyLimit:
 
 
 class State:
-    """What the endpoints share: the service once loaded, the batcher, the metrics, the config."""
+    """What the endpoints share: the config, the metrics, and, once loaded, the service and its
+    batcher; the request path from body to answer or refusal."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -129,6 +130,80 @@ class State:
             "max_history": service.max_history, "device": config.device, "threads": torch.get_num_threads()}
         self.service = service
 
+    async def start(self) -> None:
+        """Load the models off the event loop, then start batching; a failed load is reported
+        (``config.on_failure``) and /health says so."""
+        config, metrics = self.config, self.metrics
+        try:
+            await asyncio.to_thread(self.load)
+        except BaseException as err:  # noqa: BLE001 - reported, then the server is stopped
+            self.failure = err
+            log.error("recspec serve: could not load the models: %s", err)
+            config.on_failure(err)
+            return
+        assert self.service is not None
+        self.batcher = DynamicBatcher(self.service.decode, config.max_batch, config.max_wait_ms / 1e3,
+                                      config.max_queue, on_queue=metrics.queue_depth.set,
+                                      on_batch=metrics.batch_size.observe)
+        self.batcher.start()
+        log.info("recspec serve: ready (%s)", self.models)
+
+    def refuse(self, endpoint: str, status: int, kind: str, message: str, headers: dict[str, str] | None = None,
+               **extra: Any) -> JSONResponse:
+        """The refusal of a request, counted by kind and by status."""
+        self.metrics.errors.labels(kind).inc()
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        return _error(status, kind, message, headers, **extra)
+
+    async def answer(self, request: Request, endpoint: str, parse: Callable[[RecommendService], Query],
+                     respond: Callable[[Query, Answer, RecommendStats], Any]) -> Any:
+        """Parse, queue, await the answer (or the deadline, or the client's going away); the
+        response ``respond`` makes of the query, its answer and its statistics, or the refusal."""
+        arrived = time.perf_counter()
+        if self.batcher is None or self.service is None:
+            return self.refuse(endpoint, 503, "loading", "the models are still loading", {"Retry-After": "1"})
+        try:
+            query = parse(self.service)
+        except BadRequest as err:
+            extra = {} if err.items is None else {"items": err.items}
+            return self.refuse(endpoint, err.status, err.kind, str(err), **extra)
+        try:
+            pending = self.batcher.submit(query.key, query)
+        except Overloaded as err:
+            return self.refuse(endpoint, 503, "overloaded", str(err), {"Retry-After": str(err.retry_after)})
+        timeout = min(self.config.timeout_s, query.timeout_s or self.config.timeout_s)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({pending.future, gone}, timeout=timeout - (time.perf_counter() - arrived),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if pending.future in done and not pending.future.cancelled():
+            failure = pending.future.exception()
+            if failure is not None:
+                log.error("recspec serve: a batch failed", exc_info=failure)
+                return self.refuse(endpoint, 500, "internal", f"decoding failed: {failure}")
+            result = pending.future.result()
+            return respond(query, result, self.answered(result, endpoint, arrived, _queued_s(pending)))
+        self.batcher.cancel(pending)
+        if gone in done:
+            return self.refuse(endpoint, 499, "disconnected", "the client went away")
+        return self.refuse(endpoint, 504, "deadline", f"no answer within {timeout:.3f} s; the request was dropped")
+
+    def answered(self, result: Answer, endpoint: str, arrived: float, queued: float) -> RecommendStats:
+        """Count an answered request in the metrics; its statistics."""
+        metrics = self.metrics
+        total = time.perf_counter() - arrived
+        metrics.latency.labels(endpoint).observe(total)
+        metrics.requests.labels(endpoint, "200").inc()
+        metrics.batches.labels(result.decoder).inc(1.0 / result.batch_size)
+        metrics.drafted.inc(result.drafted_steps)
+        metrics.accepted.inc(result.accepted_steps)
+        metrics.target_calls.inc(result.target_calls)
+        return RecommendStats(accepted_steps=result.accepted_steps, target_calls=result.target_calls,
+                              batch_size=result.batch_size, queue_ms=1e3 * queued, decode_ms=1e3 * result.decode_s,
+                              ms=1e3 * total)
+
 
 def create_app(config: ServeConfig) -> FastAPI:
     """The ASGI app serving ``config`` (module doc)."""
@@ -136,24 +211,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async def load() -> None:
-            try:
-                await asyncio.to_thread(state.load)
-            except BaseException as err:  # noqa: BLE001 - reported, then the server is stopped
-                state.failure = err
-                log.error("recspec serve: could not load the models: %s", err)
-                config.on_failure(err)
-                return
-            service = state.service
-            metrics = state.metrics
-            assert service is not None
-            state.batcher = DynamicBatcher(service.decode, config.max_batch, config.max_wait_ms / 1e3,
-                                           config.max_queue, on_queue=metrics.queue_depth.set,
-                                           on_batch=metrics.batch_size.observe)
-            state.batcher.start()
-            log.info("recspec serve: ready (%s)", state.models)
-
-        loader = asyncio.get_running_loop().create_task(load())
+        loader = asyncio.get_running_loop().create_task(state.start())
         yield
         loader.cancel()
         if state.batcher is not None:
@@ -197,73 +255,13 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    async def answer(request: Request, endpoint: str, parse: Callable[[RecommendService], Query],
-                     respond: Callable[[Query, Answer, RecommendStats], Any]) -> Any:
-        """Parse, queue, await the answer (or the deadline, or the client's going away); the
-        response ``respond`` makes of the query, its answer and its statistics, or the refusal."""
-        arrived = time.perf_counter()
-        metrics = state.metrics
-        if state.batcher is None or state.service is None:
-            return _counted(endpoint, _error(503, "loading", "the models are still loading",
-                                             {"Retry-After": "1"}))
-        try:
-            query = parse(state.service)
-        except BadRequest as err:
-            metrics.errors.labels(err.kind).inc()
-            extra = {} if err.items is None else {"items": err.items}
-            return _counted(endpoint, _error(err.status, err.kind, str(err), **extra))
-        try:
-            pending = state.batcher.submit(query.key, query)
-        except Overloaded as err:
-            metrics.errors.labels("overloaded").inc()
-            return _counted(endpoint, _error(503, "overloaded", str(err), {"Retry-After": str(err.retry_after)}))
-        timeout = min(config.timeout_s, query.timeout_s or config.timeout_s)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({pending.future, gone}, timeout=timeout - (time.perf_counter() - arrived),
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if pending.future in done and not pending.future.cancelled():
-            if pending.future.exception() is not None:
-                state.batcher.cancel(pending)
-                metrics.errors.labels("internal").inc()
-                log.exception("recspec serve: a batch failed", exc_info=pending.future.exception())
-                return _counted(endpoint, _error(500, "internal", f"decoding failed: {pending.future.exception()}"))
-            result = pending.future.result()
-            return respond(query, result, _stats(result, endpoint, arrived, _queued_s(pending)))
-        state.batcher.cancel(pending)
-        if gone in done:
-            metrics.errors.labels("disconnected").inc()
-            return _counted(endpoint, _error(499, "disconnected", "the client went away"))
-        metrics.errors.labels("deadline").inc()
-        return _counted(endpoint, _error(504, "deadline", f"no answer within {timeout:.3f} s; the request was "
-                                                          f"dropped"))
-
-    def _counted(endpoint: str, response: JSONResponse) -> JSONResponse:
-        state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
-
-    def _stats(result: Answer, endpoint: str, arrived: float, queued: float) -> RecommendStats:
-        metrics = state.metrics
-        total = time.perf_counter() - arrived
-        metrics.latency.labels(endpoint).observe(total)
-        metrics.requests.labels(endpoint, "200").inc()
-        metrics.batches.labels(result.decoder).inc(1.0 / result.batch_size)
-        metrics.drafted.inc(result.drafted_steps)
-        metrics.accepted.inc(result.accepted_steps)
-        metrics.target_calls.inc(result.target_calls)
-        return RecommendStats(accepted_steps=result.accepted_steps, target_calls=result.target_calls,
-                              batch_size=result.batch_size, queue_ms=1e3 * queued, decode_ms=1e3 * result.decode_s,
-                              ms=1e3 * total)
-
     @app.post("/v1/recommend", response_model=RecommendResponse)
     async def recommend(body: RecommendRequest, request: Request) -> Any:
         def respond(query: Query, result: Answer, stats: RecommendStats) -> RecommendResponse:
             return RecommendResponse(items=result.items, scores=result.scores, decoder=result.decoder,
                                      requested_decoder=query.decoder, stats=stats)
 
-        return await answer(request, "recommend", lambda service: service.parse(body), respond)
+        return await state.answer(request, "recommend", lambda service: service.parse(body), respond)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
@@ -279,7 +277,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                                                           total_tokens=length + completion),
                                           decoder=result.decoder, stats=stats)
 
-        return await answer(request, "chat", lambda service: service.parse_chat(body), respond)
+        return await state.answer(request, "chat", lambda service: service.parse_chat(body), respond)
 
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app

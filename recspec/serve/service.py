@@ -12,7 +12,7 @@ for a catalogue that lacks them.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -74,8 +74,7 @@ class Answer:
 
 
 def _duplicates(values: list[str]) -> list[str]:
-    seen: set[str] = set()
-    return sorted({v for v in values if v in seen or seen.add(v)})
+    return sorted(value for value, count in Counter(values).items() if count > 1)
 
 
 class RecommendService:
