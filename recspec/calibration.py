@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,14 +166,14 @@ def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, 
 def decoding_key(recommender) -> dict[str, Any]:
     """What a timing of the loaded models depends on: the target's and the draft's weights, the
     device and torch's thread count."""
-    return {"target_sha256": weights_fingerprint(recommender.folder), **_draft_identity(recommender),
+    return {"target_sha256": weights_fingerprint(recommender.folder), **draft_identity(recommender.draft_dirs),
             "device": str(next(recommender.model.parameters()).device), "threads": torch.get_num_threads()}
 
 
-def _draft_identity(recommender) -> dict[str, str]:
+def draft_identity(folders: Sequence[Path]) -> dict[str, str]:
     """sha256 of the weights of each draft folder (a model and / or a head)."""
     identity = {}
-    for folder in recommender.draft_dirs:
+    for folder in folders:
         if is_head_dir(folder):
             identity["head_sha256"] = weights_fingerprint(head_dir(folder), HEAD_WEIGHTS)
         else:
@@ -186,7 +186,7 @@ def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int 
     """The loaded draft's acceptance per round level and width (first round, later rounds) on the
     first ``users`` validation users, kept in the target's folder as ``acceptance-k<K>.json``
     while target, draft, K, widths and users match."""
-    key = {"target_sha256": weights_fingerprint(recommender.folder), **_draft_identity(recommender), "k": k,
+    key = {"target_sha256": weights_fingerprint(recommender.folder), **draft_identity(recommender.draft_dirs), "k": k,
            "choices": list(choices), "users": users}
     prompts = recommender.encoder.prompts(recommender.examples("valid", users))
     value = kept_record(recommender.folder / f"acceptance-k{k}.json", key,

@@ -44,6 +44,14 @@ DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level
 GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
+ResultsOpt = Annotated[Path, typer.Option(help="Results folder.")]
+ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without extension).")]
+EngineOpt = Annotated[str, typer.Option(help="local (this process) or ray (a pool of Ray actors).")]
+AddressOpt = Annotated[Optional[str], typer.Option(help="Ray cluster: auto (the one running here) or HOST:PORT of a "
+                                                        "head node; default: start a local one.")]
+WorkersOpt = Annotated[int, typer.Option(help="Ray actors (each loads the models once).")]
+CpusPerWorkerOpt = Annotated[int, typer.Option(help="CPU cores (torch threads) of each Ray actor.")]
+GpusPerWorkerOpt = Annotated[float, typer.Option(help="GPUs of each Ray actor (a fraction shares one).")]
 
 
 def _device(name: str) -> str:
@@ -51,6 +59,15 @@ def _device(name: str) -> str:
     from recspec.devices import resolve_device
 
     return str(resolve_device(name))
+
+
+def _engine(engine: str, address: str | None) -> str:
+    """``engine`` checked: local or ray; ``--address`` only with ray."""
+    if engine not in ("local", "ray"):
+        raise RecspecError(f"unknown engine {engine!r}; choose local or ray")
+    if address is not None and engine != "ray":
+        raise RecspecError("--address names a Ray cluster: use it with --engine ray")
+    return engine
 
 
 def _positive(**values: Optional[int]) -> None:
@@ -346,13 +363,19 @@ def recommend_command(
     batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
     device: str = "cpu",
     overwrite: OverwriteOpt = False,
+    engine: EngineOpt = "local",
+    address: AddressOpt = None,
+    workers: WorkersOpt = 2,
+    cpus_per_worker: CpusPerWorkerOpt = 1,
+    gpus_per_worker: GpusPerWorkerOpt = 0.0,
 ) -> None:
-    """Top-K items for every test (or validation) user, trie-constrained: only real items come out."""
+    """Top-K items for every test (or validation) user, trie-constrained: only real items come out.
+    With --engine ray the users are decoded in shards by Ray actors (resumable: a re-run skips the
+    shards in OUT.parts/), and OUT is the same file."""
     import time
 
-    from recspec.data import load_dataset
     from recspec.fileio import check_output_file
-    from recspec.recommend import DRAFTED, DecodeOptions, Recommender, check_decoder, write_recs
+    from recspec.recommend import DecodeOptions, RecommendJob, check_decoder, write_recs
 
     check_output_file(out, overwrite)
     _positive(k=k, users=users, batch_size=batch_size, draft_beams=draft_beams)
@@ -361,8 +384,17 @@ def recommend_command(
     options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
                             threshold=threshold, one_cache=one_cache)
-    recommender = Recommender.load(target, load_dataset(dataset, format) if dataset else None, device=device,
-                                   draft_dir=draft if decoder in (*DRAFTED, "auto") else None, k=k)
+    job = RecommendJob(target, decoder, k, draft, options, dataset, format, part, users, batch_size)
+    if _engine(engine, address) == "ray":
+        from recspec.cluster.recommend import recommend_on_ray
+        from recspec.cluster.runtime import Workers
+
+        pool = Workers(workers, cpus_per_worker, gpus_per_worker)
+        with _on_interrupt("the committed shards are kept; run the same command to resume"):
+            report = recommend_on_ray(job, out, pool, address, overwrite)
+        typer.echo(report.line(out, decoder))
+        return
+    recommender = job.load(device)
     examples = recommender.examples(part, users)
     started = time.perf_counter()
     with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
@@ -401,16 +433,22 @@ def serve_command(
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: one per core); the decode "
                                                         "thread should have the cores to itself.")] = None,
     device: str = "cpu",
+    engine: EngineOpt = "local",
+    replicas: Annotated[Optional[int], typer.Option(help="--engine ray: replicas of the service, each with its "
+                                                          "own batcher and --threads cores (default 1).")] = None,
+    address: AddressOpt = None,
 ) -> None:
     """Serve recommendations over HTTP (FastAPI + uvicorn): POST /v1/recommend, POST /v1/chat/completions,
     GET /health, /v1/models, /metrics; concurrent requests decoded in dynamic batches. SIGTERM or
-    Ctrl-C: stop accepting, answer what is in flight, exit 0."""
+    Ctrl-C: stop accepting, answer what is in flight, exit 0. With --engine ray: the same service as
+    --replicas Ray Serve replicas behind Serve's proxy on HOST:PORT."""
     from recspec.recommend import DecodeOptions, check_decoder, check_folders
     from recspec.serve.app import ServeConfig
-    from recspec.serve.run import serve
 
     _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
-              max_body_kb=max_body_kb)
+              max_body_kb=max_body_kb, replicas=replicas)
+    if _engine(engine, address) == "local" and replicas is not None:
+        raise RecspecError("--replicas counts Ray Serve replicas: use it with --engine ray")
     if not 0 <= port < 65536:
         raise RecspecError(f"--port must lie in [0, 65535], got {port}")
     if max_wait_ms < 0 or timeout_s <= 0:
@@ -422,7 +460,14 @@ def serve_command(
                          max_body_bytes=max_body_kb * 1024, threads=threads,
                          options=DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature,
                                                seed=seed))
-    code = serve(config, host, port)
+    if engine == "ray":
+        from recspec.serve.on_ray import serve_on_ray
+
+        code = serve_on_ray(config, host, port, replicas or 1, address)
+    else:
+        from recspec.serve.run import serve
+
+        code = serve(config, host, port)
     if code:
         raise typer.Exit(code)
 
@@ -617,7 +662,7 @@ def eval_command(
 
 @bench_app.command("ids")
 def bench_ids(
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     repeats: Annotated[int, typer.Option(help="Timed runs per measurement (median reported).")] = 3,
     beauty: Annotated[Optional[Path], typer.Option(help="AtSpeed Beauty folder for the trie benchmark.")] = None,
 ) -> None:
@@ -630,12 +675,12 @@ def bench_ids(
 @bench_app.command("decode")
 def bench_decode(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
     batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
     users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "decode",
+    name: ResultNameOpt = "decode",
 ) -> None:
     """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
     from recspec.bench.decode import run
@@ -653,7 +698,7 @@ def _pairs(targets: list[Path], drafts: list[Path]) -> list[tuple[Path, Path]]:
 def bench_spec(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
     draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
     users: Annotated[int, typer.Option(help="Test users timed one at a time (batch 1).")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
@@ -662,7 +707,7 @@ def bench_spec(
     temperature: Annotated[list[float], typer.Option(help="Temperatures of the quality comparison.")] = [0.5, 1.0],
     quality_k: Annotated[list[int], typer.Option(help="K of the quality comparison (repeatable).")] = [5, 10],
     quality_users: Annotated[int, typer.Option(help="Test users of the quality comparison.")] = 1000,
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "spec",
+    name: ResultNameOpt = "spec",
 ) -> None:
     """AtSpeed: WS@K / AS@K of strict and relaxed verification against hf / beam / tree-beam, the
     oracle ceiling, and Recall / NDCG of relaxed sampling against the target's beam sampling."""
@@ -676,11 +721,11 @@ def bench_spec(
 def bench_coverage(
     target: Annotated[Path, typer.Option(help="A trained target folder.")],
     draft: Annotated[list[Path], typer.Option(help="Its drafts: model folders or heads (repeatable).")],
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [10],
     factor: Annotated[list[float], typer.Option(help="N = factor * K (repeatable).")] = [1.0, 1.5, 2.0, 4.0],
     users: Annotated[int, typer.Option(help="Test users.")] = 200,
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "coverage",
+    name: ResultNameOpt = "coverage",
 ) -> None:
     """Per level: how often the draft's top-N holds the target's top-K (strict acceptance from exact beams)."""
     from recspec.bench.coverage import run
@@ -695,12 +740,12 @@ def bench_coverage(
 def bench_auto(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
     draft: Annotated[list[Path], typer.Option(help="The draft of each target (a model, a head, or MODEL+HEAD).")],
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
     batch_size: Annotated[list[int], typer.Option(help="Users per batch (repeatable).")] = [1, 16],
     users: Annotated[int, typer.Option(help="Test users per cell.")] = 32,
     repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "auto",
+    name: ResultNameOpt = "auto",
 ) -> None:
     """`--decoder auto` against beam, tree-beam and spec-strict in every cell of K x batch size."""
     from recspec.bench.auto import run
@@ -722,8 +767,8 @@ def bench_serve(
     repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
     max_batch: Annotated[int, typer.Option(help="--max-batch of batching on.")] = 16,
     max_seconds: Annotated[float, typer.Option(help="Time cap of one run.")] = 60.0,
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "serve",
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "serve",
 ) -> None:
     """`recspec serve` under load: requests/s and p50/p95/p99 latency per decoder, batching on and
     off, at several concurrencies, and an open-loop run at twice the sustainable rate."""
@@ -737,13 +782,36 @@ def bench_serve(
                    max_seconds, name))
 
 
+@bench_app.command("ray")
+def bench_ray(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train` (recommend job).")],
+    model: Annotated[str, typer.Option(help="LLM of the knowledge job: an asset name or a HF folder.")] = "smollm2",
+    decoder: Annotated[str, typer.Option(help="Decoder of the recommend job.")] = "tree-beam",
+    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
+    items: Annotated[int, typer.Option(help="Item texts of the knowledge job.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per text.")] = 32,
+    repeats: Annotated[int, typer.Option(help="Runs per set-up (median reported).")] = 3,
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "ray",
+) -> None:
+    """Recommend (users/s) and knowledge generation (tokens/s) on Ray with one and with one-per-core
+    workers against one process, end to end, outputs checked equal; the overhead of Ray itself."""
+    from recspec.bench.cluster import run
+    from recspec.recommend import check_decoder
+
+    _positive(k=k, batch_size=batch_size, items=items, max_new_tokens=max_new_tokens, repeats=repeats)
+    check_decoder(decoder)
+    typer.echo(run(_results_dir(out), target, model, decoder, k, batch_size, items, max_new_tokens, repeats, name))
+
+
 @bench_app.command("cost")
 def bench_cost(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
     draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     repeats: Annotated[int, typer.Option(help="Timed calls per shape (median reported).")] = 20,
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "cost",
+    name: ResultNameOpt = "cost",
 ) -> None:
     """The draft's cost per call relative to its target's (c), for the call shapes the decoders make."""
     from recspec.bench.cost import run
@@ -753,7 +821,7 @@ def bench_cost(
 
 @bench_app.command("sampling")
 def bench_sampling(
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     target: Annotated[str, typer.Option(help="Text target (asset name or HF folder).")] = "smollm2",
     draft_layers: Annotated[str, typer.Option(help="The text draft: these layers of the target.")] = "0-5,29",
     draft: Annotated[Optional[str], typer.Option(help="The text draft: this model folder instead (e.g. "
@@ -778,7 +846,7 @@ def bench_sampling(
     users: Annotated[int, typer.Option(help="Test users timed one at a time.")] = 32,
     quality_users: Annotated[int, typer.Option(help="Test users of the Recall / NDCG comparison.")] = 500,
     threads: Annotated[int, typer.Option(help="CPU threads.")] = 1,
-    name: Annotated[str, typer.Option(help="Result file name (without extension).")] = "sampling",
+    name: ResultNameOpt = "sampling",
 ) -> None:
     """Speculative sampling, TopK-ImpSpecDec and DSBD against sampling and beam sampling: speed
     ratios, acceptance, accepted length, quality, peak memory and the theorems' predicted speed-ups."""
@@ -800,7 +868,7 @@ def bench_align(
     data: Annotated[Path, typer.Option(help="Its alignment data (`recspec align data`).")],
     work: Annotated[Path, typer.Option(help="Folder of the drafts trained by the benchmark (reused).")] = Path(
         "runs/bench-align"),
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
     users: Annotated[int, typer.Option(help="Test users timed one at a time.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
@@ -862,9 +930,15 @@ def knowledge_generate(
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
     device: str = "cpu",
+    engine: EngineOpt = "local",
+    address: AddressOpt = None,
+    workers: WorkersOpt = 2,
+    cpus_per_worker: CpusPerWorkerOpt = 1,
+    gpus_per_worker: GpusPerWorkerOpt = 0.0,
 ) -> None:
-    """Generate user or item knowledge for many users/items, persisting each result (resumable)."""
-    from recspec.knowledge.job import KnowledgeTask, run_job, set_threads
+    """Generate user or item knowledge for many users/items, persisting each result (resumable).
+    With --engine ray, Ray actors decode the requests and this process stores every result."""
+    from recspec.knowledge.job import KnowledgeTask, local_runner, run_job, set_threads
 
     from recspec.fileio import check_writable_dir
 
@@ -876,8 +950,16 @@ def knowledge_generate(
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size)
     task = KnowledgeTask(model, dataset, seed=seed, device=_device(device))
+    runner = local_runner
+    if _engine(engine, address) == "ray":
+        from recspec.cluster.knowledge import check_shared_pools, ray_runner
+        from recspec.cluster.runtime import Workers
+
+        check_shared_pools(config, pool)
+        runner = ray_runner({"model": model, "dataset": dataset, "seed": seed},
+                            Workers(workers, cpus_per_worker, gpus_per_worker), address)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
-        typer.echo(run_job(task, config, out, pool, limit).line())
+        typer.echo(run_job(task, config, out, pool, limit, runner=runner).line())
 
 
 @knowledge_app.command("show")
@@ -896,7 +978,7 @@ def knowledge_ctr(
     greedy: Annotated[list[str], typer.Option(help="New-part store(s) of greedy knowledge (user and/or item).")],
     relaxed: Annotated[list[str], typer.Option(help="New-part store(s) of relaxed (LASER) knowledge.")],
     old: Annotated[list[str], typer.Option(help="Old-part item store(s): the existing items' knowledge.")] = [],
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     seeds: Annotated[int, typer.Option(help="Training seeds per condition (mean reported).")] = 3,
     epochs: int = 3,
     model: Annotated[str, typer.Option(help="The target LLM whose hidden states embed the texts.")] = "smollm2",
@@ -914,7 +996,7 @@ def knowledge_ctr(
 def bench_knowledge(
     user_pool: Annotated[Optional[Path], typer.Option(help="Old-part user store (benchmarks the user side).")] = None,
     item_pool: Annotated[Optional[Path], typer.Option(help="Old-part item store (benchmarks the item side).")] = None,
-    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("benchmarks/results"),
+    out: ResultsOpt = Path("benchmarks/results"),
     limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
     repeats: Annotated[int, typer.Option(help="Runs per text and method (median reported).")] = 3,
     max_new_tokens: int = 128,

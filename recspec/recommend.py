@@ -30,7 +30,7 @@ from recspec.decoding.tree_plan import CostPlanner
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
-from recspec.fileio import atomic_path, dumps_strict
+from recspec.fileio import dumps_strict, write_text_atomic
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
 from recspec.models.checkpoint import INDEX_FILE, load_trained, run_info, trained_model_dir
@@ -73,6 +73,33 @@ class DecodeOptions:
         return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width or 2 * k, min_width=self.min_width or k,
                           threshold=self.threshold, one_cache=self.one_cache, warp=Warp(self.temperature),
                           seed=self.seed)
+
+
+@dataclass(frozen=True)
+class RecommendJob:
+    """What ``recspec recommend`` computes, whichever engine runs it: the model folders, the
+    decoder and its options, ``k``, the data set (None: the trained one; ``format`` of a path),
+    the evaluation ``part``, its first ``users`` (None: all) and the users decoded together."""
+
+    target: Path
+    decoder: str = "tree-beam"
+    k: int = 10
+    draft: str | None = None
+    options: DecodeOptions = DecodeOptions()
+    dataset: str | None = None
+    format: str | None = None
+    part: str = "test"
+    users: int | None = None
+    batch_size: int = 16
+
+    @property
+    def draft_dir(self) -> str | None:
+        """The draft folders the decoder uses (None for decoders without a draft)."""
+        return self.draft if self.decoder in (*DRAFTED, "auto") else None
+
+    def load(self, device: str = "cpu") -> Recommender:
+        return Recommender.load(self.target, load_dataset(self.dataset, self.format) if self.dataset else None,
+                                device=device, draft_dir=self.draft_dir, k=self.k)
 
 
 @dataclass
@@ -181,18 +208,12 @@ class Recommender:
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
-        split = split_dataset(self.dataset, self.info.get("split"), self.info.get("max_history", 20))
-        examples = evaluation_part(split, part)
-        if users is not None and users < 1:
-            raise RecspecError(f"users must be at least 1, got {users}")
-        if users is not None:
-            examples = examples.subset(np.arange(min(users, len(examples))))
-        return examples
+        return trained_examples(self.dataset, self.info, part, users)
 
     def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16,
                   options: DecodeOptions = DecodeOptions(), progress: bool = False) -> Decoded:
         """Top-``k`` items (index rows) of every example by ``decoder``; with ``progress``, the users
-        go through in chunks of whole batches (about 256 users) under a progress bar, chunk ``i``
+        go through in chunks of whole batches (:func:`user_chunks`) under a progress bar, chunk ``i``
         of a sampling decoder seeded with ``seed + i`` (so chunks draw independent streams)."""
         if decoder == "auto":  # the fastest exact decoder for this pair, K and batch size
             from recspec.auto import choose
@@ -206,17 +227,38 @@ class Recommender:
                                batch_size)
         from tqdm.auto import tqdm
 
-        size = batch_size or len(prompts)
-        chunk = size * max(1, PROGRESS_CHUNK // size)
         parts = []
         with tqdm(total=len(prompts), unit="user", desc=decoder, dynamic_ncols=True) as bar:
-            for i, start in enumerate(range(0, len(prompts), chunk)):
-                parts.append(run_decoder(decoder, self.model, self.draft, prompts[start:start + chunk], self.trie, k,
+            for i, rows in enumerate(user_chunks(len(prompts), batch_size)):
+                parts.append(run_decoder(decoder, self.model, self.draft, prompts[rows.start:rows.stop], self.trie, k,
                                          self.encoder.pad_id, replace(options, seed=options.seed + i), batch_size))
-                bar.update(len(prompts[start:start + chunk]))
+                bar.update(len(rows))
         stats = None if parts[0].stats is None else SpecStats.cat([part.stats for part in parts])
         return Decoded(TopK.cat([part.topk for part in parts]), stats)
 
+
+
+def trained_examples(dataset: Dataset, info: dict[str, Any], part: str = "test", users: int | None = None
+                     ) -> Examples:
+    """The evaluation examples of ``part`` of ``dataset`` under the split a model was trained
+    with (its run ``info``), the first ``users`` of them; no model is needed."""
+    split = split_dataset(dataset, info.get("split"), info.get("max_history", 20))
+    examples = evaluation_part(split, part)
+    if users is not None and users < 1:
+        raise RecspecError(f"users must be at least 1, got {users}")
+    if users is not None:
+        examples = examples.subset(np.arange(min(users, len(examples))))
+    return examples
+
+
+def user_chunks(users: int, batch_size: int | None) -> list[range]:
+    """The chunks of whole batches (about :data:`PROGRESS_CHUNK` users each) that
+    :meth:`Recommender.recommend` decodes one after another, chunk ``i`` of a sampling decoder
+    seeded with ``seed + i``; a job spread over workers decodes the same chunks with the same
+    seeds, so its results equal the single-process ones."""
+    size = batch_size or users
+    chunk = size * max(1, PROGRESS_CHUNK // size)
+    return [range(start, min(start + chunk, users)) for start in range(0, users, chunk)]
 
 
 def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | Path] | None = None
@@ -257,17 +299,21 @@ def check_finite_scores(topk: TopK, user_ids: Sequence[str]) -> None:
                            f"(NaN or inf); its weights are damaged or diverged, so nothing was written")
 
 
-def write_recs(path: Path, recommender: Recommender, examples: Examples, topk: TopK) -> None:
-    """One JSON line per example (user, items as raw ids best first, scores), written atomically;
-    non-finite scores are refused (see :func:`check_finite_scores`), so every line is valid JSON."""
+def recs_text(recommender: Recommender, examples: Examples, topk: TopK) -> str:
+    """One JSON line per example (user, items as raw ids best first, scores); non-finite scores
+    are refused (see :func:`check_finite_scores`), so every line is valid JSON."""
     keys = recommender.index.item_keys
     users = [recommender.dataset.user_ids[user] for user in examples.users.tolist()]
     check_finite_scores(topk, users)
     rows, scores = topk.items.cpu().tolist(), topk.scores.cpu().tolist()
-    with atomic_path(Path(path)) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        for user, items, values in zip(users, rows, scores):
-            handle.write(dumps_strict({"user": user, "items": [keys[i] for i in items if i >= 0],
-                                       "scores": [round(v, 6) for v, i in zip(values, items) if i >= 0]}) + "\n")
+    return "".join(dumps_strict({"user": user, "items": [keys[i] for i in items if i >= 0],
+                                 "scores": [round(v, 6) for v, i in zip(values, items) if i >= 0]}) + "\n"
+                   for user, items, values in zip(users, rows, scores))
+
+
+def write_recs(path: Path, recommender: Recommender, examples: Examples, topk: TopK) -> None:
+    """The lines of :func:`recs_text`, written atomically."""
+    write_text_atomic(Path(path), recs_text(recommender, examples, topk))
 
 
 def read_recs(path: Path) -> list[dict[str, Any]]:

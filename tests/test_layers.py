@@ -14,7 +14,7 @@ LAYERS = (
     ("itemids", "models"),
     ("decoding",),
     ("recommend", "calibration", "auto", "fit", "knowledge", "align"),
-    ("bench",),
+    ("bench", "cluster"),
     ("serve", "cli"),
 )
 ROOT = Path(recspec.__file__).parent

@@ -10,7 +10,7 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -230,30 +230,39 @@ def test_sigterm_answers_every_request_in_flight(models, expected) -> None:
     target, _ = models
     # a batch waits up to 1.5 s to fill: SIGTERM comes while all twelve requests are queued
     with server(target, "--decoder", "tree-beam", "--max-wait-ms", "1500", "--max-batch", "64") as (url, process):
-        async def scenario() -> tuple[list, float]:
-            bodies = [{"history": row["history"], "k": K} for row in expected[:12]]
-            sent = asyncio.ensure_future(post_all(url, bodies))
-            async with httpx.AsyncClient(base_url=url) as client:
-                for _ in range(100):
-                    await asyncio.sleep(0.02)
-                    if "recspec_queue_depth 12.0" in (await client.get("/metrics")).text:
-                        break
-                else:
-                    raise AssertionError("the twelve requests never queued")
-            process.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            responses = await sent
-            return responses, time.monotonic() - signalled
-
-        responses, after = asyncio.run(scenario())
-        assert process.wait(60) == 0
-    assert after > 0.5, "the answers came before the signal: nothing was in flight"
-    assert [r.status_code for r in responses] == [200] * 12
-    for response, row in zip(responses, expected):
-        assert same_answer(response.json(), row)
+        responses = sigterm_while_queued(url, process, expected[:12],
+                                         lambda: metric(url, "recspec_queue_depth") == 12)
     assert {r.json()["stats"]["batch_size"] for r in responses} == {12}
+
+
+def sigterm_while_queued(url: str, process: subprocess.Popen, rows: list[dict], queued: Callable[[], bool],
+                         settle: float = 0.0) -> list[httpx.Response]:
+    """POST the requests of ``rows`` at once, SIGTERM the server once ``queued()`` holds (and
+    ``settle`` s more), and check that every request is answered right after the signal, the
+    server exits 0 and nothing listens any more; the responses."""
+    async def scenario() -> tuple[list, float]:
+        sent = asyncio.ensure_future(post_all(url, [{"history": row["history"], "k": K} for row in rows]))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if await asyncio.to_thread(queued):
+                break
+        else:
+            raise AssertionError("the requests never queued")
+        await asyncio.sleep(settle)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        responses = await sent
+        return responses, time.monotonic() - signalled
+
+    responses, after = asyncio.run(scenario())
+    assert process.wait(120) == 0
+    assert after > 0.5, "the answers came before the signal: nothing was in flight"
+    assert [r.status_code for r in responses] == [200] * len(rows)
+    for response, row in zip(responses, rows):
+        assert same_answer(response.json(), row)
     with pytest.raises(httpx.TransportError):  # gone: nothing listens any more
         httpx.get(f"{url}/health", timeout=2)
+    return responses
 
 
 def test_chat_completions_for_an_llm_preset(small_data, smollm2_dir, tmp_path: Path) -> None:  # noqa: F811

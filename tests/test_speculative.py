@@ -305,3 +305,30 @@ def test_relaxed_batches_users_on_nodes_of_different_fan_out() -> None:
         assert replacement or all(len(set(row)) == 3 for row in result.topk.items.tolist())
         first_round = result.stats.accepted_steps.clamp(max=1)
         assert 0 < float(first_round.mean()) < 1  # users did leave the first round at different steps
+
+
+def test_sampling_decoders_over_a_level_narrower_than_k(tiny) -> None:
+    """K = 3 over a first level of 2 codes: beam sampling without replacement, relaxed speculative
+    search (drafting N = 6 distinct beams) and DSBD keep both first codes and a dead third beam,
+    then fill it at the next level: every user gets 3 distinct real items, each with the score
+    of its path (they used to fail drawing more distinct candidates than the level has)."""
+    from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
+
+    target, draft, trie, prompt = tiny
+    prompts = [prompt] * 8
+    results = {
+        "beam-sample": sampling_beam_search(target, prompts, trie, 3, PAD, 1.0, 5, False),
+        "spec-relaxed": speculative_beam_search(target, draft, prompts, trie, 3, PAD,
+                                                SpecConfig(draft_beams=6, verify="relaxed", seed=5)).topk,
+        "dsbd": dsbd_beam_search(target, draft, prompts, trie, 3, PAD, DSBDConfig(draft_width=6, min_width=3))[0],
+    }
+    exact = beam_search(target, [prompt], trie, 12, PAD)  # every item's score, exactly
+    score_of = dict(zip(exact.items[0].tolist(), exact.scores[0].tolist()))
+    for name, topk in results.items():
+        assert topk.items.shape == (8, 3), name
+        for items, scores in zip(topk.items.tolist(), topk.scores.tolist()):
+            if name == "dsbd":  # independent draws: repeats allowed, all real
+                assert min(items) >= 0, (name, items)
+            else:
+                assert min(items) >= 0 and len(set(items)) == 3, (name, items)
+            assert scores == pytest.approx([score_of[i] for i in items], abs=1e-4), name

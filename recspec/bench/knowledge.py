@@ -38,7 +38,7 @@ from recspec.decoding.scorer import score_tree
 from recspec.decoding.cache import gather_positions
 from recspec.decoding.tree import ancestor_matrix
 from recspec.knowledge.decode import Generation
-from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, make_generator
+from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, build_pools, make_generator
 from recspec.knowledge.verify import Verification
 
 GREEDY, RELAXED = Verification("greedy"), Verification("relaxed")
@@ -74,8 +74,9 @@ def bench_side(task: KnowledgeTask, base: KnowledgeConfig, pool: Path, limit: in
     prompts = {e: task.prompt(base, e) for e in entities}
     generators, build_s, pool_sizes = {}, {}, {}
     for name in variants:
-        generate, pools = make_generator(task, variant_config(base, name), texts)
-        generators[name] = generate
+        config = variant_config(base, name)
+        pools = build_pools(task, config, texts)
+        generators[name] = make_generator(task, config, pools)
         if pools is not None:  # build the entities' pools now, outside the timed requests
             for e in entities:
                 pools.trie_for(e)

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,19 +72,13 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
         output.seek(0)
         return RecspecError(f"{why}: {' | '.join(output.read().strip().splitlines()[-3:])}")
 
+    def running() -> None:
+        if process.poll() is not None:
+            raise failed(f"the server exited with status {process.returncode}")
+
     try:
-        deadline = time.monotonic() + READY_SECONDS
-        while True:
-            if process.poll() is not None:
-                raise failed(f"the server exited with status {process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise failed(f"the server was not ready within {READY_SECONDS} s")
-            time.sleep(0.2)
+        if not wait_until_ready(url, READY_SECONDS, running):
+            raise failed(f"the server was not ready within {READY_SECONDS} s")
         yield url, process
     finally:
         if process.poll() is None:
@@ -95,6 +89,22 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
                 process.kill()
                 process.wait()
         output.close()
+
+
+def wait_until_ready(url: str, seconds: float, alive: Callable[[], None] = lambda: None) -> bool:
+    """Poll ``GET URL/health`` until it answers 200 (True) or ``seconds`` have passed (False);
+    ``alive()`` runs before each try, and raises to give up."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 class Load:

@@ -111,7 +111,9 @@ class RelaxedSampler:
         ``step_log_p`` ``[B, S, V]``) against the drafted level (None: nothing drafted, a plain
         sampling step). Returns the new beams, whether the step was accepted ``[B]``, and the fed
         index of each new beam when it was (the drafted nodes, from ``level_offset``)."""
-        step = candidates(current, step_log_p, trie, self.warp)
+        # as many candidates as draws: the target's k, and the drafted ones (so that both layouts
+        # pad a narrow trie level alike, :func:`_in_layout`)
+        step = candidates(current, step_log_p, trie, self.warp, max(k, 0 if drafted is None else drafted.choice.shape[1]))
         batch = where.shape[0]
         if drafted is None:
             chosen = draw(step.log_beam, k, self.generator, self.replacement)

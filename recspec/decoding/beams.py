@@ -195,15 +195,16 @@ class Candidates:
                      margin=torch.full_like(beams.margin, torch.inf))
 
 
-def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, warp: Warp) -> Candidates:
+def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, warp: Warp, draws: int = 1) -> Candidates:
     """The step's candidates and their beam-sampling distribution.
 
     ``log_probs``: float32 ``[B, S, V]``, each beam's next-token log-probabilities (full vocabulary).
     ``warp`` (temperature, then top-k / top-p) shapes the joint distribution over each user's
-    ``S * C`` candidates.
+    ``S * C`` candidates, padded with impossible ones to at least ``draws`` (the distinct draws
+    to be made from them, :func:`draw`).
     """
     batch, width = beams.nodes.shape
-    tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=1)  # [B*S, C]
+    tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=-(-draws // width))  # [B*S, C]
     fanout = tokens.shape[1]
     log_joint = (beams.scores.reshape(-1, 1) + log_probs.reshape(batch * width, -1).gather(1, tokens))
     log_joint = log_joint.masked_fill_(~real, -torch.inf).view(batch, width * fanout)
@@ -234,7 +235,7 @@ def sample_step(beams: Beams, log_probs: torch.Tensor, space, k: int, warp: Warp
     user whose beams have all finished keeps them (as it would alone)."""
     if ends is not None:
         log_probs = ends.absorb(beams.nodes, log_probs)
-    step = candidates(beams, log_probs, space, warp)
+    step = candidates(beams, log_probs, space, warp, k)
     chosen = draw(step.log_beam, k, generator, replacement)
     if ends is not None and beams.tokens.shape[2] > 0:
         chosen = torch.where(ends.complete(beams.nodes)[:, None], ends.kept(k, step.fanout), chosen)

@@ -106,7 +106,7 @@ class SampledDrafter:
         if self.ends is not None:
             log_q = self.ends.absorb(parent.nodes, log_q)
         start = level_beams(parent, front.beams.margin)
-        step = candidates(start, log_q, self.space, self.warp)
+        step = candidates(start, log_q, self.space, self.warp, self.count)
         choice = draw(step.log_beam, self.count, self.generator, self.replacement)
         return _child(parent, step.extend(start, choice, self.space), depth, step.log_beam, choice)
 

@@ -163,7 +163,8 @@ class ForestVerifier:
             if self.ends is not None:
                 step_log_p = self.ends.absorb(parent.nodes, step_log_p)
             previous = replace(level_beams(parent, front.beams.margin), scores=score.masked_fill(~alive, -torch.inf))
-            step = candidates(previous, step_log_p, self.space, self.warp)
+            draws = 1 if j == len(levels) else levels[j].choice.shape[1]  # padded as the drafted level was
+            step = candidates(previous, step_log_p, self.space, self.warp, draws)
             last = front.depth + j >= self.space.depth
             drafted = levels[j] if j < len(levels) else None
             layer = self._layer(step, previous, alive, drafted, width, last)

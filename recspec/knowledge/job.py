@@ -28,8 +28,9 @@ the greedy decoding's text).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,8 @@ class KnowledgeConfig:
 
 
 class KnowledgeTask:
-    """The data set, its streaming split and the target model, loaded once."""
+    """The data set, its streaming split and the target model, loaded once (the model when first
+    used: a process that only plans and stores the work never loads it)."""
 
     def __init__(self, model: str = "smollm2", dataset: str = "ml-100k", old_share: float = 0.75,
                  future_share: float = 0.1, seed: int = 0, device: str = "cpu") -> None:
@@ -128,13 +130,20 @@ class KnowledgeTask:
         self.dataset = load_dataset(dataset)
         self.split = stream_split(self.dataset, old_share, future_share, seed)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_causal_lm(self.model_dir, device=device)
-        self.eos = eos_ids(self.model, self.tokenizer)
+        self.device = device
         self.seed = seed
         self._routings: dict[tuple[str, str, int, int], PoolRouting] = {}
         self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
                          "split": self.split.settings}
+
+    @cached_property
+    def model(self):
+        return load_causal_lm(self.model_dir, device=self.device)
+
+    @cached_property
+    def eos(self) -> list[int]:
+        return eos_ids(self.model, self.tokenizer)
 
     def raw_ids(self, side: str) -> list[str]:
         """The data set's raw user or item ids, by dense index."""
@@ -191,27 +200,49 @@ class KnowledgeTask:
 
 #: (entities, their prompt ids) -> one Generation each
 Generator = Callable[[list[int], list[list[int]]], list[Generation]]
+#: Batches of (entities, their prompt ids), in the order a job runs them.
+Batches = list[tuple[list[int], list[list[int]]]]
+#: Runs a job's batches and yields each with its generations as it completes (any order).
+Runner = Callable[["KnowledgeTask", "KnowledgeConfig", "PoolSet | None", Batches],
+                  Iterator[tuple[list[int], list[Generation]]]]
 
 
-def make_generator(task: KnowledgeTask, config: KnowledgeConfig,
-                   pool_texts: dict[int, list[int]] | None) -> tuple[Generator, PoolSet | None]:
-    """A :data:`Generator` for ``config.method`` (``hf`` decodes its batch in one ``generate``
-    call, every other method one request at a time), and the pools it drafts from (None for the
-    non-drafting methods)."""
+def build_pools(task: KnowledgeTask, config: KnowledgeConfig, pool_texts: dict[int, list[int]] | None
+                ) -> PoolSet | None:
+    """The pools ``config.method`` drafts from, over ``pool_texts`` (None for the methods that do
+    not draft); each pool's trie is built when first needed."""
+    if config.method not in DRAFTING:
+        return None
+    return PoolSet(task.routing(config), pool_texts or {}, config.retrieval.window)
+
+
+def make_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None) -> Generator:
+    """A :data:`Generator` for ``config.method`` drafting from ``pools`` (:func:`build_pools`;
+    ``hf`` decodes its batch in one ``generate`` call, every other method one request at a time)."""
     model, budget, eos = task.model, config.max_new_tokens, task.eos
     if config.method == "ar":
-        return (lambda entities, prompts: [speculative_generate(model, p, budget, eos) for p in prompts]), None
+        return lambda entities, prompts: [speculative_generate(model, p, budget, eos) for p in prompts]
     if config.method in ("hf", "prompt-lookup"):
         lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
-        return (lambda entities, prompts: hf_generate(model, prompts, budget, eos, lookup)), None
-    pools = PoolSet(task.routing(config), pool_texts or {}, config.retrieval.window)
+        return lambda entities, prompts: hf_generate(model, prompts, budget, eos, lookup)
+    if pools is None:
+        raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
 
     def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
         return [speculative_generate(model, prompt, budget, eos,
                                      RetrievalDrafter(pools.trie_for(entity), config.retrieval), config.verification)
                 for entity, prompt in zip(entities, prompts)]
 
-    return generate, pools
+    return generate
+
+
+def local_runner(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
+                 batches: Batches) -> Iterator[tuple[list[int], list[Generation]]]:
+    """The batches decoded one after another in this process (a job whose pools grow with its
+    own output sees each text before the next request)."""
+    generate = make_generator(task, config, pools)
+    for entities, prompts in batches:
+        yield entities, generate(entities, prompts)
 
 
 @dataclass
@@ -244,9 +275,10 @@ class JobSummary:
 
 
 def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path | None = None,
-            limit: int | None = None, progress: bool = True) -> JobSummary:
+            limit: int | None = None, progress: bool = True, runner: Runner = local_runner) -> JobSummary:
     """Generate ``config``'s knowledge for every entity of the side and part (the first
-    ``limit``) missing from the store ``out``, persisting each result as it completes."""
+    ``limit``) missing from the store ``out``, persisting each result as it completes;
+    ``runner`` decodes the batches (default: in this process)."""
     if config.method in DRAFTING and pool is None and config.part == "new":
         raise RecspecError(f"method {config.method} drafts from earlier knowledge: pass --pool with the "
                            f"old-part store of side {config.side}")
@@ -254,8 +286,8 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
     summary = JobSummary()
     own = pool is None and config.method in DRAFTING
     texts = task.pool_texts(config, pool) if pool is not None else (
-        task.stored_texts(config.side, out) if own and Path(out).is_file() else {} if own else None)
-    generate, pools = make_generator(task, config, texts)  # bad settings fail before the store exists
+        task.stored_texts(config.side, out) if own and Path(out).is_file() else None)
+    pools = build_pools(task, config, texts)  # bad settings fail before the store exists
     fresh = not Path(out).exists()
     try:
         with KnowledgeStore(out, task.store_settings(config)) as store:
@@ -265,11 +297,12 @@ def run_job(task: KnowledgeTask, config: KnowledgeConfig, out: Path, pool: Path 
             prompt_of = {entity: task.prompt(config, entity) for entity in todo}
             if config.batch_size > 1:  # batch prompts of similar lengths: less padding
                 todo.sort(key=lambda entity: len(prompt_of[entity]))
+            batches = [(todo[start:start + config.batch_size],
+                        [prompt_of[entity] for entity in todo[start:start + config.batch_size]])
+                       for start in range(0, len(todo), config.batch_size)]
             with tqdm(total=len(todo), desc=f"{config.side} {config.part} knowledge ({config.method})",
                       unit="request", disable=not progress) as bar:
-                for start in range(0, len(todo), config.batch_size):
-                    batch = todo[start:start + config.batch_size]
-                    generations = generate(batch, [prompt_of[entity] for entity in batch])
+                for batch, generations in runner(task, config, pools, batches):
                     store.add([(task.entity_id(config.side, entity),
                                 task.tokenizer.decode(generation.tokens, skip_special_tokens=True), generation)
                                for entity, generation in zip(batch, generations)])

@@ -3,8 +3,10 @@
 ``create_app(config)`` is the ASGI app factory (``uvicorn --factory`` or ``recspec serve``). The
 models load in a thread after start-up, so ``GET /health`` answers at once: 503 ``loading``
 until they are in memory, then 200 ``ready`` (a load that fails is logged and the server asked
-to stop, ``on_failure``). Endpoints: ``POST /v1/recommend``, ``POST /v1/chat/completions``
-(OpenAI-style, for models whose prompts are chat messages), ``GET /v1/models``, ``GET /metrics``.
+to stop, ``on_failure``); a host that loads them before start-up (``app.state.recspec.load()``,
+as a Ray Serve replica does) starts batching at once. Endpoints: ``POST /v1/recommend``,
+``POST /v1/chat/completions`` (OpenAI-style, for models whose prompts are chat messages),
+``GET /v1/models``, ``GET /metrics``.
 
 Every refusal is JSON ``{"error": {"kind": ..., "message": ...}}`` with a 4xx status, decided
 before any model work: malformed JSON (400), a body over ``max_body_bytes`` (413), a body of the
@@ -131,11 +133,12 @@ class State:
         self.service = service
 
     async def start(self) -> None:
-        """Load the models off the event loop, then start batching; a failed load is reported
-        (``config.on_failure``) and /health says so."""
+        """Load the models off the event loop (unless :meth:`load` ran before), then start
+        batching; a failed load is reported (``config.on_failure``) and /health says so."""
         config, metrics = self.config, self.metrics
         try:
-            await asyncio.to_thread(self.load)
+            if self.service is None:
+                await asyncio.to_thread(self.load)
         except BaseException as err:  # noqa: BLE001 - reported, then the server is stopped
             self.failure = err
             log.error("recspec serve: could not load the models: %s", err)

@@ -1,0 +1,160 @@
+"""``recspec recommend --engine ray``: the users of a job decoded by a pool of Ray actors.
+
+The users are cut into the chunks :meth:`~recspec.recommend.Recommender.recommend` decodes one
+after another (:func:`~recspec.recommend.user_chunks`: whole batches, chunk ``i`` of a sampling
+decoder seeded ``seed + i``); each chunk is one shard. The shards still to do become a Ray
+Dataset and go through ``map_batches`` with :class:`ShardWorker`, a callable class, so each actor
+loads the target, draft and trie once (``auto`` is resolved once per actor, from the
+measurements kept beside the models). Results stream back to this process, which commits each
+shard atomically with its checksum (:class:`~recspec.cluster.shards.ShardFolder`, beside the
+output as ``OUT.parts/``) and, once all are there, writes ``OUT``: byte for byte the file the
+single-process path writes, for every decoder (same batches, same seeds).
+
+Ray retries the work of an actor that dies (its actors restart, its tasks are retried), and a
+re-run skips the shards already committed, so a job killed at any point loses at most the shards
+in flight and never writes one twice. The model folders must be readable at the same paths on
+every node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recspec.calibration import draft_identity
+from recspec.cluster.runtime import Workers, check_address, check_fits, connect, ray_errors
+from recspec.cluster.shards import ShardFolder
+from recspec.data import load_dataset
+from recspec.decoding.rounds import SpecStats
+from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
+from recspec.recommend import RecommendJob, check_folders, recs_text, trained_examples, user_chunks
+
+
+def parts_folder(out: Path) -> Path:
+    """Where the shards of the job writing ``out`` live: ``OUT.parts/`` beside it."""
+    out = Path(out)
+    return out.with_name(out.name + ".parts")
+
+
+def job_settings(job: RecommendJob) -> dict[str, Any]:
+    """What determines a job's output, recorded in its shard folder: the weights of the target
+    and drafts, the decoder and its options, K, data set, part, users and batch size."""
+    folder, info, models, heads = check_folders(job.target, job.draft_dir)
+    options = {f.name: getattr(job.options, f.name) for f in fields(job.options) if f.name != "planner"}
+    return {"target_sha256": weights_fingerprint(trained_model_dir(folder)), **draft_identity([*models, *heads]),
+            "decoder": job.decoder, "k": job.k, "options": options, "dataset": job.dataset or info["dataset"],
+            "format": job.format, "part": job.part, "users": job.users, "batch_size": job.batch_size}
+
+
+class ShardWorker:
+    """A Ray Data callable class: the job's models loaded once per actor; each call decodes the
+    shards of its batch (column ``shard``) and returns their lines."""
+
+    def __init__(self, job: RecommendJob, threads: int, device: str) -> None:
+        started = time.perf_counter()
+        torch.set_num_threads(threads)
+        self.job = job
+        self.recommender = job.load(device)
+        self.examples = self.recommender.examples(job.part, job.users)
+        self.chunks = user_chunks(len(self.examples), job.batch_size)
+        self.decoder, self.options, self.choice = job.decoder, job.options, ""
+        if job.decoder == "auto":  # once per actor, as the single-process path does once per job
+            from recspec.auto import choose
+
+            choice = choose(self.recommender, job.k, job.batch_size)
+            self.decoder, self.options, self.choice = choice.decoder, choice.options, choice.reason
+        self.load_s = time.perf_counter() - started
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out: dict[str, list] = {"shard": [], "text": [], "users": [], "seconds": [], "stats": [], "pid": [],
+                                "load_s": []}
+        for shard in batch["shard"].tolist():  # one shard per call (batch_size=1)
+            rows = self.chunks[shard]
+            examples = self.examples.subset(np.arange(rows.start, rows.stop))
+            started = time.perf_counter()
+            decoded = self.recommender.recommend(examples, self.job.k, self.decoder, self.job.batch_size,
+                                                 replace(self.options, seed=self.options.seed + shard))
+            out["seconds"].append(time.perf_counter() - started)
+            out["shard"].append(shard)
+            out["text"].append(recs_text(self.recommender, examples, decoded.topk))
+            out["users"].append(len(rows))
+            out["stats"].append(_stats_json(decoded.stats))
+            out["pid"].append(os.getpid())
+            out["load_s"].append(self.load_s)
+        return {name: np.asarray(values) for name, values in out.items()}
+
+
+def _stats_json(stats: SpecStats | None) -> str:
+    return json.dumps(None if stats is None else stats.summary())
+
+
+@dataclass
+class RayReport:
+    """What a Ray job did: users decoded now and before (committed shards skipped), decode
+    seconds summed over shards, wall seconds of the whole job (Ray start-up and model loading
+    included), per-user means of the speculative statistics (None for plain decoders), and per
+    actor process the seconds it took to load the models (``auto``'s choice included)."""
+
+    users: int = 0
+    skipped: int = 0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+    stats: dict[str, float] | None = None
+    workers: int = 0
+    load_s: dict[int, float] = field(default_factory=dict)
+
+    def line(self, out: Path, decoder: str) -> str:
+        if not self.users:
+            return f"nothing to decode ({self.skipped} users already in {parts_folder(out)}); wrote {out}"
+        return (f"{self.users} users in {self.wall_s:.1f} s ({self.users / self.wall_s:.1f} users/s end to end, "
+                f"{self.users / self.decode_s * self.workers:.1f} users/s decoding) with {decoder} on "
+                f"{self.workers} Ray worker(s); {self.skipped} users were already done; wrote {out}")
+
+
+def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: str | None = None,
+                     overwrite: bool = False, progress: bool = True) -> RayReport:
+    """Run ``job`` on a pool of Ray actors (module doc) and write ``out``; the report."""
+    started = time.perf_counter()
+    check_address(address)
+    _, info, _, _ = check_folders(job.target, job.draft_dir)
+    dataset = load_dataset(job.dataset or info["dataset"], job.format if job.dataset else info.get("format"))
+    chunks = user_chunks(len(trained_examples(dataset, info, job.part, job.users)), job.batch_size)
+    shards = ShardFolder(parts_folder(out), job_settings(job), len(chunks), overwrite)
+    todo = shards.todo()
+    report = RayReport(skipped=sum(len(chunks[s]) for s in range(len(chunks)) if s not in set(todo)),
+                       workers=workers.count)
+    if todo:
+        import ray
+        from tqdm.auto import tqdm
+
+        connect(address)
+        check_fits(workers)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        results = ray.data.from_items([{"shard": shard} for shard in todo], override_num_blocks=len(todo)).map_batches(
+            ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers.count, len(todo))),
+            fn_constructor_kwargs={"job": job, "threads": workers.cpus, "device": workers.device},
+            **workers.remote_args())
+        summaries = []
+        with ray_errors(), tqdm(total=sum(len(chunks[s]) for s in todo), unit="user", desc=f"{job.decoder} (ray)",
+                                disable=not progress, dynamic_ncols=True) as bar:
+            for row in results.iter_rows():
+                shards.commit(int(row["shard"]), str(row["text"]))
+                report.users += int(row["users"])
+                report.decode_s += float(row["seconds"])
+                report.load_s[int(row["pid"])] = float(row["load_s"])
+                if (summary := json.loads(str(row["stats"]))) is not None:
+                    summaries.append((int(row["users"]), summary))
+                bar.update(int(row["users"]))
+        if summaries:
+            total = sum(users for users, _ in summaries)
+            report.stats = {name: sum(users * s[name] for users, s in summaries) / total for name in summaries[0][1]}
+    shards.merge(out)
+    report.wall_s = time.perf_counter() - started
+    return report
