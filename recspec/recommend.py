@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
+from recspec.data.loaders import keep_items
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
@@ -183,28 +184,38 @@ class Recommender:
         for, refused before any model is loaded when the index has fewer items."""
         folder, info, models, heads = check_folders(model_dir, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
-        if k is not None and not 1 <= k <= len(index.item_keys):
-            raise RecspecError(f"k={k} is outside [1, {len(index.item_keys)}]: the item index of {folder} has "
-                               f"{len(index.item_keys)} items")
+        check_k(k, index, folder)
         model, tokenizer = load_trained(folder, index, device=device)
-        template = saved_template(trained_model_dir(folder), tokenizer)
+        model_folder = trained_model_dir(folder)
+        dataset = run_dataset(info, index, dataset)
+        encoder = PromptEncoder(index, dataset.item_ids, tokenizer, saved_template(model_folder, tokenizer))
+        return cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder)
+
+    @classmethod
+    def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset, info: dict[str, Any], device: str = "cpu",
+                   models: Sequence[Path] = (), heads: Sequence[Path] = (), folder: Path | None = None
+                   ) -> Recommender:
+        """A recommender from a loaded target ``model``, its prompt ``encoder`` for ``dataset`` and
+        its run ``info``, with the draft ``models`` and ``heads`` (folders checked by
+        :func:`check_drafts`; at most one of each) loaded and checked against it. ``folder``: the
+        target's model folder, which heads are tied to and ``auto`` keeps its measurements in
+        (None for a model loaded from elsewhere, :mod:`recspec.importer`)."""
+        index, tokenizer = encoder.index, encoder.tokenizer
         draft_model = head = None
         if heads:
-            fingerprint = head_fingerprint(trained_model_dir(folder), index)
-            head = bind_head(load_head(heads[0], fingerprint, device), model, tokenizer, index)
+            if folder is None:
+                raise RecspecError("a draft head is tied to its target's model folder; import the target first "
+                                   "(`recspec import`) and train the head for that folder")
+            head = bind_head(load_head(heads[0], head_fingerprint(folder, index), device), model, tokenizer, index)
         if models:
             draft_model, draft_tokenizer = load_trained(models[0], index, device=device)
             check_same_vocabulary(draft_tokenizer, tokenizer)
-            if saved_template(trained_model_dir(models[0]), draft_tokenizer) != template:
+            if saved_template(trained_model_dir(models[0]), draft_tokenizer) != encoder.template:
                 raise RecspecError(f"{models[0]}: the draft was trained with another prompt template than the "
                                    f"target; train it with the target's preset family")
         draft = HybridPair(draft_model, head) if draft_model is not None and head is not None else draft_model or head
-        if dataset is None:
-            dataset = load_dataset(info["dataset"], info.get("format"))
-        encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
-        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, trained_model_dir(folder),
-                   (*models, *heads))
+        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
@@ -218,6 +229,9 @@ class Recommender:
         if decoder == "auto":  # the fastest exact decoder for this pair, K and batch size
             from recspec.auto import choose
 
+            if self.folder is None:
+                raise RecspecError("decoder auto keeps its measurements in the model folder; import the model "
+                                   "first (`recspec import`) or name a decoder")
             choice = choose(self, k, batch_size or len(examples))
             decoded = self.recommend(examples, k, choice.decoder, batch_size, choice.options, progress)
             return replace(decoded, choice=choice.reason)
@@ -264,9 +278,16 @@ def user_chunks(users: int, batch_size: int | None) -> list[range]:
 def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | Path] | None = None
                   ) -> tuple[Path, dict[str, Any], list[Path], list[Path]]:
     """What :meth:`Recommender.load` checks before loading any weights: the target's trained
-    folder and run info, then the draft models and heads of ``draft_dir`` (:func:`draft_folders`;
-    at most one of each, each folder readable), so that a damaged draft is named first."""
+    folder and run info, then the drafts (:func:`check_drafts`), so that a damaged draft is
+    named first."""
     folder, info = run_info(Path(model_dir))
+    models, heads = check_drafts(draft_dir)
+    return folder, info, models, heads
+
+
+def check_drafts(draft_dir: str | Path | Sequence[str | Path] | None) -> tuple[list[Path], list[Path]]:
+    """The draft models and heads of ``draft_dir`` (:func:`draft_folders`): at most one of each,
+    each folder readable."""
     folders = draft_folders(draft_dir)
     heads = [path for path in folders if is_head_dir(path)]
     models = [path for path in folders if not is_head_dir(path)]
@@ -277,7 +298,23 @@ def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | 
         read_head_config(head_dir(path))
     for path in models:
         trained_model_dir(path)
-    return folder, info, models, heads
+    return models, heads
+
+
+def check_k(k: int | None, index: ItemIndex, source: str | Path) -> None:
+    """Refuse ``k`` (the items to be asked for; None: not known yet) outside ``[1, items of index]``."""
+    if k is not None and not 1 <= k <= len(index.item_keys):
+        raise RecspecError(f"k={k} is outside [1, {len(index.item_keys)}]: the item index of {source} has "
+                           f"{len(index.item_keys)} items")
+
+
+def run_dataset(info: dict[str, Any], index: ItemIndex, dataset: Dataset | None = None) -> Dataset:
+    """The data set a model is used with: ``dataset``, else the one of its run ``info``; for a
+    model trained elsewhere (``only_indexed_items`` in its run info, :mod:`recspec.importer`)
+    without the interactions of the items its index lacks (:func:`~recspec.data.loaders.keep_items`)."""
+    if dataset is None:
+        dataset = load_dataset(info["dataset"], info.get("format"))
+    return keep_items(dataset, index.item_keys) if info.get("only_indexed_items") else dataset
 
 
 def draft_folders(draft_dir: str | Path | Sequence[str | Path] | None) -> list[Path]:

@@ -13,9 +13,9 @@ LAYERS = (
     ("errors", "fileio", "devices", "statefile", "assets", "hub", "data", "eval"),
     ("itemids", "models"),
     ("decoding",),
-    ("recommend", "calibration", "auto", "fit", "knowledge", "align"),
+    ("recommend", "calibration", "auto", "fit", "knowledge", "align", "hf", "importer"),
     ("bench", "cluster"),
-    ("serve", "cli"),
+    ("serve", "cli", "api"),
 )
 ROOT = Path(recspec.__file__).parent
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,

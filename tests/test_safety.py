@@ -37,7 +37,7 @@ class _Planted:
         return (Path.touch, (self.marker,))
 
 
-def _armed_pickle(marker: Path) -> bytes:
+def armed_pickle(marker: Path) -> bytes:
     """The planted payload: loading it with ``pickle`` or ``torch.load(weights_only=False)`` would
     call ``Path.touch(marker)`` (its ``__reduce__``); the tests check that ``marker`` never appears."""
     payload = pickle.dumps(_Planted(marker))
@@ -93,7 +93,7 @@ def test_model_folders_record_checksums(trained) -> None:
 
 def test_planted_pickles_in_training_folders_never_run(trained, tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
-    payload = _armed_pickle(marker)
+    payload = armed_pickle(marker)
     args = ["train", "--dataset", str(trained["data"]), "--ids", str(trained["ids"]), *TRAIN]
     # an old-style pickle checkpoint beside a real one
     run = _copy(trained["target"], tmp_path / "run")
@@ -116,7 +116,7 @@ def test_planted_pickles_in_training_folders_never_run(trained, tmp_path: Path) 
 
 def test_planted_pickles_in_alignment_folders_never_run(trained, tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
-    payload = _armed_pickle(marker)
+    payload = armed_pickle(marker)
     data = tmp_path / "align-data"
     result = recspec("align", "data", "--target", str(trained["target"]), "--out", str(data), "--k", "5",
                      "--valid-prompts", "16", "--batch-size", "32")
@@ -139,7 +139,7 @@ def test_planted_pickles_in_alignment_folders_never_run(trained, tmp_path: Path)
 
 def test_planted_pickle_in_distill_folder_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
-    payload = _armed_pickle(marker)
+    payload = armed_pickle(marker)
     out = tmp_path / "distill"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(payload)

@@ -41,10 +41,11 @@ from recspec.decoding.scorer import forward_prompt_and_tree, next_log_probs
 from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_path, read_json, sha256_file, write_json_atomic
+from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
 from recspec.models.tokenizer import index_fingerprint
 from recspec.models.checkpoint import INDEX_FILE
-from recspec.recommend import Recommender
+from recspec.recommend import Recommender, run_dataset
 
 FORMAT = "recspec-align/1"
 MANIFEST = "manifest.json"
@@ -241,7 +242,14 @@ def provenance(recommender: Recommender, target_dir: Path, k: int, draft_dir: Pa
             "index_fingerprint": index_fingerprint(recommender.index), "dataset": recommender.info["dataset"],
             "format_of_dataset": recommender.info.get("format"), "split": recommender.info.get("split"),
             "max_history": recommender.info.get("max_history", 20), "preset": recommender.info.get("preset"),
+            "only_indexed_items": recommender.info.get("only_indexed_items"),
             "prompt": recommender.encoder.template.to_json(), "k": k}
+
+
+def manifest_dataset(manifest: dict[str, Any], index: ItemIndex) -> Dataset:
+    """The data set alignment data was made on, as its target saw it (:func:`~recspec.recommend.run_dataset`)."""
+    return run_dataset({"dataset": manifest["dataset"], "format": manifest.get("format_of_dataset"),
+                        "only_indexed_items": manifest.get("only_indexed_items")}, index)
 
 
 def generate(target_dir: Path, out_dir: Path, config: DataConfig = DataConfig(), device: str = "cpu",

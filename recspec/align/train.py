@@ -16,11 +16,11 @@ from recspec.align.data import PARTS
 from recspec.align.task import AlignmentTask, check_method, read_manifest
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
-from recspec.models.checkpoint import INDEX_FILE, load_trained, write_run_info
-from recspec.models.examples import PromptEncoder
+from recspec.models.checkpoint import INDEX_FILE, load_trained, trained_model_dir, write_run_info
+from recspec.models.examples import PromptEncoder, PromptTemplate
 from recspec.fit import prepare_training_dir
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
-from recspec.models.tokenizer import identifier_token_ids, index_fingerprint
+from recspec.models.tokenizer import identifier_token_ids, index_fingerprint, load_tokenizer_dir
 from recspec.models.head import HeadConfig
 from recspec.models.train import TrainConfig, TrainResult, train
 
@@ -50,8 +50,10 @@ def acceptance_evaluator(target, task: AlignmentTask, users: int, k: int, draft_
 def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, preset: str = "draft-tiny",
               target_dir: Path | None = None, config: TrainConfig | None = None, eval_users: int = 256,
               eval_k: int = 10, eval_beams: int = 40, overwrite: bool = False, progress: bool = True) -> TrainResult:
-    """Train a fresh ``preset`` draft on the alignment data of ``data_dir`` with ``method``."""
-    from recspec.data import load_dataset
+    """Train a fresh ``preset`` draft on the alignment data of ``data_dir`` with ``method``. The
+    draft of a target no preset built (one made by `recspec import`) is a fresh ``preset`` model
+    over the target's own tokenizer, with its prompt template."""
+    from recspec.align.data import manifest_dataset
 
     check_method(method, alpha)
     config = config or TrainConfig()
@@ -60,14 +62,20 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
     if index_fingerprint(index) != manifest["index_fingerprint"]:
         raise RecspecError(f"{data_dir}: {INDEX_FILE} does not match the manifest; the data folder was altered")
     out_dir = prepare_training_dir(out_dir, overwrite)
-    dataset = load_dataset(manifest["dataset"], manifest.get("format_of_dataset"))
-    tokenizer = preset_tokenizer(preset, index)
-    encoder = PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
+    dataset = manifest_dataset(manifest, index)
+    if manifest.get("preset") is None:  # an imported target: its tokenizer and prompt
+        tokenizer = load_tokenizer_dir(trained_model_dir(manifest["target"]), index)
+        template = PromptTemplate.from_json(manifest["prompt"])
+    else:
+        tokenizer = preset_tokenizer(preset, index)
+        template = preset_template(preset, tokenizer)
+    encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     task = AlignmentTask.load(Path(data_dir), encoder, trie, method, alpha)
     model = build_model(preset, tokenizer, seed=config.seed)
     info: dict[str, Any] = {"dataset": manifest["dataset"], "format": manifest.get("format_of_dataset"),
                             "split": manifest["split"], "max_history": manifest["max_history"], "preset": preset,
+                            "only_indexed_items": manifest.get("only_indexed_items"),
                             "alignment": {"method": method, "alpha": alpha, "data": str(Path(data_dir).resolve())}}
     write_run_info(out_dir, index, info)
     if target_dir is None:
@@ -85,7 +93,6 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
     (:mod:`recspec.align.head`): ``layers`` blocks of the target's width with an MLP of twice
     that; epochs selected by validation acceptance."""
     from recspec.align.head import HeadAlignmentTask, HeadStore
-    from recspec.models.checkpoint import trained_model_dir
     from recspec.models.head import DraftHead, bind_head, head_fingerprint
     from recspec.recommend import Recommender
 

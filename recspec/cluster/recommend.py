@@ -33,8 +33,9 @@ from recspec.cluster.runtime import Workers, check_address, check_fits, connect,
 from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
 from recspec.decoding.rounds import SpecStats
-from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
-from recspec.recommend import RecommendJob, check_folders, recs_text, trained_examples, user_chunks
+from recspec.itemids.index import ItemIndex
+from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
+from recspec.recommend import RecommendJob, check_folders, recs_text, run_dataset, trained_examples, user_chunks
 
 
 def parts_folder(out: Path) -> Path:
@@ -123,8 +124,9 @@ def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: st
     """Run ``job`` on a pool of Ray actors (module doc) and write ``out``; the report."""
     started = time.perf_counter()
     check_address(address)
-    _, info, _, _ = check_folders(job.target, job.draft_dir)
-    dataset = load_dataset(job.dataset or info["dataset"], job.format if job.dataset else info.get("format"))
+    folder, info, _, _ = check_folders(job.target, job.draft_dir)
+    given = load_dataset(job.dataset, job.format) if job.dataset else None
+    dataset = run_dataset(info, ItemIndex.load(folder / INDEX_FILE), given)
     chunks = user_chunks(len(trained_examples(dataset, info, job.part, job.users)), job.batch_size)
     shards = ShardFolder(parts_folder(out), job_settings(job), len(chunks), overwrite)
     todo = shards.todo()

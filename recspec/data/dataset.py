@@ -103,6 +103,33 @@ class Dataset:
     def density(self) -> float:
         return len(self.interactions) / max(1, self.num_users * self.num_items)
 
+    def select(self, keep: np.ndarray, note: str) -> Dataset:
+        """The data set of the interactions where ``keep`` (bool ``[n]``) holds, users and items
+        without any left dropped (dense indices renumbered in order, side information and the
+        given split kept), ``note`` added to its notes."""
+        inter = self.interactions
+        users, user_map = np.unique(inter.users[keep], return_inverse=True)
+        items, item_map = np.unique(inter.items[keep], return_inverse=True)
+
+        def pick(values: list | None, index: np.ndarray) -> list | None:
+            return None if values is None else [values[i] for i in index]
+
+        info, uinfo = self.item_info, self.user_info
+        return Dataset(
+            name=self.name, source_format=self.source_format,
+            interactions=Interactions(users=user_map.astype(np.int64), items=item_map.astype(np.int64),
+                                      timestamps=inter.timestamps[keep],
+                                      ratings=None if inter.ratings is None else inter.ratings[keep]),
+            user_ids=[self.user_ids[u] for u in users], item_ids=[self.item_ids[i] for i in items],
+            item_info=None if info is None else ItemInfo(pick(info.titles, items), pick(info.years, items),
+                                                         pick(info.genres, items)),
+            user_info=None if uinfo is None else UserInfo(pick(uinfo.ages, users), pick(uinfo.genders, users),
+                                                          pick(uinfo.occupations, users)),
+            given_split=None if self.given_split is None else self.given_split[keep],
+            item_index_path=self.item_index_path,
+            notes=self.notes + [note],
+        )
+
     def user_positions(self, raw_ids: list[str]) -> np.ndarray:
         """int64 [len(raw_ids)]: dense indices of raw user ids; unknown ids raise an error naming them."""
         lookup = {u: i for i, u in enumerate(self.user_ids)}

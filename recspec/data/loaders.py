@@ -434,30 +434,33 @@ def kcore(dataset: Dataset, k: int) -> Dataset:
         if new_keep.sum() == keep.sum():
             break
         keep = new_keep
-    users, user_map = np.unique(inter.users[keep], return_inverse=True)
-    items, item_map = np.unique(inter.items[keep], return_inverse=True)
-    if len(users) == 0:
+    if not keep.any():
         raise RecspecError(f"dataset {dataset.name}: nothing is left after the {k}-core filter")
+    return dataset.select(keep, f"{k}-core filter kept {int(keep.sum())} of {len(inter)} interactions")
 
-    def pick(values: list | None, index: np.ndarray) -> list | None:
-        return None if values is None else [values[i] for i in index]
 
-    info = dataset.item_info
-    uinfo = dataset.user_info
-    return Dataset(
-        name=dataset.name, source_format=dataset.source_format,
-        interactions=Interactions(users=user_map.astype(np.int64), items=item_map.astype(np.int64),
-                                  timestamps=inter.timestamps[keep],
-                                  ratings=None if inter.ratings is None else inter.ratings[keep]),
-        user_ids=[dataset.user_ids[u] for u in users], item_ids=[dataset.item_ids[i] for i in items],
-        item_info=None if info is None else ItemInfo(pick(info.titles, items), pick(info.years, items),
-                                                     pick(info.genres, items)),
-        user_info=None if uinfo is None else UserInfo(pick(uinfo.ages, users), pick(uinfo.genders, users),
-                                                      pick(uinfo.occupations, users)),
-        given_split=None if dataset.given_split is None else dataset.given_split[keep],
-        item_index_path=dataset.item_index_path,
-        notes=dataset.notes + [f"{k}-core filter kept {int(keep.sum())} of {len(inter)} interactions"],
-    )
+def keep_items(dataset: Dataset, item_keys: Sequence[str]) -> Dataset:
+    """``dataset`` without the interactions of items outside ``item_keys`` (raw ids), for a model
+    that knows only those items; unchanged when it has no other item, an error when none of its
+    interactions is left."""
+    keys = set(item_keys)
+    known = np.fromiter((key in keys for key in dataset.item_ids), dtype=bool, count=dataset.num_items)
+    if known.all():
+        return dataset
+    keep = known[dataset.interactions.items]
+    if not keep.any():
+        raise RecspecError(f"dataset {dataset.name}: none of its items is in the item index (its ids look like "
+                           f"{', '.join(dataset.item_ids[:3])}; the index's like {', '.join(list(item_keys)[:3])}); "
+                           f"key the index by the data set's raw item ids")
+    return dataset.select(keep, f"{int((~known).sum())} of {dataset.num_items} items are not in the item index: "
+                                f"they cannot be recommended, and their {int((~keep).sum())} of {len(keep)} "
+                                f"interactions are left out of histories and targets")
+
+
+def recorded_spec(spec: str | Path) -> str:
+    """How a model folder records the data set ``spec`` it was made for: a known name as it is,
+    a path made absolute (so that the folder works from any working directory)."""
+    return str(spec) if str(spec) in KNOWN_DATASETS and not Path(spec).exists() else str(Path(spec).resolve())
 
 
 def load_dataset(spec: str | Path, format: str | None = None, min_interactions: int = 0) -> Dataset:

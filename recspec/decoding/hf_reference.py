@@ -60,7 +60,7 @@ def _hf_decode(
 _ALLOWED_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _allowed_tokens_table(trie: ItemTrie) -> dict[tuple[int, ...], list[int]]:
+def allowed_tokens_table(trie: ItemTrie) -> dict[tuple[int, ...], list[int]]:
     """Every non-leaf prefix of the trie -> its allowed next tokens (sorted), built once per trie
     (as LC-Rec precomputes its prefix table), so HF's constraint is a dict lookup per beam."""
     if trie not in _ALLOWED_TABLES:
@@ -94,5 +94,5 @@ def hf_beam_search(
     ``prompts``: one 1-D int tensor per user (lengths may differ); batches of ``batch_size`` users
     (all if None) are left-padded with ``pad_token_id``.
     """
-    decode = partial(_hf_decode, _allowed_tokens_table(trie))
+    decode = partial(_hf_decode, allowed_tokens_table(trie))
     return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)

@@ -138,6 +138,17 @@ def load_released(path: str | Path, collisions: str = "reassign") -> tuple[ItemI
     return ItemIndex(fixed.item_keys, fixed.identifiers, source=index.source), stats
 
 
+def load_index(path: str | Path) -> tuple[ItemIndex, dict[str, dict[str, list[str]]]]:
+    """An identifier file (or a folder holding ``item_index.json``) as recspec uses it: as it is,
+    or with its collisions resolved (:func:`load_released`) where it has any; and the items that
+    resolution moved (raw id -> ``{"from": tokens, "to": tokens}``)."""
+    index = ItemIndex.load(path)
+    if not collision_groups(index.codes):
+        return index, {}
+    resolved, stats = load_released(path)
+    return resolved, stats["changes"]
+
+
 def write_identifiers(out: Path, index: ItemIndex, stats: dict[str, Any], overwrite: bool = False) -> None:
     """Write ``out/item_index.json`` and ``out/stats.json`` atomically (the folder appears complete or not at all)."""
     with atomic_dir(out, overwrite=overwrite) as staging:
@@ -156,9 +167,6 @@ def dataset_identifiers(dataset: Dataset, ids: str | Path | None = None) -> Item
                                f"and pass --ids")
         index, _ = load_released(dataset.item_index_path)
     else:
-        path = Path(ids)
-        index = ItemIndex.load(path)
-        if collision_groups(index.codes):
-            index, _ = load_released(path)
+        index, _ = load_index(ids)
     index.positions(dataset.item_ids)  # raises on items without identifiers
     return index

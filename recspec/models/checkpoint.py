@@ -19,7 +19,8 @@ from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, s
 from recspec.hub import check_finite_weights, loading_errors
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
-from recspec.models.tokenizer import check_index, load_tokenizer_dir, read_metadata, save_tokenizer
+from recspec.models.tokenizer import (check_index, identifier_token_ids, load_tokenizer_dir, read_metadata,
+                                      save_tokenizer)
 from recspec.statefile import has_state, load_state, refuse_object_files, save_state
 
 CHECKPOINT_DIR, BEST_DIR, STATE_NAME, WEIGHTS_FILE = "checkpoint", "best", "trainer_state", "model.safetensors"
@@ -158,17 +159,39 @@ def trained_model_dir(path: str | Path) -> Path:
     return folder
 
 
+def check_vocabulary_fits(tokenizer, vocab_size: int, folder: Path, index: ItemIndex | None = None) -> None:
+    """Refuse a tokenizer with ids beyond the model's ``vocab_size`` embeddings (more rows than the
+    tokenizer has, as models pad them to a round number, are fine), naming the identifier tokens
+    of ``index`` among them: an extended tokenizer whose model was not resized."""
+    if len(tokenizer) <= vocab_size:
+        return
+    outside = sorted((i, t) for t, i in identifier_token_ids(tokenizer, index).items() if i >= vocab_size) \
+        if index is not None else []
+    named = f"; identifier tokens {', '.join(t for _, t in outside[:3])} ({len(outside)} in all) have ids from " \
+            f"{outside[0][0]} to {outside[-1][0]}" if outside else ""
+    raise RecspecError(f"{folder}: the model has {vocab_size} token embeddings but its tokenizer {len(tokenizer)} "
+                       f"tokens{named}; resize the model's embeddings to the tokenizer "
+                       f"(model.resize_token_embeddings(len(tokenizer))) before saving it")
+
+
 def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
     """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`). With ``index``, a
     folder built for another item index is refused."""
-    from transformers import AutoModelForCausalLM
-
     folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
+    model = load_safetensors_lm(folder)
+    check_vocabulary_fits(tokenizer, model.config.get_text_config().vocab_size, folder, index)
+    return model.to(device), tokenizer
+
+
+def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
+    """The causal LM of a model folder on the CPU, in eval mode: weights from safetensors only
+    (a pickle is never opened), no code from the folder (no ``trust_remote_code``), every weight
+    checked finite. ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
+    from transformers import AutoModelForCausalLM
+
     with loading_errors(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if model.config.vocab_size != len(tokenizer):
-        raise RecspecError(f"{folder}: model vocabulary ({model.config.vocab_size}) and tokenizer ({len(tokenizer)}) "
-                           f"differ")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True,
+                                                     trust_remote_code=False)
     check_finite_weights(model, folder)
-    return model.to(device).eval(), tokenizer
+    return model.eval()

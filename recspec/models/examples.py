@@ -7,9 +7,11 @@ A prompt wraps the user's history (``n`` items, identifier length ``L``) in a
 
 where ``t(i)`` is the L identifier tokens of item ``i``, so its length is
 ``P = |prefix| + n * (L + |sep|) - |sep| + |suffix|``. recspec's own identifier tokenizer uses
-``<bos>`` / nothing / ``<sep>`` (``P = 2 + n * L``); the LLM preset wraps the history in an
-instruction rendered by the LLM's chat template. The answer is the target's L tokens, with no
-end token (every identifier has the same length).
+``<bos>`` / nothing / ``<sep>`` (``P = 2 + n * L``); a prompt written as text with a
+``{history}`` slot (:class:`TextTemplate`: the LLM preset's instruction rendered by the LLM's chat
+template, or the prompt of a checkpoint trained elsewhere) becomes one by tokenizing the text
+around the slot. The answer is the target's L tokens, with no end token (every identifier has the
+same length).
 
 A training sequence is prompt + answer, *left*-padded, so the answer always occupies the last L
 columns and the loss needs the logits of the last ``L + 1`` positions only (``logits_to_keep``:
@@ -23,7 +25,7 @@ vectorized over examples and tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -62,8 +64,9 @@ class PromptTemplate:
         return cls((int(ids["bos"]),), (), (int(ids["sep"]),))
 
     @classmethod
-    def from_text(cls, tokenizer, text: str, separator: str) -> PromptTemplate:
-        """Tokenize ``text`` around its one ``{history}`` slot, and ``separator``.
+    def from_text(cls, tokenizer, text: str, separator: str, special_tokens: bool = False) -> PromptTemplate:
+        """Tokenize ``text`` around its one ``{history}`` slot, and ``separator``; with
+        ``special_tokens``, the tokens ``tokenizer(text)`` adds around a text go around it too.
 
         Identifier tokens are added tokens, which a tokenizer splits off before anything else,
         so the pieces tokenize exactly as the whole prompt text would.
@@ -75,7 +78,8 @@ class PromptTemplate:
         def encode(piece: str) -> tuple[int, ...]:
             return tuple(tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else ()
 
-        return cls(encode(before), encode(separator), encode(after))
+        lead, tail = added_special_tokens(tokenizer) if special_tokens else ((), ())
+        return cls(lead + encode(before), encode(separator), encode(after) + tail)
 
     def to_json(self) -> dict[str, list[int]]:
         return {"prefix": list(self.prefix), "separator": list(self.separator), "suffix": list(self.suffix)}
@@ -86,6 +90,65 @@ class PromptTemplate:
             return cls(*(tuple(int(t) for t in data[key]) for key in ("prefix", "separator", "suffix")))
         except (KeyError, TypeError, ValueError):
             raise RecspecError(f"malformed prompt template {data!r}") from None
+
+
+def added_special_tokens(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The token ids ``tokenizer(text)`` puts before and after a text's own tokens (LLaMA's
+    ``<s>`` before; nothing for most chat LLMs, whose chat template writes its own)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    if not starts:
+        raise RecspecError("the tokenizer's special tokens change the tokens of the text itself; write them "
+                           "into the prompt template and use the chat template or none")
+    return tuple(full[:starts[0]]), tuple(full[starts[0] + len(plain):])
+
+
+@dataclass(frozen=True)
+class TextTemplate:
+    """A prompt written as text (LC-Rec style): ``text`` holds one ``{history}`` slot, which
+    becomes the history's identifiers, oldest first, each item's tokens written together and the
+    items joined by ``separator``. With ``chat``, ``text`` is the user's message (after the
+    ``system`` message, when given) rendered by the tokenizer's chat template with the generation
+    prompt, as the LLM presets do; without, it is tokenized as ``tokenizer(text)`` does, with the
+    special tokens the tokenizer adds (:func:`added_special_tokens`)."""
+
+    text: str
+    separator: str = ", "
+    chat: bool = False
+    system: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.text.count(HISTORY_SLOT) != 1:
+            raise RecspecError(f"a prompt template needs exactly one {HISTORY_SLOT} slot (where the history's "
+                               f"identifiers go), got {self.text!r}")
+
+    def history_text(self, identifiers: Sequence[Sequence[str]]) -> str:
+        """The text of a history: each item's identifier tokens written together, oldest first."""
+        return self.separator.join("".join(tokens) for tokens in identifiers)
+
+    def render(self, tokenizer, history: str) -> str:
+        """The prompt text with ``history`` in the slot, rendered by the chat template with ``chat``."""
+        text = self.text.replace(HISTORY_SLOT, history)
+        if not self.chat:
+            return text
+        if not getattr(tokenizer, "chat_template", None):
+            raise RecspecError("the tokenizer has no chat template; write the whole prompt as the template instead")
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        return tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    def encode(self, tokenizer, history: str) -> list[int]:
+        """Token ids of the whole prompt text around ``history``, as the tokenizer makes them."""
+        return list(tokenizer(self.render(tokenizer, history), add_special_tokens=not self.chat)["input_ids"])
+
+    def tokens(self, tokenizer) -> PromptTemplate:
+        """The template as token ids, for :class:`PromptEncoder`."""
+        return PromptTemplate.from_text(tokenizer, self.render(tokenizer, HISTORY_SLOT), self.separator,
+                                        special_tokens=not self.chat)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def saved_template(folder, tokenizer) -> PromptTemplate:

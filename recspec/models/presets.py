@@ -29,7 +29,7 @@ import torch
 
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
-from recspec.models.examples import PromptTemplate
+from recspec.models.examples import PromptTemplate, TextTemplate
 from recspec.models.tokenizer import build_tokenizer, extend_llm_tokenizer
 
 MAX_POSITIONS = 512
@@ -97,9 +97,7 @@ def preset_template(name: str, tokenizer) -> PromptTemplate:
     """The prompt template of preset ``name`` (``tokenizer`` from :func:`preset_tokenizer`)."""
     if get_preset(name).llm is None:
         return PromptTemplate.identifiers_only(tokenizer)
-    messages = [{"role": "system", "content": LLM_SYSTEM}, {"role": "user", "content": LLM_INSTRUCTION}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return PromptTemplate.from_text(tokenizer, text, LLM_SEPARATOR)
+    return TextTemplate(LLM_INSTRUCTION, LLM_SEPARATOR, chat=True, system=LLM_SYSTEM).tokens(tokenizer)
 
 
 def preset_config(preset: str, tokenizer, **overrides: Any):

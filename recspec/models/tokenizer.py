@@ -92,8 +92,27 @@ def identifier_token_ids(tokenizer, index: ItemIndex) -> dict[str, int]:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise RecspecError(f"the tokenizer lacks identifier token(s) {shown} of {index.source or 'the item index'}; "
-                           f"was it built from another index?")
+                           f"use the index it was built from, or add the tokens to it (tokenizer.add_tokens)")
     return {t: vocab[t] for t in index.tokens}
+
+
+def check_one_token_each(tokenizer, index: ItemIndex) -> dict[str, int]:
+    """:func:`identifier_token_ids`, refusing identifier tokens that do not tokenize to exactly their
+    own id, alone and written together as a prompt writes them (added tokens do; an entry of a
+    BPE vocabulary may be split or merged with its neighbours)."""
+    ids = identifier_token_ids(tokenizer, index)
+    alone = tokenizer(list(ids), add_special_tokens=False)["input_ids"]
+    split = [(token, got) for token, got in zip(ids, alone) if got != [ids[token]]]
+    if split:
+        token, got = split[0]
+        raise RecspecError(f"identifier token(s) {', '.join(t for t, _ in split[:5])} ({len(split)} in all) of "
+                           f"{index.source or 'the item index'} are not one token each ({token} becomes {len(got)} "
+                           f"tokens); add them to the tokenizer as added tokens (tokenizer.add_tokens)")
+    if tokenizer("".join(ids), add_special_tokens=False)["input_ids"] != list(ids.values()):
+        raise RecspecError(f"identifier tokens of {index.source or 'the item index'} written together do not "
+                           f"tokenize to one token each; add them to the tokenizer as added tokens "
+                           f"(tokenizer.add_tokens)")
+    return ids
 
 
 def check_same_vocabulary(tokenizer_a, tokenizer_b, names: tuple[str, str] = ("draft", "target")) -> None:

@@ -1,0 +1,145 @@
+"""recspec inside transformers' ``generate``: a drop-in for constrained beam search over items.
+
+A generative recommender trained elsewhere (LC-Rec, MiniOneRec style: a causal LM whose tokenizer
+holds the identifier tokens, an index file mapping each item to its tokens) is usually decoded with
+``model.generate(num_beams=K, num_return_sequences=K, prefix_allowed_tokens_fn=...)``. Two ways
+to keep that call:
+
+* :func:`trie_beam_search` returns a callable for transformers 5's ``custom_generate``:
+  ``model.generate(**inputs, custom_generate=trie_beam_search(index, tokenizer), num_beams=10,
+  num_return_sequences=10)`` returns what the constrained ``generate`` returns (the same
+  sequences in the same order; with ``return_dict_in_generate`` a ``GenerateBeamDecoderOnlyOutput``
+  whose ``sequences_scores``, with ``output_scores``, are the items' log-probabilities divided by
+  the generated length to the power ``length_penalty``, as transformers computes them; the
+  per-step ``scores`` are not kept and stay None), decoded by recspec's ``tree-beam`` (one target call per
+  identifier level, no cache copies), or by strict speculative beam search with a ``draft``
+  (a causal LM with the same tokenizer).
+* :class:`TrieConstraint` is a ``LogitsProcessor`` for users who keep transformers' own beam
+  search: the trie's allowed tokens as one vectorized mask per step instead of a Python callback
+  per beam.
+
+The index is a path to an ``item_index.json`` (``{"item": ["<a_1>", "<b_2>", ...]}``, LC-Rec's
+layout) or an :class:`~recspec.itemids.index.ItemIndex`; ``end_with_eos`` appends the tokenizer's
+end-of-sequence token to every identifier, for models trained (and constrained) to close an item
+with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import LogitsProcessor
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
+
+from recspec.errors import RecspecError
+from recspec.itemids.index import ItemIndex
+from recspec.itemids.trie import ItemTrie
+from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
+from recspec.recommend import DecodeOptions, run_decoder
+
+#: Decoders the drop-in runs: the exact ones (the same items as transformers' beam search).
+DROP_IN_DECODERS = ("tree-beam", "beam", "spec-strict")
+#: Generation settings the drop-in cannot honour (it returns no per-step tensors, and samples nothing).
+UNSUPPORTED = ("do_sample", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def item_trie(index: str | Path | ItemIndex, tokenizer, end_with_eos: bool = False) -> ItemTrie:
+    """The trie of ``index``'s identifiers as ``tokenizer``'s token ids (each identifier token
+    must be one token of its vocabulary: missing ones are named), closed by the end-of-sequence
+    token with ``end_with_eos``."""
+    if not isinstance(index, ItemIndex):
+        index = ItemIndex.load(Path(index))
+    ids = identifier_token_ids(tokenizer, index)
+    codes = torch.as_tensor([[ids[token] for token in identifier] for identifier in index.identifiers])
+    if end_with_eos:
+        if tokenizer.eos_token_id is None:
+            raise RecspecError("end_with_eos: the tokenizer has no end-of-sequence token")
+        codes = torch.cat((codes, torch.full((len(codes), 1), tokenizer.eos_token_id)), dim=1)
+    return ItemTrie(codes, len(tokenizer))
+
+
+def check_vocabulary(model, trie: ItemTrie, name: str = "model") -> None:
+    """Refuse a model whose output layer is smaller than the trie's token ids need."""
+    size = model.get_output_embeddings().weight.shape[0]
+    if trie.vocab_size > size:
+        raise RecspecError(f"the {name} scores {size} tokens, but the index's tokenizer has {trie.vocab_size}: "
+                           f"resize its embeddings to the tokenizer (model.resize_token_embeddings) or use its own "
+                           f"tokenizer")
+
+
+class TrieConstraint(LogitsProcessor):
+    """Allow only tokens that continue the generated suffix towards an item of the trie (and
+    ``-inf`` everywhere else), for transformers' own ``generate``; ``prompt_length``: the width of
+    the (left-padded) prompt, after which generation starts."""
+
+    def __init__(self, trie: ItemTrie, prompt_length: int) -> None:
+        self.trie, self.prompt_length = trie, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """``input_ids`` ``[N, prompt + t]``, ``scores`` float ``[N, V]``: the masked scores."""
+        if self.trie.device != input_ids.device:
+            self.trie = self.trie.to(input_ids.device)
+        trie = self.trie
+        nodes = trie.walk(input_ids[:, self.prompt_length:])
+        allowed = trie.allowed_mask(nodes)
+        if allowed.shape[1] < scores.shape[1]:
+            allowed = torch.nn.functional.pad(allowed, (0, scores.shape[1] - allowed.shape[1]))
+        return scores.masked_fill(~allowed[:, :scores.shape[1]], -torch.inf)
+
+
+def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decoder: str | None = None,
+                     end_with_eos: bool = False, draft_beams: int = 40, batch_size: int | None = None,
+                     draft_tokenizer=None) -> Callable[..., torch.Tensor | GenerateBeamDecoderOnlyOutput]:
+    """A ``custom_generate`` for transformers 5 (module doc). ``decoder``: ``tree-beam`` (the
+    default without a draft), ``beam``, or ``spec-strict`` (the default with ``draft``, drafting
+    ``draft_beams`` sequences per level; ``draft_tokenizer``, when given, must map every token as
+    ``tokenizer`` does); ``batch_size``: users decoded together (all if None)."""
+    if draft_tokenizer is not None:
+        check_same_vocabulary(draft_tokenizer, tokenizer)
+    trie = item_trie(index, tokenizer, end_with_eos)
+    decoder = decoder or ("spec-strict" if draft is not None else "tree-beam")
+    if decoder not in DROP_IN_DECODERS:
+        raise RecspecError(f"the drop-in runs the exact decoders {', '.join(DROP_IN_DECODERS)}; got {decoder!r}")
+    if (decoder == "spec-strict") != (draft is not None):
+        raise RecspecError("spec-strict needs a draft, and a draft is only used by spec-strict")
+    if draft is not None:
+        check_vocabulary(draft, trie, "draft")
+    options = DecodeOptions(draft_beams=draft_beams)
+    tries: dict[torch.device, ItemTrie] = {}
+
+    def generate(model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
+                 generation_config=None, **model_kwargs) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+        """``input_ids`` ``[B * max(num_beams, num_return_sequences), W]`` as ``generate`` expands
+        them; the best ``num_return_sequences`` items of each prompt, best first."""
+        config = generation_config
+        asked = [name for name in UNSUPPORTED if getattr(config, name, False)]
+        if asked:
+            raise RecspecError(f"trie_beam_search returns items and their scores only; it does not support "
+                               f"{', '.join(asked)}")
+        k, n = config.num_beams, config.num_return_sequences
+        expand, width = max(k, n), input_ids.shape[1]
+        if config.max_length - width < trie.depth:
+            raise RecspecError(f"identifiers take {trie.depth} new tokens; generate allows "
+                               f"{config.max_length - width} (raise max_new_tokens)")
+        check_vocabulary(model, trie)
+        device = input_ids.device
+        if device not in tries:
+            tries[device] = trie.to(device)
+        rows = input_ids[::expand]  # [B, W]: one copy of each prompt
+        mask = model_kwargs.get("attention_mask")
+        keep = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask[::expand].bool()
+        prompts = [row[kept] for row, kept in zip(rows, keep)]  # one per user, left padding dropped
+        pad = config._pad_token_tensor
+        pad_id = int(pad) if pad is not None else int(tokenizer.pad_token_id or 0)
+        topk = run_decoder(decoder, model, draft, prompts, tries[device], k, pad_id, options, batch_size).topk
+        tokens = topk.tokens[:, :n].reshape(len(prompts) * n, trie.depth)
+        sequences = torch.cat((rows.repeat_interleave(n, dim=0), tokens.to(rows.dtype)), dim=1)
+        if not config.return_dict_in_generate:
+            return sequences
+        scores = topk.scores[:, :n].reshape(-1) / trie.depth ** config.length_penalty
+        return GenerateBeamDecoderOnlyOutput(sequences=sequences,
+                                             sequences_scores=scores if config.output_scores else None)
+
+    return generate
