@@ -179,7 +179,8 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``path`` as a whole when the block succeeds.
+    """Yield a temporary directory that replaces ``path`` as a whole when the block succeeds,
+    every file and folder in it given the mode the umask gives new ones.
 
     An existing ``path`` is refused unless ``overwrite`` is set, in which case it is replaced
     only after the new contents are complete.
@@ -191,6 +192,9 @@ def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
     os.chmod(tmp, umask_mode(directory=True))
     try:
         yield tmp
+        for inner in tmp.rglob("*"):  # writers that keep files private (transformers' weights) included
+            if not inner.is_symlink():
+                os.chmod(inner, umask_mode(directory=inner.is_dir()))
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

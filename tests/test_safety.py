@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from recspec.errors import RecspecError
-from recspec.fileio import atomic_dir, atomic_path, read_json
+from recspec.fileio import atomic_dir, atomic_path, read_json, umask_mode
 from tests.test_cli import recspec
 from tests.test_recommend_cli import small_data  # noqa: F401  (module fixture: a small CSV data set)
 
@@ -86,6 +86,7 @@ def test_model_folders_record_checksums(trained) -> None:
         listed = read_json(folder / "checksums.json")["files"]
         on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"checksums.json"}
         assert set(listed) == on_disk and "model.safetensors" in listed
+        assert (folder / "model.safetensors").stat().st_mode & 0o777 == umask_mode(directory=False)
     assert not list(trained["target"].rglob("*.pt")), "no object file is written"
     state = read_json(trained["target"] / "checkpoint" / "trainer_state.json")
     assert state["format"] == "recspec-state/1"
@@ -273,10 +274,16 @@ def test_written_files_follow_the_umask(tmp_path: Path) -> None:
                 tmp.write_text("x")
             with atomic_dir(tmp_path / f"d{mask}") as tmp:
                 (tmp / "x").write_text("x")
+                (tmp / "sub").mkdir(mode=0o700)
+                (tmp / "sub" / "private").write_text("x")
+                os.chmod(tmp / "sub" / "private", 0o600)  # as transformers writes model.safetensors
         finally:
             os.umask(previous)
         assert (tmp_path / f"f{mask}").stat().st_mode & 0o777 == 0o666 & ~mask
         assert (tmp_path / f"d{mask}").stat().st_mode & 0o777 == 0o777 & ~mask
+        assert (tmp_path / f"d{mask}" / "sub").stat().st_mode & 0o777 == 0o777 & ~mask
+        for name in ("x", "sub/private"):
+            assert (tmp_path / f"d{mask}" / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
 
 
 # ---------------------------------------------------------------------- 5, 6. one-line errors, odd values
