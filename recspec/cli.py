@@ -463,10 +463,8 @@ def recommend_command(
     """Top-K items for every test (or validation) user, trie-constrained: only real items come out.
     With --engine ray the users are decoded in shards by Ray actors (resumable: a re-run skips the
     shards in OUT.parts/), and OUT is the same file."""
-    import time
-
     from recspec.fileio import check_output_file
-    from recspec.recommend import DecodeOptions, RecommendJob, check_decoder, write_recs
+    from recspec.recommend import DecodeOptions, RecommendJob, check_decoder
 
     check_output_file(out, overwrite)
     _positive(k=k, users=users, batch_size=batch_size, draft_beams=draft_beams)
@@ -503,16 +501,24 @@ def recommend_command(
         recommender, notes = load_peer(peer, device, job.draft_dir, k)
         for note in notes:
             typer.echo(f"note: {note}")
-    examples = recommender.examples(part, users)
+    _recommend_here(job, recommender, out)
+
+
+def _recommend_here(job, recommender, out: Path) -> None:
+    """Run ``job`` with ``recommender`` in this process, write ``out`` and say how it went."""
+    import time
+
+    from recspec.recommend import write_recs
+
     started = time.perf_counter()
     with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
-        decoded = recommender.recommend(examples, k, decoder, batch_size, options, progress=True)
+        examples, decoded = job.decode(recommender, progress=True)
     seconds = time.perf_counter() - started
     write_recs(out, recommender, examples, decoded.topk)
     if decoded.choice:
         typer.echo(decoded.choice)
-    typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with {decoder}; "
-               f"wrote {out}")
+    typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with "
+               f"{job.decoder}; wrote {out}")
     if decoded.stats is not None:
         summary = decoded.stats.summary()
         typer.echo(f"accepted steps {summary['accepted_steps']:.2f}/user, target calls "

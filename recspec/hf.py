@@ -51,13 +51,10 @@ def item_trie(index: str | Path | ItemIndex, tokenizer, end_with_eos: bool = Fal
     token with ``end_with_eos``."""
     if not isinstance(index, ItemIndex):
         index = ItemIndex.load(Path(index))
-    ids = identifier_token_ids(tokenizer, index)
-    codes = torch.as_tensor([[ids[token] for token in identifier] for identifier in index.identifiers])
-    if end_with_eos:
-        if tokenizer.eos_token_id is None:
-            raise RecspecError("end_with_eos: the tokenizer has no end-of-sequence token")
-        codes = torch.cat((codes, torch.full((len(codes), 1), tokenizer.eos_token_id)), dim=1)
-    return ItemTrie(codes, len(tokenizer))
+    if end_with_eos and tokenizer.eos_token_id is None:
+        raise RecspecError("end_with_eos: the tokenizer has no end-of-sequence token")
+    return index.trie(identifier_token_ids(tokenizer, index), len(tokenizer),
+                      end_token=tokenizer.eos_token_id if end_with_eos else None)
 
 
 def check_vocabulary(model, trie: ItemTrie, name: str = "model") -> None:

@@ -102,6 +102,13 @@ class RecommendJob:
         return Recommender.load(self.target, load_dataset(self.dataset, self.format) if self.dataset else None,
                                 device=device, draft_dir=self.draft_dir, k=self.k)
 
+    def decode(self, recommender: Recommender, progress: bool = False) -> tuple[Examples, Decoded]:
+        """The job's examples and their top-K by ``recommender`` (from :meth:`load`, or a model
+        trained elsewhere), in one process; ``progress``: see :meth:`Recommender.recommend`."""
+        examples = recommender.examples(self.part, self.users)
+        return examples, recommender.recommend(examples, self.k, self.decoder, self.batch_size, self.options,
+                                               progress)
+
 
 @dataclass
 class Decoded:

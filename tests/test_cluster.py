@@ -42,8 +42,7 @@ def cluster():
 def local_recs(job: RecommendJob, out: Path) -> bytes:
     """What `recspec recommend` (one process) writes for ``job``."""
     recommender = job.load()
-    examples = recommender.examples(job.part, job.users)
-    decoded = recommender.recommend(examples, job.k, job.decoder, job.batch_size, job.options, progress=True)
+    examples, decoded = job.decode(recommender, progress=True)
     write_recs(out, recommender, examples, decoded.topk)
     return out.read_bytes()
 

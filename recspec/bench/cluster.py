@@ -48,9 +48,8 @@ def _recommend(job: RecommendJob, workers: Workers | None, out: Path, cores: int
         torch.set_num_threads(cores)
         recommender = job.load()
         load_s = time.perf_counter() - started
-        examples = recommender.examples(job.part, job.users)
-        write_recs(out, recommender, examples, recommender.recommend(examples, job.k, job.decoder,
-                                                                     job.batch_size).topk)
+        examples, decoded = job.decode(recommender)
+        write_recs(out, recommender, examples, decoded.topk)
     else:
         load_s = max(recommend_on_ray(job, out, workers, progress=False).load_s.values())
     return time.perf_counter() - started, load_s

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recspec.cluster.runtime import Workers, check_address, check_fits, connect, ray_errors
+from recspec.cluster.runtime import Workers, check_address, connect, map_on_actors, ray_errors
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import Generation
 from recspec.knowledge.job import DRAFTING, Batches, KnowledgeConfig, KnowledgeTask, Runner, make_generator
@@ -62,19 +62,14 @@ def ray_runner(task_args: dict[str, Any], workers: Workers, address: str | None 
             return
         import ray
 
-        connect(address)
-        check_fits(workers)
+        connect(address, workers=workers)
         if pools is not None:  # build every pool the batches draft from here, once
             for entities, _ in batches:
                 for entity in entities:
                     pools.trie_for(entity)
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        results = ray.data.from_items([{"batch": json.dumps([entities, prompts])} for entities, prompts in batches],
-                                      override_num_blocks=len(batches)).map_batches(
-            KnowledgeWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers.count, len(batches))),
-            fn_constructor_kwargs={"task_args": {**task_args, "device": workers.device}, "config": config,
-                                   "pools": ray.put(pools), "threads": workers.cpus},
-            **workers.remote_args())
+        results = map_on_actors([{"batch": json.dumps([entities, prompts])} for entities, prompts in batches],
+                                KnowledgeWorker, workers, task_args={**task_args, "device": workers.device},
+                                config=config, pools=ray.put(pools), threads=workers.cpus)
         with ray_errors():
             for block in results.iter_batches(batch_size=None, batch_format="numpy"):
                 entities = [int(e) for e in block["entity"].tolist()]

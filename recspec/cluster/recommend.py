@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from recspec.calibration import draft_identity
-from recspec.cluster.runtime import Workers, check_address, check_fits, connect, ray_errors
+from recspec.cluster.runtime import Workers, check_address, connect, map_on_actors, ray_errors
 from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
 from recspec.decoding.rounds import SpecStats
@@ -44,12 +44,12 @@ def parts_folder(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
-def job_settings(job: RecommendJob) -> dict[str, Any]:
+def job_settings(job: RecommendJob, folder: Path, info: dict[str, Any], drafts: list[Path]) -> dict[str, Any]:
     """What determines a job's output, recorded in its shard folder: the weights of the target
-    and drafts, the decoder and its options, K, data set, part, users and batch size."""
-    folder, info, models, heads = check_folders(job.target, job.draft_dir)
+    (its training ``folder`` and run ``info``) and ``drafts``, the decoder and its options, K, data
+    set, part, users and batch size."""
     options = {f.name: getattr(job.options, f.name) for f in fields(job.options) if f.name != "planner"}
-    return {"target_sha256": weights_fingerprint(trained_model_dir(folder)), **draft_identity([*models, *heads]),
+    return {"target_sha256": weights_fingerprint(trained_model_dir(folder)), **draft_identity(drafts),
             "decoder": job.decoder, "k": job.k, "options": options, "dataset": job.dataset or info["dataset"],
             "format": job.format, "part": job.part, "users": job.users, "batch_size": job.batch_size}
 
@@ -124,25 +124,21 @@ def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: st
     """Run ``job`` on a pool of Ray actors (module doc) and write ``out``; the report."""
     started = time.perf_counter()
     check_address(address)
-    folder, info, _, _ = check_folders(job.target, job.draft_dir)
+    folder, info, models, heads = check_folders(job.target, job.draft_dir)
     given = load_dataset(job.dataset, job.format) if job.dataset else None
     dataset = run_dataset(info, ItemIndex.load(folder / INDEX_FILE), given)
     chunks = user_chunks(len(trained_examples(dataset, info, job.part, job.users)), job.batch_size)
-    shards = ShardFolder(parts_folder(out), job_settings(job), len(chunks), overwrite)
+    shards = ShardFolder(parts_folder(out), job_settings(job, folder, info, [*models, *heads]), len(chunks),
+                         overwrite)
     todo = shards.todo()
-    report = RayReport(skipped=sum(len(chunks[s]) for s in range(len(chunks)) if s not in set(todo)),
+    report = RayReport(skipped=sum(len(chunks[s]) for s in set(range(len(chunks))) - set(todo)),
                        workers=workers.count)
     if todo:
-        import ray
         from tqdm.auto import tqdm
 
-        connect(address)
-        check_fits(workers)
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        results = ray.data.from_items([{"shard": shard} for shard in todo], override_num_blocks=len(todo)).map_batches(
-            ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers.count, len(todo))),
-            fn_constructor_kwargs={"job": job, "threads": workers.cpus, "device": workers.device},
-            **workers.remote_args())
+        connect(address, workers=workers)
+        results = map_on_actors([{"shard": shard} for shard in todo], ShardWorker, workers, job=job,
+                                threads=workers.cpus, device=workers.device)
         summaries = []
         with ray_errors(), tqdm(total=sum(len(chunks[s]) for s in todo), unit="user", desc=f"{job.decoder} (ray)",
                                 disable=not progress, dynamic_ncols=True) as bar:

@@ -19,6 +19,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from recspec.errors import RecspecError
 
@@ -72,10 +73,17 @@ def check_address(address: str | None) -> None:
         probe(address)
 
 
-def connect(address: str | None = None, num_cpus: int | None = None) -> None:
+def connect(address: str | None = None, num_cpus: int | None = None, workers: Workers | None = None) -> None:
     """Join the Ray cluster at ``address`` (None: the one ``RAY_ADDRESS`` names, if set) or start
     a local one (``num_cpus``: its cores, default all of this machine's); a second call in the
-    same process keeps the first connection. Workers' logs stay in Ray's session folder."""
+    same process keeps the first connection. Workers' logs stay in Ray's session folder. With
+    ``workers``, refuse a pool the cluster cannot hold (:func:`check_fits`)."""
+    _join(address, num_cpus)
+    if workers is not None:
+        check_fits(workers)
+
+
+def _join(address: str | None, num_cpus: int | None) -> None:
     import ray
 
     if ray.is_initialized():
@@ -122,3 +130,17 @@ def ray_errors() -> Iterator[None]:
         if isinstance(cause, RecspecError):
             raise RecspecError(str(cause)) from None
         raise
+
+
+def map_on_actors(rows: list[dict[str, Any]], worker: type, workers: Workers, **constructor_kwargs: Any):
+    """``rows`` as a Ray Dataset of one-row blocks mapped through ``worker`` (a Ray Data callable
+    class, built once per actor with ``constructor_kwargs``), one row per call, on a pool of
+    ``workers`` actors (no more than there are rows); Ray Data's progress bars off, as the caller
+    shows its own. The lazy result Dataset; needs a connection (:func:`connect`)."""
+    import ray
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+        worker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers.count, len(rows))),
+        fn_constructor_kwargs=constructor_kwargs, **workers.remote_args())
+

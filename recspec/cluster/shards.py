@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from recspec.errors import RecspecError
-from recspec.fileio import read_json, sha256_file, write_json_atomic, write_text_atomic
+from recspec.fileio import read_json, write_json_atomic, write_text_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "recspec-shards/1"
@@ -51,14 +51,18 @@ class ShardFolder:
     def record(self, shard: int) -> Path:
         return self.folder / f"shard-{shard:05d}.json"
 
-    def is_done(self, shard: int) -> bool:
-        """Whether ``shard`` was committed and its file still has the recorded checksum."""
+    def committed(self, shard: int) -> str | None:
+        """The lines of ``shard`` if it was committed and its file still has the recorded
+        checksum, else None."""
         record, file = self.record(shard), self.file(shard)
-        return record.is_file() and file.is_file() and read_json(record).get("sha256") == sha256_file(file)
+        if not (record.is_file() and file.is_file()):
+            return None
+        data = file.read_bytes()
+        return data.decode("utf-8") if read_json(record).get("sha256") == hashlib.sha256(data).hexdigest() else None
 
     def todo(self) -> list[int]:
         """The shards not done yet, in order."""
-        return [shard for shard in range(self.count) if not self.is_done(shard)]
+        return [shard for shard in range(self.count) if self.committed(shard) is None]
 
     def commit(self, shard: int, text: str) -> None:
         """Write ``shard``'s lines (its file, then its record), each atomically."""
@@ -71,12 +75,11 @@ class ShardFolder:
     def merge(self, out: Path) -> int:
         """Write every shard, in order, as the one file ``out`` (atomically); the line count.
         A shard missing or changed since it was committed is an error."""
-        parts = []
-        for shard in range(self.count):
-            if not self.is_done(shard):
-                raise RecspecError(f"{self.file(shard)}: missing or changed since it was written; run the job "
-                                   f"again to redo it")
-            parts.append(self.file(shard).read_text(encoding="utf-8"))
+        parts = [self.committed(shard) for shard in range(self.count)]
+        missing = [shard for shard, part in enumerate(parts) if part is None]
+        if missing:
+            raise RecspecError(f"{self.file(missing[0])}: missing or changed since it was written; run the job "
+                               f"again to redo it")
         text = "".join(parts)
         write_text_atomic(Path(out), text)
         return text.count("\n")

@@ -112,10 +112,11 @@ class ItemIndex:
         return np.fromiter((lookup[k] for k in keys), dtype=np.int64, count=len(keys))
 
     def trie(self, token_ids: Mapping[str, int] | None = None, vocab_size: int | None = None,
-             keep: np.ndarray | None = None) -> ItemTrie:
+             keep: np.ndarray | None = None, end_token: int | None = None) -> ItemTrie:
         """The prefix trie over all identifiers (``keep``: int64 index rows, the trie over those
         items only, still reporting index rows), with tokens mapped to ``token_ids`` (default:
-        ``tokens`` order)."""
+        ``tokens`` order); ``end_token``: a last level closing every identifier with that id
+        (an end-of-sequence token)."""
         if token_ids is None:
             ids = self.codes
             vocab_size = len(self.tokens) if vocab_size is None else vocab_size
@@ -126,6 +127,8 @@ class ItemIndex:
             table = np.array([token_ids[t] for t in self.tokens], dtype=np.int64)
             ids = table[self.codes]
             vocab_size = int(table.max()) + 1 if vocab_size is None else vocab_size
+        if end_token is not None:
+            ids = np.concatenate((ids, np.full((len(ids), 1), end_token, dtype=np.int64)), axis=1)
         rows = None if keep is None else np.asarray(keep, dtype=np.int64)
         try:
             return ItemTrie(torch.as_tensor(ids if rows is None else ids[rows]), vocab_size,
