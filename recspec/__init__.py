@@ -1,14 +1,16 @@
 """recspec: fast, exact inference for LLM-based recommendation through speculative decoding.
 
 ``recspec.load(target, draft=None)`` returns a model whose ``.recommend(histories, k=10)`` gives
-each history's top-K items (:mod:`recspec.api`); the rest is the ``recspec`` command and the
-modules it is made of. The API is imported on first use, so ``import recspec`` stays light.
+each history's top-K items; ``recspec.recommend_users(...)`` and ``recspec.generate_knowledge(...)`` run
+the batch jobs of ``recspec recommend`` and ``recspec knowledge generate`` (:mod:`recspec.api`,
+with ``Engine``, ``DecodeOptions`` and ``KnowledgeConfig``); ``recspec.hf.trie_beam_search`` is
+the transformers drop-in. The API is imported on first use, so ``import recspec`` stays light.
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["RecspecModel", "load"]
+__all__ = ["DecodeOptions", "Engine", "KnowledgeConfig", "RecspecModel", "generate_knowledge", "load", "recommend_users"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,7 @@
-"""The one-call Python API: ``recspec.load(target, draft=None)`` and ``.recommend(histories)``.
+"""The Python API: ``recspec.load(target, draft=None).recommend(histories)`` for raw histories,
+``recspec.recommend_users(...)`` and ``recspec.generate_knowledge(...)`` for the batch
+jobs (``recspec.knowledge`` is the package of the knowledge modules); the ``recspec``
+command is a thin layer over these (it parses options, builds the configs and calls them).
 
 ``load`` reads a model folder (written by ``recspec train`` or ``recspec import``) and its draft
 (a draft model, a head, or both joined by ``+``) once; :meth:`RecspecModel.recommend` takes raw
@@ -14,20 +17,40 @@ service's and ``recspec recommend``'s for the same history.
 >>> model = recspec.load("runs/models/ml-target", draft="runs/models/ml-draft")
 >>> [answer] = model.recommend([["485", "516", "502"]], k=10)
 >>> answer.items, answer.scores  # 10 raw ids and their log-probabilities, best first
+
+:func:`recommend_users` decodes every test (or validation) user of a data set and writes their
+top-K as JSON lines, in this process or on Ray (:class:`Engine`), exactly as ``recspec
+recommend``; :func:`generate_knowledge` generates user or item knowledge into a resumable store, exactly as
+``recspec knowledge generate``. Both return a report whose :meth:`lines` the command prints.
+
+>>> report = recspec.recommend_users("runs/models/ml-target", "recs.jsonl", decoder="tree-beam", users=100)
+>>> run = recspec.generate_knowledge("users-old.sqlite", KnowledgeConfig(part="old", method="hf"), limit=8)
+>>> run.texts()  # {"<user id>": "<profile text>", ...}
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import ValidationError
 
+from recspec.cluster.knowledge import check_shared_pools, ray_runner
+from recspec.cluster.recommend import RayReport, recommend_on_ray
+from recspec.cluster.runtime import Workers
 from recspec.devices import resolve_device
 from recspec.errors import RecspecError
-from recspec.recommend import DecodeOptions, Recommender, check_decoder
+from recspec.fileio import check_output_file, check_writable_dir
+from recspec.importer import PeerSpec, load_peer
+from recspec.knowledge.job import (JobSummary, KnowledgeConfig, KnowledgeTask, local_runner, run_job,
+                                   set_threads)
+from recspec.knowledge.store import read_rows
+from recspec.recommend import DecodeOptions, RecommendJob, Recommender, check_decoder, write_recs
 from recspec.serve.schemas import RecommendRequest
 from recspec.serve.service import Answer, BadRequest, Query, RecommendService
 
@@ -89,3 +112,125 @@ def load(target: str | Path, draft: str | Path | None = None, decoder: str = "au
         torch.set_num_threads(threads)
     recommender = Recommender.load(target, device=str(resolve_device(device)), draft_dir=draft)
     return RecspecModel(RecommendService(recommender, decoder, DecodeOptions(draft_beams=draft_beams)))
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where a batch job runs: ``local`` (this process) or ``ray`` (actors of the Ray cluster at
+    ``address``, or of a local one started for the job when None; ``workers`` the pool)."""
+
+    name: str = "local"
+    address: str | None = None
+    workers: Workers = Workers(count=2)
+
+    def __post_init__(self) -> None:
+        if self.name not in ("local", "ray"):
+            raise RecspecError(f"unknown engine {self.name!r}; choose local or ray")
+        if self.address is not None and self.name != "ray":
+            raise RecspecError("--address names a Ray cluster: use it with --engine ray")
+
+
+@dataclass
+class RecommendReport:
+    """What :func:`recommend_users` did: ``users`` decoded in ``seconds`` with ``decoder``
+    (``choice``: what ``auto`` ran and why), the speculative decoders' per-user statistics,
+    ``notes`` on a model trained elsewhere, and on Ray the cluster's report."""
+
+    out: Path
+    decoder: str
+    users: int = 0
+    seconds: float = 0.0
+    choice: str = ""
+    stats: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+    ray: RayReport | None = None
+
+    def lines(self) -> list[str]:
+        """What ``recspec recommend`` prints."""
+        if self.ray is not None:
+            return [self.ray.line(self.out, self.decoder)]
+        lines = [f"note: {note}" for note in self.notes] + ([self.choice] if self.choice else [])
+        lines.append(f"{self.users} users in {self.seconds:.1f} s ({self.users / self.seconds:.1f} users/s) with "
+                     f"{self.decoder}; wrote {self.out}")
+        if self.stats is not None:
+            lines.append(f"accepted steps {self.stats['accepted_steps']:.2f}/user, target calls "
+                         f"{self.stats['target_calls']:.2f}/user, draft calls {self.stats['draft_calls']:.2f}/user, "
+                         f"tree nodes {self.stats['tree_nodes']:.1f}/user")
+        return lines
+
+
+def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: str = "tree-beam",
+                    draft: str | None = None, options: DecodeOptions = DecodeOptions(), dataset: str | None = None,
+                    format: str | None = None, part: str = "test", users: int | None = None, batch_size: int = 16,
+                    device: str = "cpu", overwrite: bool = False, peer: PeerSpec | None = None,
+                    engine: Engine = Engine(), progress: bool = True) -> RecommendReport:
+    """The top-``k`` items of every ``part`` user (the first ``users``) of ``target``'s data set
+    (``dataset``: another one), written to ``out`` as JSON lines (user, items, scores) once every
+    user is decoded; ``peer``: a checkpoint trained elsewhere, used as ``recspec import`` would
+    (``target`` is then its model folder); on Ray the users are decoded in resumable shards
+    (``OUT.parts/``) and ``out`` is the same file."""
+    out = Path(out)
+    check_output_file(out, overwrite)
+    for name, value in (("k", k), ("users", users), ("batch_size", batch_size),
+                        ("draft_beams", options.draft_beams)):
+        if value is not None and value < 1:
+            raise RecspecError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    device = str(resolve_device(device))
+    check_decoder(decoder, draft is not None)
+    job = RecommendJob(Path(target), decoder, k, draft, options, dataset, format, part, users, batch_size)
+    if engine.name == "ray":
+        if peer is not None:
+            raise RecspecError("--engine ray loads a model folder on every worker: run `recspec import` first")
+        return RecommendReport(out, decoder, ray=recommend_on_ray(job, out, engine.workers, engine.address,
+                                                                  overwrite, progress))
+    notes: list[str] = []
+    if peer is None:
+        recommender = job.load(device)
+    else:
+        recommender, notes = load_peer(peer, device, job.draft_dir, k)
+    started = time.perf_counter()
+    examples, decoded = job.decode(recommender, progress=progress)
+    seconds = time.perf_counter() - started
+    write_recs(out, recommender, examples, decoded.topk)
+    stats = decoded.stats.summary() if decoded.stats is not None else None
+    return RecommendReport(out, decoder, len(examples), seconds, decoded.choice, stats, notes)
+
+
+@dataclass
+class KnowledgeRun:
+    """What :func:`generate_knowledge` did (``summary``) and where the texts are (``store``)."""
+
+    store: Path
+    summary: JobSummary
+
+    def lines(self) -> list[str]:
+        """What ``recspec knowledge generate`` prints."""
+        return [self.summary.line()]
+
+    def texts(self) -> dict[str, str]:
+        """Every text of the store (this run's and earlier ones), by user or item id."""
+        return {row.entity: row.text for row in read_rows(self.store)}
+
+
+def generate_knowledge(out: str | Path, config: KnowledgeConfig = KnowledgeConfig(), pool: str | Path | None = None,
+              limit: int | None = None, model: str = "smollm2", dataset: str = "ml-100k", seed: int = 0,
+              device: str = "cpu", threads: int | None = None, engine: Engine = Engine(),
+              progress: bool = True) -> KnowledgeRun:
+    """Generate ``config``'s knowledge (side, part, method, verification, ...) with the LLM
+    ``model`` for every user or item of ``dataset`` (the first ``limit``) missing from the store
+    ``out`` (SQLite; an existing one is resumed), each text persisted as it completes; ``pool``:
+    the old-part store LASER and ReSD draft from. On Ray, actors decode and this process stores."""
+    out = Path(out)
+    if out.is_dir():
+        raise RecspecError(f"{out}: is a folder; --out takes the file name of a knowledge store")
+    check_writable_dir(out.parent)
+    if limit is not None and limit < 1:
+        raise RecspecError(f"--limit must be at least 1, got {limit}")
+    set_threads(threads)
+    task = KnowledgeTask(model, dataset, seed=seed, device=str(resolve_device(device)))
+    runner = local_runner
+    if engine.name == "ray":
+        check_shared_pools(config, pool)
+        runner = ray_runner({"model": model, "dataset": dataset, "seed": seed}, engine.workers, engine.address)
+    return KnowledgeRun(out, run_job(task, config, out, Path(pool) if pool is not None else None, limit,
+                                     progress=progress, runner=runner))

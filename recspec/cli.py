@@ -73,13 +73,13 @@ def _device(name: str) -> str:
     return str(resolve_device(name))
 
 
-def _engine(engine: str, address: str | None) -> str:
-    """``engine`` checked: local or ray; ``--address`` only with ray."""
-    if engine not in ("local", "ray"):
-        raise RecspecError(f"unknown engine {engine!r}; choose local or ray")
-    if address is not None and engine != "ray":
-        raise RecspecError("--address names a Ray cluster: use it with --engine ray")
-    return engine
+def _engine(engine: str, address: str | None, workers: int = 1, cpus_per_worker: int = 1,
+            gpus_per_worker: float = 0.0):
+    """Where a job runs (:class:`recspec.api.Engine`), checked before any work."""
+    from recspec.api import Engine
+    from recspec.cluster.runtime import Workers
+
+    return Engine(engine, address, Workers(workers, cpus_per_worker, gpus_per_worker))
 
 
 def _positive(**values: Optional[int]) -> None:
@@ -463,67 +463,28 @@ def recommend_command(
     """Top-K items for every test (or validation) user, trie-constrained: only real items come out.
     With --engine ray the users are decoded in shards by Ray actors (resumable: a re-run skips the
     shards in OUT.parts/), and OUT is the same file."""
-    from recspec.fileio import check_output_file
-    from recspec.recommend import DecodeOptions, RecommendJob, check_decoder
+    from recspec.api import recommend_users
+    from recspec.recommend import DecodeOptions
 
-    check_output_file(out, overwrite)
-    _positive(k=k, users=users, batch_size=batch_size, draft_beams=draft_beams)
-    device = _device(device)
-    check_decoder(decoder, draft is not None)
-    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
-                            replacement=replacement, draft_width=draft_width, min_width=min_width,
-                            threshold=threshold, one_cache=one_cache)
-    job = RecommendJob(target, decoder, k, draft, options, dataset, format, part, users, batch_size)
     peer = None
     if index is not None:
-        if engine == "ray":
-            raise RecspecError("--engine ray loads a model folder on every worker: run `recspec import` first")
         peer = _peer(target, index, dataset, format, split, max_history, prompt_template, prompt_template_file,
                      preset_template, separator, chat_template, system)
     elif chat_template or any(value is not None for value in (prompt_template, prompt_template_file, preset_template,
                                                                separator, system, split, max_history)):
         raise RecspecError("the prompt, --split and --max-history describe a model trained elsewhere: use them with "
                            "--index (a folder recspec wrote records its own)")
-    if _engine(engine, address) == "ray":
-        from recspec.cluster.recommend import recommend_on_ray
-        from recspec.cluster.runtime import Workers
-
-        pool = Workers(workers, cpus_per_worker, gpus_per_worker)
-        with _on_interrupt("the committed shards are kept; run the same command to resume"):
-            report = recommend_on_ray(job, out, pool, address, overwrite)
-        typer.echo(report.line(out, decoder))
-        return
-    if peer is None:
-        recommender = job.load(device)
-    else:
-        from recspec.importer import load_peer
-
-        recommender, notes = load_peer(peer, device, job.draft_dir, k)
-        for note in notes:
-            typer.echo(f"note: {note}")
-    _recommend_here(job, recommender, out)
-
-
-def _recommend_here(job, recommender, out: Path) -> None:
-    """Run ``job`` with ``recommender`` in this process, write ``out`` and say how it went."""
-    import time
-
-    from recspec.recommend import write_recs
-
-    started = time.perf_counter()
-    with _on_interrupt(f"nothing was written to {out} (it is written once every user is decoded)"):
-        examples, decoded = job.decode(recommender, progress=True)
-    seconds = time.perf_counter() - started
-    write_recs(out, recommender, examples, decoded.topk)
-    if decoded.choice:
-        typer.echo(decoded.choice)
-    typer.echo(f"{len(examples)} users in {seconds:.1f} s ({len(examples) / seconds:.1f} users/s) with "
-               f"{job.decoder}; wrote {out}")
-    if decoded.stats is not None:
-        summary = decoded.stats.summary()
-        typer.echo(f"accepted steps {summary['accepted_steps']:.2f}/user, target calls "
-                   f"{summary['target_calls']:.2f}/user, draft calls {summary['draft_calls']:.2f}/user, tree nodes "
-                   f"{summary['tree_nodes']:.1f}/user")
+    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
+                            replacement=replacement, draft_width=draft_width, min_width=min_width,
+                            threshold=threshold, one_cache=one_cache)
+    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
+    kept = ("the committed shards are kept; run the same command to resume" if where.name == "ray" else
+            f"nothing was written to {out} (it is written once every user is decoded)")
+    with _on_interrupt(kept):
+        report = recommend_users(target, out, k, decoder, draft, options, dataset, format, part, users, batch_size,
+                                 device, overwrite, peer, where)
+    for line in report.lines():
+        typer.echo(line)
 
 
 @app.command("serve")
@@ -561,7 +522,7 @@ def serve_command(
 
     _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
               max_body_kb=max_body_kb, replicas=replicas)
-    if _engine(engine, address) == "local" and replicas is not None:
+    if _engine(engine, address).name == "local" and replicas is not None:
         raise RecspecError("--replicas counts Ray Serve replicas: use it with --engine ray")
     if not 0 <= port < 65536:
         raise RecspecError(f"--port must lie in [0, 65535], got {port}")
@@ -1070,28 +1031,15 @@ def knowledge_generate(
 ) -> None:
     """Generate user or item knowledge for many users/items, persisting each result (resumable).
     With --engine ray, Ray actors decode the requests and this process stores every result."""
-    from recspec.knowledge.job import KnowledgeTask, local_runner, run_job, set_threads
+    from recspec.api import generate_knowledge
 
-    from recspec.fileio import check_writable_dir
-
-    if out.is_dir():
-        raise RecspecError(f"{out}: is a folder; --out takes the file name of a knowledge store")
-    check_writable_dir(out.parent)
-    _positive(limit=limit)
-    set_threads(threads)
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size)
-    task = KnowledgeTask(model, dataset, seed=seed, device=_device(device))
-    runner = local_runner
-    if _engine(engine, address) == "ray":
-        from recspec.cluster.knowledge import check_shared_pools, ray_runner
-        from recspec.cluster.runtime import Workers
-
-        check_shared_pools(config, pool)
-        runner = ray_runner({"model": model, "dataset": dataset, "seed": seed},
-                            Workers(workers, cpus_per_worker, gpus_per_worker), address)
+    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
-        typer.echo(run_job(task, config, out, pool, limit, runner=runner).line())
+        run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where)
+    for line in run.lines():
+        typer.echo(line)
 
 
 @knowledge_app.command("show")

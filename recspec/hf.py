@@ -13,7 +13,10 @@ to keep that call:
   the generated length to the power ``length_penalty``, as transformers computes them; the
   per-step ``scores`` are not kept and stay None), decoded by recspec's ``tree-beam`` (one target call per
   identifier level, no cache copies), or by strict speculative beam search with a ``draft``
-  (a causal LM with the same tokenizer).
+  (a causal LM with the same tokenizer). ``decoder="auto"`` (the default) runs ``tree-beam``
+  without a draft; with one, the first call for a K and batch size times both on its first
+  batch and keeps the faster (logged on the ``recspec.hf`` logger, kept in ``.choices``). A bare
+  model has no folder to keep measurements in, so the choice lives as long as the callable.
 * :class:`TrieConstraint` is a ``LogitsProcessor`` for users who keep transformers' own beam
   search: the trie's allowed tokens as one vectorized mask per step instead of a Python callback
   per beam.
@@ -26,23 +29,30 @@ with it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
+from recspec.decoding.beams import TopK
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.recommend import DecodeOptions, run_decoder
 
-#: Decoders the drop-in runs: the exact ones (the same items as transformers' beam search).
-DROP_IN_DECODERS = ("tree-beam", "beam", "spec-strict")
+#: Decoders the drop-in runs: ``auto`` and the exact ones (the same items as transformers' beam search).
+DROP_IN_DECODERS = ("auto", "tree-beam", "beam", "spec-strict")
+#: How much faster ``spec-strict`` must be timed than ``tree-beam`` for ``auto`` to choose it.
+PROBE_MARGIN = 0.03
 #: Generation settings the drop-in cannot honour (it returns no per-step tensors, and samples nothing).
 UNSUPPORTED = ("do_sample", "output_logits", "output_attentions", "output_hidden_states")
+logger = logging.getLogger(__name__)
 
 
 def item_trie(index: str | Path | ItemIndex, tokenizer, end_with_eos: bool = False) -> ItemTrie:
@@ -86,31 +96,32 @@ class TrieConstraint(LogitsProcessor):
         return scores.masked_fill(~allowed[:, :scores.shape[1]], -torch.inf)
 
 
-def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decoder: str | None = None,
-                     end_with_eos: bool = False, draft_beams: int = 40, batch_size: int | None = None,
-                     draft_tokenizer=None) -> Callable[..., torch.Tensor | GenerateBeamDecoderOnlyOutput]:
-    """A ``custom_generate`` for transformers 5 (module doc). ``decoder``: ``tree-beam`` (the
-    default without a draft), ``beam``, or ``spec-strict`` (the default with ``draft``, drafting
-    ``draft_beams`` sequences per level; ``draft_tokenizer``, when given, must map every token as
-    ``tokenizer`` does); ``batch_size``: users decoded together (all if None)."""
-    if draft_tokenizer is not None:
-        check_same_vocabulary(draft_tokenizer, tokenizer)
-    trie = item_trie(index, tokenizer, end_with_eos)
-    decoder = decoder or ("spec-strict" if draft is not None else "tree-beam")
-    if decoder not in DROP_IN_DECODERS:
-        raise RecspecError(f"the drop-in runs the exact decoders {', '.join(DROP_IN_DECODERS)}; got {decoder!r}")
-    if (decoder == "spec-strict") != (draft is not None):
-        raise RecspecError("spec-strict needs a draft, and a draft is only used by spec-strict")
-    if draft is not None:
-        check_vocabulary(draft, trie, "draft")
-    options = DecodeOptions(draft_beams=draft_beams)
-    tries: dict[torch.device, ItemTrie] = {}
+@dataclass(frozen=True)
+class DropInChoice:
+    """What ``decoder="auto"`` runs for one (device, K, batch size): ``decoder``; ``ms_per_user``:
+    per candidate timed, ms per prompt on the probe; ``reason``: one line saying why."""
 
-    def generate(model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
+    decoder: str
+    ms_per_user: dict[str, float]
+    reason: str
+
+
+class TrieBeamSearch:
+    """The ``custom_generate`` callable of :func:`trie_beam_search`; ``choices`` holds what
+    ``auto`` chose so far, per ``(device, K, batch size)``."""
+
+    def __init__(self, trie: ItemTrie, tokenizer, draft, decoder: str, options: DecodeOptions,
+                 batch_size: int | None) -> None:
+        self.trie, self.tokenizer, self.draft, self.decoder = trie, tokenizer, draft, decoder
+        self.options, self.batch_size = options, batch_size
+        self.tries: dict[torch.device, ItemTrie] = {}
+        self.choices: dict[tuple[str, int, int], DropInChoice] = {}
+
+    def __call__(self, model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, **model_kwargs) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
         """``input_ids`` ``[B * max(num_beams, num_return_sequences), W]`` as ``generate`` expands
         them; the best ``num_return_sequences`` items of each prompt, best first."""
-        config = generation_config
+        config, trie = generation_config, self.trie
         asked = [name for name in UNSUPPORTED if getattr(config, name, False)]
         if asked:
             raise RecspecError(f"trie_beam_search returns items and their scores only; it does not support "
@@ -122,15 +133,15 @@ def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decod
                                f"{config.max_length - width} (raise max_new_tokens)")
         check_vocabulary(model, trie)
         device = input_ids.device
-        if device not in tries:
-            tries[device] = trie.to(device)
+        if device not in self.tries:
+            self.tries[device] = trie.to(device)
         rows = input_ids[::expand]  # [B, W]: one copy of each prompt
         mask = model_kwargs.get("attention_mask")
         keep = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask[::expand].bool()
         prompts = [row[kept] for row, kept in zip(rows, keep)]  # one per user, left padding dropped
         pad = config._pad_token_tensor
-        pad_id = int(pad) if pad is not None else int(tokenizer.pad_token_id or 0)
-        topk = run_decoder(decoder, model, draft, prompts, tries[device], k, pad_id, options, batch_size).topk
+        pad_id = int(pad) if pad is not None else int(self.tokenizer.pad_token_id or 0)
+        topk = self.decode(model, prompts, self.tries[device], k, pad_id)
         tokens = topk.tokens[:, :n].reshape(len(prompts) * n, trie.depth)
         sequences = torch.cat((rows.repeat_interleave(n, dim=0), tokens.to(rows.dtype)), dim=1)
         if not config.return_dict_in_generate:
@@ -139,4 +150,71 @@ def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decod
         return GenerateBeamDecoderOnlyOutput(sequences=sequences,
                                              sequences_scores=scores if config.output_scores else None)
 
-    return generate
+    def decode(self, model, prompts: list[torch.Tensor], trie: ItemTrie, k: int, pad_id: int) -> TopK:
+        """Top-``k`` of every prompt by the chosen decoder; under ``auto`` with a draft, the first
+        call for a (device, K, batch size) decodes its first batch with both candidates, timed
+        (:meth:`probe`), and keeps the faster for the rest (the answers are the same either way)."""
+        if self.decoder != "auto":
+            return run_decoder(self.decoder, model, self.draft, prompts, trie, k, pad_id, self.options,
+                               self.batch_size).topk
+        rows = min(len(prompts), self.batch_size or len(prompts))
+        key = (str(trie.device), k, rows)
+        if key in self.choices:
+            return run_decoder(self.choices[key].decoder, model, self.draft, prompts, trie, k, pad_id,
+                               self.options, self.batch_size).topk
+        if self.draft is None:
+            self.choices[key] = DropInChoice("tree-beam", {}, "auto: tree-beam (no draft given)")
+            logger.info(self.choices[key].reason)
+            return self.decode(model, prompts, trie, k, pad_id)
+        first, self.choices[key] = self.probe(model, prompts[:rows], trie, k, pad_id)
+        logger.info(self.choices[key].reason)
+        if rows == len(prompts):
+            return first
+        rest = run_decoder(self.choices[key].decoder, model, self.draft, prompts[rows:], trie, k, pad_id,
+                           self.options, self.batch_size).topk
+        return TopK.cat([first, rest])
+
+    def probe(self, model, prompts: list[torch.Tensor], trie: ItemTrie, k: int,
+              pad_id: int) -> tuple[TopK, DropInChoice]:
+        """Decode ``prompts`` (one batch) by ``tree-beam``, ``spec-strict`` and ``tree-beam`` again
+        (its best time counts, so the first call's warm-up does not favour speculation): their top-K
+        and the choice, ``spec-strict`` only where it was at least :data:`PROBE_MARGIN` faster."""
+        seconds: dict[str, float] = {"tree-beam": math.inf}
+        for name in ("tree-beam", "spec-strict", "tree-beam"):
+            started = time.perf_counter()
+            topk = run_decoder(name, model, self.draft if name == "spec-strict" else None, prompts, trie, k, pad_id,
+                               self.options).topk
+            seconds[name] = min(seconds.get(name, math.inf), time.perf_counter() - started)
+        ms = {name: round(1e3 * value / len(prompts), 3) for name, value in seconds.items()}
+        faster = seconds["spec-strict"] < (1.0 - PROBE_MARGIN) * seconds["tree-beam"]
+        chosen = "spec-strict" if faster else "tree-beam"
+        reason = (f"auto: {chosen} (timed on the first {len(prompts)} prompt(s) at K={k}: tree-beam "
+                  f"{ms['tree-beam']:.1f}, spec-strict {ms['spec-strict']:.1f} ms per prompt; speculation runs only "
+                  f"when {PROBE_MARGIN:.0%} faster)")
+        return topk, DropInChoice(chosen, ms, reason)
+
+
+def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decoder: str = "auto",
+                     end_with_eos: bool = False, draft_beams: int = 40, batch_size: int | None = None,
+                     draft_tokenizer=None) -> TrieBeamSearch:
+    """A ``custom_generate`` for transformers 5 (module doc). ``decoder``: ``auto`` (default:
+    ``tree-beam`` without a draft; with one, whichever of ``tree-beam`` and ``spec-strict`` the
+    first call measures faster, :meth:`TrieBeamSearch.decode`), ``tree-beam``, ``beam``, or
+    ``spec-strict`` (needs ``draft``, drafting ``draft_beams`` sequences per level;
+    ``draft_tokenizer``, when given, must map every token as ``tokenizer`` does);
+    ``batch_size``: users decoded together (all if None)."""
+    if draft_tokenizer is not None:
+        check_same_vocabulary(draft_tokenizer, tokenizer)
+    trie = item_trie(index, tokenizer, end_with_eos)
+    if decoder not in DROP_IN_DECODERS:
+        raise RecspecError(f"the drop-in runs auto or the exact decoders {', '.join(DROP_IN_DECODERS[1:])}; "
+                           f"got {decoder!r}")
+    if decoder == "spec-strict" and draft is None:
+        raise RecspecError("spec-strict needs a draft")
+    if draft is not None and decoder in ("tree-beam", "beam"):
+        raise RecspecError(f"a draft is used by auto and spec-strict only, not by {decoder}")
+    if draft is not None:
+        check_vocabulary(draft, trie, "draft")
+    if batch_size is not None and batch_size < 1:
+        raise RecspecError(f"batch_size must be at least 1, got {batch_size}")
+    return TrieBeamSearch(trie, tokenizer, draft, decoder, DecodeOptions(draft_beams=draft_beams), batch_size)

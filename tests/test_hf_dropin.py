@@ -102,10 +102,33 @@ def test_speculative_drop_in_and_eos_closed_identifiers() -> None:
         [TrieConstraint(trie, ids.shape[1])]), eos_token_id=tokenizer.eos_token_id)
     spec = constrained_generate(model, ids, mask, 6, 6, 5, eos_token_id=tokenizer.eos_token_id,
                                 custom_generate=trie_beam_search(index, tokenizer, draft=draft, end_with_eos=True,
-                                                                 draft_beams=12))
+                                                                 decoder="spec-strict", draft_beams=12))
     assert (reference.sequences[:, -1] == tokenizer.eos_token_id).all()
     assert_same_ranking(as_topk(spec, ids.shape[1], len(ids), 6, trie), as_topk(reference, ids.shape[1], len(ids), 6,
                                                                                  trie))
+
+
+def test_auto_times_both_on_the_first_batch_and_keeps_the_faster() -> None:
+    """``auto`` with a draft: the first call for a K and batch size decodes its first batch by
+    both candidates (timed), the rest by the faster; every call returns the reference's items,
+    the second call reuses the choice; without a draft it is ``tree-beam``, untimed."""
+    index, tokenizer, model, ids, mask = peer(9, [8, 8, 8], 300, users=6)
+    _, _, draft, _, _ = peer(10, [8, 8, 8], 300, users=1)
+    trie = item_trie(index, tokenizer)
+    reference = as_topk(constrained_generate(model, ids, mask, 6, 6, 3, logits_processor=LogitsProcessorList(
+        [TrieConstraint(trie, ids.shape[1])])), ids.shape[1], 6, 6, trie)
+    auto = trie_beam_search(index, tokenizer, draft=draft, draft_beams=12, batch_size=4)
+    for _ in range(2):  # the first call probes on users 0-3 and decodes 4-5 by the choice; the second reuses it
+        out = constrained_generate(model, ids, mask, 6, 6, 3, custom_generate=auto)
+        assert_same_ranking(as_topk(out, ids.shape[1], 6, 6, trie), reference)
+        [(key, choice)] = auto.choices.items()
+        assert key == ("cpu", 6, 4) and choice.decoder in ("tree-beam", "spec-strict")
+        assert set(choice.ms_per_user) == {"tree-beam", "spec-strict"} and choice.reason.startswith(
+            f"auto: {choice.decoder} (timed on the first 4 prompt(s) at K=6")
+    plain = trie_beam_search(index, tokenizer)
+    out = constrained_generate(model, ids, mask, 6, 6, 3, custom_generate=plain)
+    assert_same_ranking(as_topk(out, ids.shape[1], 6, 6, trie), reference)
+    assert plain.choices[("cpu", 6, 6)].decoder == "tree-beam" and plain.choices[("cpu", 6, 6)].ms_per_user == {}
 
 
 def test_bad_input_is_refused_before_any_work(tmp_path) -> None:
@@ -115,6 +138,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path) -> None:
         trie_beam_search(other, tokenizer)
     with pytest.raises(RecspecError, match="spec-strict needs a draft"):
         trie_beam_search(index, tokenizer, decoder="spec-strict")
+    with pytest.raises(RecspecError, match="a draft is used by auto and spec-strict only, not by beam"):
+        trie_beam_search(index, tokenizer, draft=model, decoder="beam")
+    with pytest.raises(RecspecError, match="batch_size must be at least 1"):
+        trie_beam_search(index, tokenizer, batch_size=0)
     with pytest.raises(RecspecError, match="exact decoders"):
         trie_beam_search(index, tokenizer, decoder="beam-sample")
     small = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
