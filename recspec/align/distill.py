@@ -51,22 +51,23 @@ from recspec.fileio import atomic_dir, atomic_path, check_writable_dir, read_jso
 from recspec.hub import keep_last_logits
 from recspec.models.checkpoint import WEIGHTS_FILE
 from recspec.models.layer_draft import layer_draft, parse_layers
-from recspec.models.train import TrainConfig, Trainer, autocast
+from recspec.models.train import TrainConfig, Trainer, TrainResult, autocast
 from recspec.statefile import has_state, load_state, refuse_object_files, save_state, state_files
 
 CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint", "best", "distill.json", "draft.json"
 CHUNK = 8  # prompts sampled together (one seeded chunk of corpus.jsonl)
 ACCEPTANCE = "valid_acceptance"  # the selection metric (higher is better)
 REMEDY = "delete it to start over, or choose another --out"
+Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, response ids) of the corpus
 
 
 @dataclass(frozen=True)
-class DistillConfig:
-    """``layers``: target layers the draft starts from (``"0,29"``); ``prompts``: corpus prompts
-    (half users, half movies); ``max_new_tokens``: sampled tokens per prompt; ``valid_fraction``:
-    held-out share of the corpus; the rest are training options."""
+class CorpusConfig:
+    """Distillation from the target's own samples, whatever it trains (a draft of its layers here,
+    a text head in :mod:`recspec.align.text_head`): ``prompts``: corpus prompts (half users, half
+    movies); ``max_new_tokens``: sampled tokens per prompt; ``valid_fraction``: held-out share of
+    the corpus; the rest are training options."""
 
-    layers: str = "0,29"
     prompts: int = 384
     max_new_tokens: int = 128
     valid_fraction: float = 0.125
@@ -78,13 +79,16 @@ class DistillConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
 
+    def checks(self) -> dict[str, bool]:
+        """Each option's name and whether its value is allowed."""
+        return {"prompts": self.prompts >= 2 * CHUNK, "max_new_tokens": self.max_new_tokens >= 1,
+                "valid_fraction": 0 < self.valid_fraction < 1, "epochs": self.epochs >= 1,
+                "batch_size": self.batch_size >= 1, "lr": 0 < self.lr < math.inf,
+                "warmup_steps": self.warmup_steps >= 0, "weight_decay": 0 <= self.weight_decay < math.inf,
+                "max_grad_norm": 0 < self.max_grad_norm < math.inf}
+
     def __post_init__(self) -> None:
-        checks = {"prompts": self.prompts >= 2 * CHUNK, "max_new_tokens": self.max_new_tokens >= 1,
-                  "valid_fraction": 0 < self.valid_fraction < 1, "epochs": self.epochs >= 1,
-                  "batch_size": self.batch_size >= 1, "lr": 0 < self.lr < math.inf,
-                  "warmup_steps": self.warmup_steps >= 0, "weight_decay": 0 <= self.weight_decay < math.inf,
-                  "max_grad_norm": 0 < self.max_grad_norm < math.inf}
-        bad = [name for name, ok in checks.items() if not ok]
+        bad = [name for name, ok in self.checks().items() if not ok]
         if bad:
             raise RecspecError(f"bad distillation option(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
 
@@ -94,6 +98,13 @@ class DistillConfig:
                            weight_decay=self.weight_decay, betas=(0.9, 0.999), max_grad_norm=self.max_grad_norm,
                            patience=self.epochs,  # reached at the last epoch at the earliest: no early stop
                            seed=self.seed, precision="fp32", max_minutes=max_minutes, device="cpu")
+
+
+@dataclass(frozen=True)
+class DistillConfig(CorpusConfig):
+    """``layers``: target layers the draft starts from (``"0,29"``); the rest as :class:`CorpusConfig`."""
+
+    layers: str = "0,29"
 
 
 def trainable_draft(target, layers: list[int]):
@@ -135,7 +146,7 @@ def _complete_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: int, seed: int,
-                  progress: bool = True) -> list[tuple[list[int], list[int]]]:
+                  progress: bool = True) -> Pairs:
     """``(prompt ids, sampled response ids)`` of ``prompts`` knowledge prompts, read from ``path``
     where chunks are already there and sampled (and appended, one line per pair) where not."""
     from tqdm.auto import tqdm
@@ -170,7 +181,7 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     return [(row["prompt"], row["response"]) for row in done if row["response"]]
 
 
-def pair_batch(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def pair_batch(pairs: Pairs, pad_token_id: int) -> dict[str, torch.Tensor]:
     """``(prompt, response)`` pairs as one left-padded batch: ``input_ids``, ``attention_mask``,
     ``position_ids`` of prompt + response, and ``response_lengths``."""
     padded = left_pad([torch.tensor(p + r) for p, r in pairs], pad_token_id, torch.device("cpu"))
@@ -178,17 +189,27 @@ def pair_batch(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> d
             "position_ids": padded.position_ids, "response_lengths": torch.tensor([len(r) for _, r in pairs])}
 
 
-def response_log_probs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the next token at each response position of a :func:`pair_batch`: float32
-    ``[b, R, V]`` (``R`` the longest response, responses right-aligned) and the bool mask
-    ``[b, R]`` of real positions. Only the last ``R + 1`` positions reach the output layer."""
+def response_outputs(model, batch: dict[str, torch.Tensor], features: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The model's next-token logits at each response position of a :func:`pair_batch`: float32
+    ``[b, R, V]`` (``R`` the longest response, responses right-aligned), the bool mask ``[b, R]`` of
+    real positions, and with ``features`` its last hidden states at every position ``[b, L, H]``
+    (after the final norm: what the output layer reads), else None. Only the last ``R + 1``
+    positions reach the output layer."""
     lengths = batch["response_lengths"]
     width = int(lengths.max())
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False,
-                   **keep_last_logits(model, width + 1)).logits[:, -(width + 1):-1]
-    real = torch.arange(width, device=logits.device)[None, :] >= width - lengths[:, None]
-    return torch.log_softmax(logits.float(), dim=-1), real
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False, output_hidden_states=features,
+                **keep_last_logits(model, width + 1))
+    real = torch.arange(width, device=out.logits.device)[None, :] >= width - lengths[:, None]
+    return out.logits[:, -(width + 1):-1].float(), real, out.hidden_states[-1] if features else None
+
+
+def response_log_probs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the next token at each response position of a :func:`pair_batch`: float32
+    ``[b, R, V]`` and the bool mask ``[b, R]`` of real positions (:func:`response_outputs`)."""
+    logits, real, _ = response_outputs(model, batch)
+    return torch.log_softmax(logits, dim=-1), real
 
 
 def position_kl(p: torch.Tensor, q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -244,8 +265,7 @@ class DistillTask:
     target's next-token distributions p against the draft's q at every response position; the
     validation pairs give the acceptance (the selection metric) and the KL."""
 
-    def __init__(self, target, tokenizer, train: list[tuple[list[int], list[int]]],
-                 valid: list[tuple[list[int], list[int]]], info: dict[str, Any], batch_size: int) -> None:
+    def __init__(self, target, tokenizer, train: Pairs, valid: Pairs, info: dict[str, Any], batch_size: int) -> None:
         self.target, self.tokenizer, self.train, self.valid = target, tokenizer, train, valid
         self.info, self.batch_size = info, batch_size
 
@@ -288,9 +308,9 @@ class DistillTask:
         return DraftStore(out_dir, self.tokenizer, self.info)
 
 
-def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConfig(),
-            max_minutes: float | None = None, progress: bool = True) -> dict[str, Any]:
-    """Sample the corpus, then train (or go on training) the draft; returns the run's summary."""
+def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any]):
+    """Check ``out_dir`` (no serialized objects, writable; a run already there must have had the
+    same ``settings``), record ``settings`` in it, and load the target (frozen) and its tokenizer."""
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
 
@@ -299,22 +319,41 @@ def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConf
         refuse_object_files(out_dir, REMEDY)
     check_writable_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"target": str(target_spec), **asdict(config)}
     if (out_dir / SETTINGS).is_file() and read_json(out_dir / SETTINGS) != settings:
         raise RecspecError(f"{out_dir}: holds a distillation with other settings; choose another --out")
     write_json_atomic(out_dir / SETTINGS, settings)
     target, tokenizer = load_causal_lm(target_spec), load_tokenizer(target_spec)
     for parameter in target.parameters():
         parameter.requires_grad_(False)
-    layers = parse_layers(config.layers, target.config.num_hidden_layers)
-    pairs = sample_corpus(target, tokenizer, out_dir / CORPUS, config.prompts, config.max_new_tokens, config.seed,
-                          progress)
+    return target, tokenizer
+
+
+def corpus_split(target, tokenizer, out_dir: Path, config: CorpusConfig, progress: bool) -> tuple[Pairs, Pairs]:
+    """The corpus of ``out_dir`` (:func:`sample_corpus`), split into training and validation pairs
+    (the last ``valid_fraction``, at least one)."""
+    pairs = sample_corpus(target, tokenizer, Path(out_dir) / CORPUS, config.prompts, config.max_new_tokens,
+                          config.seed, progress)
     cut = len(pairs) - max(1, round(len(pairs) * config.valid_fraction))
-    task = DistillTask(target, tokenizer, pairs[:cut], pairs[cut:], {"target": str(target_spec), "layers": layers},
+    return pairs[:cut], pairs[cut:]
+
+
+def run_summary(result: TrainResult, train_pairs: int, valid_pairs: int, started: float) -> dict[str, Any]:
+    """What a distillation call returns: how it stopped, its history, the best validation
+    acceptance, the corpus split, seconds, training tokens/s and the best folder."""
+    return {"stopped": result.stopped, "history": result.history, "best_acceptance": result.best_value,
+            "train_pairs": train_pairs, "valid_pairs": valid_pairs, "seconds": time.perf_counter() - started,
+            "tokens_per_s": result.tokens_per_s, "best_dir": str(result.best_dir)}
+
+
+def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConfig(),
+            max_minutes: float | None = None, progress: bool = True) -> dict[str, Any]:
+    """Sample the corpus, then train (or go on training) the draft; returns the run's summary."""
+    target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), **asdict(config)})
+    layers = parse_layers(config.layers, target.config.num_hidden_layers)
+    train, valid = corpus_split(target, tokenizer, out_dir, config, progress)
+    task = DistillTask(target, tokenizer, train, valid, {"target": str(target_spec), "layers": layers},
                        config.batch_size)
     started = time.perf_counter()
     result = Trainer(trainable_draft(target, layers), task, out_dir, config.training(max_minutes),
                      evaluate=task.validation_scores, progress=progress, metric=ACCEPTANCE, baseline=True).run()
-    return {"stopped": result.stopped, "history": result.history, "best_acceptance": result.best_value,
-            "train_pairs": len(task.train), "valid_pairs": len(task.valid), "seconds": time.perf_counter() - started,
-            "tokens_per_s": result.tokens_per_s, "best_dir": str(result.best_dir)}
+    return run_summary(result, len(train), len(valid), started)

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from recspec.align.data import PARTS, tree_view
 from recspec.align.task import AlignmentTask
 from recspec.decoding.scorer import forward_features, prompt_and_tree
-from recspec.models.head import DraftHead, HeadDraft, load_head, save_head
+from recspec.models.head import ITEM_HEAD, HeadDraft, HeadKind, load_head, save_head
 from recspec.models.train import autocast
 from recspec.statefile import has_state, load_state, save_state, state_files
 
@@ -39,28 +40,32 @@ REMEDY = "delete the checkpoint files to start over, or choose another output fo
 
 
 class HeadStore:
-    """The trainer's model store for a head: ``checkpoint.{safetensors,json}`` and ``best/``."""
+    """The trainer's model store for a head of ``kind`` (an item head, or a text head):
+    ``checkpoint.{safetensors,json}`` (the head's state with the trainer's) and ``best/`` (a head
+    folder)."""
 
-    def __init__(self, out_dir: Path, fingerprint: dict[str, str], info: dict[str, Any]) -> None:
-        self.out_dir, self.fingerprint, self.info = Path(out_dir), fingerprint, info
+    def __init__(self, out_dir: Path, fingerprint: dict[str, str], info: dict[str, Any],
+                 kind: HeadKind = ITEM_HEAD) -> None:
+        self.out_dir, self.fingerprint, self.info, self.kind = Path(out_dir), fingerprint, info, kind
         self.checkpoint_path, self.best_dir = state_files(out_dir, CHECKPOINT)[1], Path(out_dir) / BEST
 
     def read_checkpoint(self) -> dict[str, Any] | None:
         return load_state(self.out_dir, CHECKPOINT, REMEDY) if has_state(self.out_dir, CHECKPOINT) else None
 
-    def load_checkpoint(self, model: DraftHead, saved: dict[str, Any]) -> None:
+    def load_checkpoint(self, model: nn.Module, saved: dict[str, Any]) -> None:
         model.load_state_dict(saved["weights"])
 
-    def save_checkpoint(self, model: DraftHead, state: dict[str, Any], info: dict[str, Any]) -> None:
+    def save_checkpoint(self, model: nn.Module, state: dict[str, Any], info: dict[str, Any]) -> None:
         weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
         save_state(self.out_dir, CHECKPOINT, {**state, "weights": weights})
 
-    def save_best(self, model: DraftHead, info: dict[str, Any]) -> None:
+    def save_best(self, model: nn.Module, info: dict[str, Any]) -> None:
         save_head(self.best_dir, model, self.fingerprint,
-                  {**self.info, "best": {key: info[key] for key in ("metric", "value", "epoch") if key in info}})
+                  {**self.info, "best": {key: info[key] for key in ("metric", "value", "epoch") if key in info}},
+                  self.kind)
 
-    def load_best(self, model: DraftHead) -> None:
-        best = load_head(self.best_dir, self.fingerprint, next(model.parameters()).device)
+    def load_best(self, model: nn.Module) -> None:
+        best = load_head(self.best_dir, self.fingerprint, next(model.parameters()).device, self.kind)
         model.load_state_dict(best.state_dict())
 
 

@@ -58,10 +58,23 @@ def score_tree(
     :func:`~recspec.decoding.cache.gather_positions`. Needs a model whose cache layers are all
     full attention and which takes a custom 4D float mask (transformers 5 decoder-only models).
     """
+    return forward_visible(model, cache, tokens, *tree_inputs(ancestors, past_visible, root_positions))
+
+
+def score_tree_features(model, cache, tokens: torch.Tensor, ancestors: torch.Tensor, past_visible: torch.Tensor,
+                        root_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`score_tree` that also returns the model's last hidden state at the nodes (after its
+    final norm, what a text draft head reads): ``(logits [B, N, V], features [B, N, H])``."""
+    return forward_features(model, cache, tokens, *tree_inputs(ancestors, past_visible, root_positions))
+
+
+def tree_inputs(ancestors: torch.Tensor, past_visible: torch.Tensor,
+                root_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each node of a tree sees and its position id (:func:`score_tree`'s arguments):
+    ``(visible [B, N, P + N], position_ids [B, N])``."""
     if root_positions.dim() == 1:
         root_positions = root_positions[:, None]
-    return forward_visible(model, cache, tokens, tree_rows(past_visible, ancestors),
-                           root_positions + node_depths(ancestors))
+    return tree_rows(past_visible, ancestors), root_positions + node_depths(ancestors)
 
 
 def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,

@@ -5,7 +5,9 @@ loop, and the transformers baselines.
 repeats one *step* per target call until an end-of-sequence token or ``max_new_tokens``:
 
 1. the drafter proposes a token tree for the current text (``N - 1`` draft nodes; none for
-   plain greedy decoding);
+   plain greedy decoding): retrieval from token tries (:class:`RetrievalDrafter`), or a text
+   draft head over the target's features (:mod:`recspec.knowledge.head_draft`), which then also
+   receives the target's last hidden states at the prompt and at every kept node;
 2. the last committed token (the *root*, not yet in the KV cache) and the draft nodes are scored
    in one forward pass over the cache with tree attention
    (:func:`~recspec.decoding.scorer.score_tree`);
@@ -29,12 +31,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from recspec.decoding.prompts import left_pad
 from recspec.decoding.cache import compact_tail, require_full_attention
-from recspec.decoding.scorer import score_tree
+from recspec.decoding.scorer import score_tree, score_tree_features
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
 from recspec.hub import keep_last_logits
@@ -55,8 +58,9 @@ class Generation:
     commits one token of its own); ``drafted``: draft nodes scored in total;
     ``ceiling_tokens``: tokens the same calls would have produced had every step accepted its
     longest draft branch (``1 + sum(longest branch + 1)`` over steps); ``retrieval_s``: seconds
-    spent retrieving drafts and growing the temporary branches; ``prefill_s``: the first target
-    call (the prompt); ``wall_s``: the whole request, prefill included.
+    spent drafting (retrieving drafts and growing the temporary branches, or a head's calls);
+    ``prefill_s``: the first target call (the prompt); ``wall_s``: the whole request, prefill
+    included.
     """
 
     tokens: list[int]
@@ -83,6 +87,28 @@ class Generation:
         """Tokens after the first per second after the prefill (the decoding phase alone)."""
         seconds = self.wall_s - self.prefill_s
         return (len(self.tokens) - 1) / seconds if seconds > 0 else 0.0
+
+
+@runtime_checkable
+class FeatureSession(Protocol):
+    """A request's drafting state that reads the target's features (a text head's,
+    :mod:`recspec.knowledge.head_draft`): :meth:`observe` receives the target's last hidden states
+    (after its final norm) at the positions each call keeps, before the next :meth:`propose`."""
+
+    def propose(self, text: list[int], max_depth: int) -> DraftTree:
+        """A draft tree, at most ``max_depth`` deep, after ``text`` (prompt and generated tokens)."""
+
+    def observe(self, features: torch.Tensor, start: int) -> None:
+        """The target's features ``[n, H]`` at text positions ``start .. start + n - 1``: the prompt
+        after the prefill, the root and the accepted path after every step."""
+
+
+class Drafter(Protocol):
+    """What :func:`speculative_generate` drafts with: a session per request, a
+    :class:`DraftSession` (retrieval) or a :class:`FeatureSession`."""
+
+    def session(self, prompt: Sequence[int]) -> DraftSession | FeatureSession:
+        """The drafting state of a request with ``prompt``."""
 
 
 class RetrievalDrafter:
@@ -119,14 +145,14 @@ class DraftSession:
         return retrieve(self.tries, text, self.config, max_depth)
 
 
-def _prefill(model, prompt: Sequence[int]):
-    """Run the prompt once: ``(greedy first token, cache)``; the argmax of the raw logits, as
-    greedy ``generate`` takes it (only the last position's logits are computed where the model
-    supports ``logits_to_keep``)."""
+def _prefill(model, prompt: Sequence[int], features: bool) -> tuple[int, object, torch.Tensor | None]:
+    """Run the prompt once: ``(greedy first token, cache, the last hidden states [P, H] when
+    ``features``, else None)``; the argmax of the raw logits, as greedy ``generate`` takes it (only
+    the last position's logits are computed where the model supports ``logits_to_keep``)."""
     out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True,
-                **keep_last_logits(model, 1))
+                output_hidden_states=features, **keep_last_logits(model, 1))
     require_full_attention(out.past_key_values)
-    return int(out.logits[0, -1].argmax()), out.past_key_values
+    return int(out.logits[0, -1].argmax()), out.past_key_values, out.hidden_states[-1][0] if features else None
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -146,18 +172,22 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int) -> None:
 
 @torch.inference_mode()
 def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
-                         drafter: RetrievalDrafter | None = None,
-                         verification: Verification = GREEDY) -> Generation:
+                         drafter: Drafter | None = None, verification: Verification = GREEDY) -> Generation:
     """Generate after ``prompt`` (token ids, chat template applied) with ``drafter`` (None: plain
-    greedy decoding) and ``verification``; see the module docstring."""
+    greedy decoding) and ``verification``; see the module docstring. A drafter whose sessions
+    read features (:class:`FeatureSession`) gets the target's at every kept position."""
     check_prompt(prompt, max_new_tokens)
     started = time.perf_counter()
     device = model.device
-    root, cache = _prefill(model, prompt)
-    prefill_s = time.perf_counter() - started
+    session = drafter.session(prompt) if drafter is not None else None
+    observer = session if isinstance(session, FeatureSession) else None
+    tick = time.perf_counter()
+    root, cache, prompt_features = _prefill(model, prompt, observer is not None)
+    prefill_s = time.perf_counter() - tick
+    if observer is not None:
+        observer.observe(prompt_features, 0)
     text = list(prompt) + [root]
     generated, done = _finish([root], max_new_tokens, eos)
-    session = drafter.session(prompt) if drafter is not None else None
     calls, drafted, ceiling, retrieval_s = 1, 0, 1, 0.0
     while not done:
         cached = len(text) - 1
@@ -169,12 +199,15 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
         tokens = torch.tensor([[text[-1]] + draft.tokens], device=device)  # [1, N]
         parents = torch.tensor([[-1] + [p + 1 for p in draft.parents]], device=device)  # [1, N]
         ancestors = ancestor_matrix(parents)
-        logits = score_tree(model, cache, tokens, ancestors, torch.ones(1, cached, dtype=torch.bool, device=device),
-                            torch.tensor([cached], device=device))
+        tree = (model, cache, tokens, ancestors, torch.ones(1, cached, dtype=torch.bool, device=device),
+                torch.tensor([cached], device=device))
+        logits, features = score_tree_features(*tree) if observer is not None else (score_tree(*tree), None)
         last, path = accepted_path(verification.accept(tokens, parents, logits), ancestors)
         nodes = path[0].nonzero()[:, 0]  # path order: parents precede children
         if len(draft):
             compact_tail(cache, cached, cached + nodes[None])
+        if observer is not None:
+            observer.observe(features[0, nodes], cached)
         new = tokens[0, nodes[1:]].tolist() + [int(logits[0, last[0]].argmax())]
         calls, drafted = calls + 1, drafted + len(draft)
         ceiling += draft.longest_branch() + 1

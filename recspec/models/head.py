@@ -18,11 +18,14 @@ sees the prompt only through the target's feature, so it keeps no KV cache and a
 The folder a head is saved in (:func:`save_head`, :func:`load_head`) holds ``head.safetensors``
 (its own weights only, never the target's), ``head.json`` (shape, and the fingerprint of what it
 was trained on: the sha256 of its target's weights and of the item index) and checksums; loading
-checks all three, so a head is never used with another target.
+checks all three, so a head is never used with another target. The text head
+(:mod:`recspec.models.text_head`) is saved and loaded by the same functions, as another
+:class:`HeadKind`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -72,9 +75,9 @@ class RMSNorm(nn.Module):
 class Block(nn.Module):
     """``u + MLP(norm(u))`` with Llama's SwiGLU MLP."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden)
+        self.norm = RMSNorm(hidden, eps)
         self.gate = nn.Linear(hidden, intermediate, bias=False)
         self.up = nn.Linear(hidden, intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
@@ -153,65 +156,91 @@ class HeadDraft:
         return out.index_copy_(-1, self.token_ids.to(rows.device), rows)
 
 
-def save_head(path: Path, head: DraftHead, fingerprint: dict[str, str], info: dict[str, Any]) -> None:
-    """Write the head folder ``path`` whole (weights, ``head.json`` with the config, ``fingerprint``
-    and ``info``, checksums) under a temporary name."""
+@dataclass(frozen=True)
+class HeadKind:
+    """A kind of head folder: its config file and format tag, how its module is built from the saved
+    config, and the command that trains one (named in refusals). Every kind keeps its own weights,
+    never its target's, in ``head.safetensors``."""
+
+    config_file: str
+    format: str
+    build: Callable[[dict[str, Any]], nn.Module]
+    trained_by: str
+
+    @property
+    def remedy(self) -> str:
+        return f"train the head again ({self.trained_by})"
+
+
+ITEM_HEAD = HeadKind(HEAD_CONFIG, HEAD_FORMAT, lambda config: DraftHead(HeadConfig(**config)),
+                     "recspec align train --head")
+
+
+def save_head(path: Path, head: nn.Module, fingerprint: dict[str, str], info: dict[str, Any],
+              kind: HeadKind = ITEM_HEAD) -> None:
+    """Write the head folder ``path`` whole (``head.safetensors``: the module's state, buffers
+    included; the kind's config file with ``head.config``, ``fingerprint`` and ``info``; checksums)
+    under a temporary name."""
     from safetensors.torch import save_file
 
     with atomic_dir(path, overwrite=True) as tmp:
         save_file({name: value.detach().contiguous() for name, value in head.state_dict().items()},
                   str(tmp / HEAD_WEIGHTS))
-        write_json_atomic(tmp / HEAD_CONFIG, {"format": HEAD_FORMAT, "config": asdict(head.config),
-                                              "fingerprint": fingerprint, **info})
+        write_json_atomic(tmp / kind.config_file, {"format": kind.format, "config": asdict(head.config),
+                                                   "fingerprint": fingerprint, **info})
         record_checksums(tmp)
 
 
-def is_head_dir(path: str | Path) -> bool:
-    """Whether ``path`` (or its ``best/``) is a head folder."""
+def is_head_dir(path: str | Path, kind: HeadKind = ITEM_HEAD) -> bool:
+    """Whether ``path`` (or its ``best/``) is a head folder of ``kind``."""
     path = Path(path)
-    return (path / HEAD_CONFIG).is_file() or (path / "best" / HEAD_CONFIG).is_file()
+    return (path / kind.config_file).is_file() or (path / "best" / kind.config_file).is_file()
 
 
-def head_dir(path: str | Path) -> Path:
+def head_dir(path: str | Path, kind: HeadKind = ITEM_HEAD) -> Path:
     """The head folder itself: ``path`` or, for a training folder, its ``best/``."""
     path = Path(path)
-    return path if (path / HEAD_CONFIG).is_file() else path / "best"
+    return path if (path / kind.config_file).is_file() else path / "best"
 
 
-def read_head_config(path: Path) -> dict[str, Any]:
-    """``head.json`` of a head folder, its checksums checked first."""
-    remedy = "train the head again (recspec align train --head)"
+def read_head_config(path: Path, kind: HeadKind = ITEM_HEAD) -> dict[str, Any]:
+    """The config file of a head folder of ``kind``, its checksums checked first."""
     if not (path / CHECKSUMS).is_file():
-        raise RecspecError(f"{path}: not a head folder written by recspec (no {CHECKSUMS}); {remedy}")
-    verify_checksums(path, remedy)
-    meta = read_json(path / HEAD_CONFIG)
-    if not isinstance(meta, dict) or meta.get("format") != HEAD_FORMAT:
-        raise RecspecError(f"{path / HEAD_CONFIG}: not a {HEAD_FORMAT} head; {remedy}")
+        raise RecspecError(f"{path}: not a head folder written by recspec (no {CHECKSUMS}); {kind.remedy}")
+    verify_checksums(path, kind.remedy)
+    meta = read_json(path / kind.config_file)
+    if not isinstance(meta, dict) or meta.get("format") != kind.format:
+        raise RecspecError(f"{path / kind.config_file}: not a {kind.format} head; {kind.remedy}")
     return meta
 
 
-def load_head(path: str | Path, fingerprint: dict[str, str], device: torch.device | str = "cpu") -> DraftHead:
-    """The head saved in ``path`` (a head folder or a training folder), checked against the
-    ``fingerprint`` of the target it is to draft for (same keys as saved)."""
+def load_head(path: str | Path, fingerprint: dict[str, str], device: torch.device | str = "cpu",
+              kind: HeadKind = ITEM_HEAD) -> nn.Module:
+    """The head of ``kind`` saved in ``path`` (a head folder or a training folder), checked
+    against the ``fingerprint`` of the target it is to draft for (same keys as saved)."""
     from safetensors.torch import load_file
 
-    path = head_dir(path)
-    meta = read_head_config(path)
+    path = head_dir(path, kind)
+    meta = read_head_config(path, kind)
     saved = meta.get("fingerprint", {})
     for key, value in fingerprint.items():
         if saved.get(key) != value:
             raise RecspecError(f"{path}: this head was trained for another target ({key.replace('_', ' ')} "
-                               f"differs); train a head for this target with recspec align train --head")
-    head = DraftHead(HeadConfig(**meta["config"]))
+                               f"differs); train a head for this target with {kind.trained_by}")
+    try:
+        head = kind.build(meta["config"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise RecspecError(f"{path / kind.config_file}: a config this recspec cannot build ({err}); "
+                           f"{kind.remedy}") from None
     weights = load_file(str(path / HEAD_WEIGHTS))
-    missing = set(head.state_dict()) ^ set(weights)
-    if missing:
-        raise RecspecError(f"{path / HEAD_WEIGHTS}: weights do not match head.json ({sorted(missing)[:3]})")
-    if not all(bool(torch.isfinite(value).all()) for value in weights.values()):
-        raise RecspecError(f"{path / HEAD_WEIGHTS}: non-finite weights; train the head again")
+    own = head.state_dict()
+    differ = sorted(set(own) ^ set(weights)) or sorted(k for k in own if own[k].shape != weights[k].shape)
+    if differ:
+        raise RecspecError(f"{path / HEAD_WEIGHTS}: weights do not match {kind.config_file} ({differ[:3]})")
+    if not all(bool(torch.isfinite(value).all()) for value in weights.values() if value.is_floating_point()):
+        raise RecspecError(f"{path / HEAD_WEIGHTS}: non-finite weights; {kind.remedy}")
     head.load_state_dict(weights)
     return head.to(device).eval()
-
 
 
 def head_fingerprint(target_dir: Path, index: ItemIndex) -> dict[str, str]:

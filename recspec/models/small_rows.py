@@ -23,14 +23,19 @@ from torch.nn import functional as F
 MAX_SMALL_ROWS = 128
 
 
-def _small_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, W, b)`` for ``x`` of shape ``[..., in]``; 2..128 rows on the CPU as
-    ``(W @ x.T).T`` (shape ``[..., out]``)."""
+def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of shape ``[..., in]`` and ``weight`` ``[out, in]``;
+    2..128 rows on the CPU as ``(W @ x.T).T`` (shape ``[..., out]``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 2 <= rows <= MAX_SMALL_ROWS:
-        return F.linear(x, self.weight, self.bias)
-    out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], self.out_features)
-    return out if self.bias is None else out + self.bias
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def _small_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """:func:`small_row_linear` with the layer's weight and bias."""
+    return small_row_linear(x, self.weight, self.bias)
 
 
 def use_small_row_products(model: nn.Module) -> nn.Module:

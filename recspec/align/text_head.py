@@ -1,0 +1,310 @@
+"""Training a text draft head (:mod:`recspec.models.text_head`) on the target's own samples and
+features (`recspec distill --head`), on the corpus, metric and trainer of
+:mod:`recspec.align.distill`.
+
+* **Corpus**: :func:`~recspec.align.distill.sample_corpus` (the target's samples at temperature 1
+  on MovieLens knowledge prompts, ``corpus.jsonl``), split as distillation splits it.
+* **Draft vocabulary** ``D`` (``vocab``): the ``vocab`` most frequent tokens of the training
+  responses plus the end tokens (``vocab = 0``: the whole vocabulary).
+* **Features**, once: one target forward per batch of the corpus gives its last hidden state ``f``
+  (after the final norm) at every position and, at every response position, the log-normaliser
+  ``lse`` of its logits, so that ``log p = f W^T - lse`` on any rows ``W`` of the output layer.
+  They are kept in ``features.{safetensors,json}`` (float32, :mod:`recspec.statefile`: the JSON
+  records the tensors' sha256, checked whenever they are read, and the corpus and target they
+  came from), so an epoch costs the head alone. A cache that is damaged or made from another corpus
+  or target is refused with one line.
+* **Loss** (EAGLE-1, teacher features): input ``t`` is ``(f_t, x_{t+1})``, the head's output
+  ``h_t`` is compared with ``f_{t+1}`` at every position whose next token is a response token:
+  ``p(D) KL(p_D || q) + feature_weight * SmoothL1(h_t, f_{t+1})``, where ``q`` is the head's
+  distribution over ``D`` (the output layer's rows of ``D`` at ``h_t``), ``p`` the target's and
+  ``p_D`` its restriction to ``D`` renormalised. ``p(D) KL(p_D || q)`` equals
+  ``sum_{v in D} p_v (log p_v - log q_v) - p(D) log p(D)``: finite (a KL over the full vocabulary
+  with ``q = 0`` outside ``D`` is infinite), zero exactly at ``q = p_D``, the ``q`` on ``D`` that
+  maximises the acceptance ``sum min(p, q)`` (it reaches ``p(D)``), and the plain forward KL when
+  ``D`` is the whole vocabulary. ``feature_weight`` defaults to 1 (EAGLE weights the regression
+  10:1 over its classification term; here the distribution term, which is what acceptance
+  measures, comes first and the regression helps it). ``noise`` adds ``U(-noise, noise)`` to the
+  input features in training (EAGLE: 0.1; default off). ``ahead_weight`` adds that loss two
+  steps ahead, the head fed its own guess as a draft tree's second level feeds it (the
+  training-time test of HASS and EAGLE-3; default 0: EAGLE-1).
+* **Selection**: the validation acceptance ``sum_{v in D} min(p, q)`` at ``T = 1``
+  (:func:`~recspec.align.distill.acceptance`), measured as decoding uses the head: one step ahead
+  (fed ``f_t`` and ``x_{t+1}``, over the head's cache of true inputs), logged as
+  ``valid_acceptance`` and kept in ``best/`` (a head folder). Also logged: ``valid_acceptance_2``,
+  two steps ahead as a draft tree's second level sees it (fed its own ``h_{t-1}`` and ``x_{t+1}``
+  after the true inputs up to ``t - 1``), ``valid_kl`` and ``valid_vocab_mass`` (the mean
+  ``p(D)``: the acceptance's ceiling with this vocabulary).
+
+Resumable exactly as distillation (``checkpoint.{safetensors,json}``, ``train_log.jsonl``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recspec.align.distill import (ACCEPTANCE, CorpusConfig, Pairs, acceptance, corpus_split, open_run, pair_batch,
+                                   position_kl, response_outputs, run_summary)
+from recspec.align.head import HeadStore
+from recspec.errors import RecspecError
+from recspec.hub import resolve_model_dir
+from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, new_text_head, text_head_config, text_head_fingerprint
+from recspec.models.train import Trainer, autocast
+from recspec.statefile import has_state, load_state, save_state
+
+FEATURES = "features"
+ACCEPTANCE_2 = "valid_acceptance_2"
+
+
+@dataclass(frozen=True)
+class HeadDistillConfig(CorpusConfig):
+    """``vocab``: draft vocabulary size (0: all tokens); ``feature_weight``: weight of the
+    feature regression; ``noise``: half-width of the uniform noise on the input features in
+    training; ``ahead_weight``: weight of the loss two steps ahead; the rest as
+    :class:`~recspec.align.distill.CorpusConfig`."""
+
+    vocab: int = 8192
+    feature_weight: float = 1.0
+    noise: float = 0.0
+    ahead_weight: float = 0.0
+
+    def checks(self) -> dict[str, bool]:
+        return {**super().checks(), "vocab": self.vocab >= 0, "feature_weight": 0 <= self.feature_weight < math.inf,
+                "noise": 0 <= self.noise < math.inf, "ahead_weight": 0 <= self.ahead_weight < math.inf}
+
+
+def draft_vocabulary(pairs: Pairs, size: int, always: Iterable[int]) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the responses of ``pairs`` (ties: the smaller id
+    first; never an unseen token) and the ``always`` ids (the end tokens): int64, ascending."""
+    end = torch.tensor(sorted(always), dtype=torch.int64)
+    counts = torch.bincount(torch.cat([torch.tensor(response, dtype=torch.int64) for _, response in pairs]))
+    order = torch.argsort(-counts, stable=True)[:size]
+    return torch.unique(torch.cat((order[counts[order] > 0], end)))
+
+
+@dataclass
+class CorpusFeatures:
+    """The target's features over a corpus, flat, pair after pair: ``features`` float32 ``[N, H]``
+    at every position; ``lse`` float32 ``[M]``, the log-normaliser of its logits at every position
+    whose next token is a response token; ``starts`` and ``response_starts`` int64 ``[n + 1]``, where
+    each pair's rows begin in them."""
+
+    features: torch.Tensor
+    lse: torch.Tensor
+    starts: torch.Tensor
+    response_starts: torch.Tensor
+
+
+def right_aligned(flat: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Pairs ``rows`` (int64 ``[b]``) of a flat ragged tensor ``flat`` ``[N, ...]`` (pair ``i`` at
+    ``starts[i]:starts[i + 1]``), each right-aligned in the width of the longest, zeros on the left:
+    ``[b, W, ...]``."""
+    begin, end = starts[rows], starts[rows + 1]
+    width = int((end - begin).max())
+    index = end[:, None] - width + torch.arange(width)[None, :]
+    real = (index >= begin[:, None]).reshape(*index.shape, *[1] * (flat.dim() - 1))
+    return torch.where(real, flat[index.clamp(min=0)], 0.0)
+
+
+def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, progress: bool) -> CorpusFeatures:
+    """:class:`CorpusFeatures` of ``pairs``: one target forward per ``batch_size`` pairs. The first
+    batch also checks that the logits are the output layer applied to the features (no soft-capping,
+    bias or scale between them), which the head relies on."""
+    from tqdm.auto import tqdm
+
+    features, lse = [], []
+    output = target.get_output_embeddings().weight
+    with torch.no_grad():
+        for start in tqdm(range(0, len(pairs), batch_size), desc="target features", unit="batch",
+                          disable=not progress):
+            batch = pair_batch(pairs[start:start + batch_size], pad_token_id)
+            logits, real, hidden = response_outputs(target, batch, features=True)
+            assert hidden is not None
+            if start == 0 and not torch.allclose(hidden[:, -(logits.shape[1] + 1):-1] @ output.T, logits,
+                                                 rtol=1e-4, atol=1e-3):
+                raise RecspecError("the target's logits are not its output layer applied to its last hidden state; "
+                                   "a text head cannot draft through that output layer")
+            features.append(hidden[batch["attention_mask"].bool()].float())
+            lse.append(torch.logsumexp(logits, dim=-1)[real])
+    lengths = torch.tensor([len(p) + len(r) for p, r in pairs])
+    responses = torch.tensor([len(r) for _, r in pairs])
+    return CorpusFeatures(torch.cat(features), torch.cat(lse), torch.cat((torch.zeros(1, dtype=torch.int64),
+                          lengths.cumsum(0))), torch.cat((torch.zeros(1, dtype=torch.int64), responses.cumsum(0))))
+
+
+def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_token_id: int,
+                    fingerprint: dict[str, str], progress: bool) -> CorpusFeatures:
+    """The :class:`CorpusFeatures` of ``pairs`` kept in ``out_dir/features.{safetensors,json}``
+    (computed and written the first time); a damaged cache, or one made from another corpus or
+    target, is refused with one line."""
+    made_from = {"target": fingerprint, "lengths": [[len(p), len(r)] for p, r in pairs]}
+    remedy = f"delete {Path(out_dir) / FEATURES}.* to compute them again"
+    if has_state(out_dir, FEATURES):
+        saved = load_state(out_dir, FEATURES, remedy)
+        if saved.get("made_from") != made_from:
+            raise RecspecError(f"{Path(out_dir) / FEATURES}.json: features of another corpus or target; {remedy}")
+        return CorpusFeatures(**saved["corpus"])
+    corpus = compute_features(target, pairs, batch_size, pad_token_id, progress)
+    save_state(out_dir, FEATURES, {"made_from": made_from, "corpus": asdict(corpus)})
+    return corpus
+
+
+class TextHeadTask:
+    """Head distillation as a training task (see the module doc). ``bound``: the head being
+    trained (``bound.head`` is the trainer's model) bound to the frozen target; ``train`` and
+    ``valid``: int64 indices into ``pairs``."""
+
+    def __init__(self, bound: TextHeadDraft, pairs: Pairs, corpus: CorpusFeatures, train: np.ndarray,
+                 valid: np.ndarray, config: HeadDistillConfig, pad_token_id: int, store: HeadStore) -> None:
+        self.bound, self.pairs, self.corpus, self.train, self.valid = bound, pairs, corpus, train, valid
+        self.config, self.pad_token_id, self.head_store = config, pad_token_id, store
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(self.pairs[i][0]) + len(self.pairs[i][1]) for i in self.train], dtype=np.int64)
+
+    def check(self) -> None:
+        """Nothing to check: every pair is token ids the target sampled itself."""
+
+    def store(self, out_dir: Path) -> HeadStore:
+        return self.head_store
+
+    def pair_rows(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """:func:`~recspec.align.distill.pair_batch` of pairs ``indices`` with their features
+        ``[b, L, H]`` (left-padded as the tokens) and response log-normalisers ``lse`` ``[b, R]``
+        (right-aligned as the responses)."""
+        rows = torch.as_tensor(indices, dtype=torch.int64)
+        corpus = self.corpus
+        return {**pair_batch([self.pairs[i] for i in indices], self.pad_token_id),
+                "features": right_aligned(corpus.features, corpus.starts, rows),
+                "lse": right_aligned(corpus.lse, corpus.response_starts, rows)}
+
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        return self.pair_rows(self.train[rows])
+
+    def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        config = self.config
+        with autocast(batch["input_ids"].device, autocast_dtype):
+            guessed, keys, values = head_pass(self.bound, batch, config.noise)
+            at, target, lse = response_rows(guessed, batch)
+            log_p = self.bound.logits(target) - lse[:, None]
+            loss = self.guess_loss(at, target, log_p)
+            if config.ahead_weight:
+                ahead, _, _ = response_rows(second_pass(self.bound, batch, guessed, keys, values), batch)
+                loss = loss + config.ahead_weight * self.guess_loss(ahead, target, log_p)
+        return loss
+
+    def guess_loss(self, guessed: torch.Tensor, target: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+        """``p(D) KL(p_D || q)`` plus ``feature_weight`` times the smooth-L1 regression, means over
+        ``n`` rows: the head's guesses ``[n, H]``, the target's features ``[n, H]`` and its
+        log-probs on the draft vocabulary ``[n, D]``."""
+        regression = torch.nn.functional.smooth_l1_loss(guessed.float(), target)
+        return support_kl(log_p, self.bound.log_probs(guessed)).mean() + self.config.feature_weight * regression
+
+    def validation_scores(self, model) -> dict[str, float]:
+        """Mean per-token acceptance one step ahead (``valid_acceptance``, the selection metric)
+        and two steps ahead (``valid_acceptance_2``), ``valid_kl`` (one step ahead) and
+        ``valid_vocab_mass`` over the validation responses."""
+        scores: dict[str, list[torch.Tensor]] = {ACCEPTANCE: [], ACCEPTANCE_2: [], "valid_kl": [],
+                                                 "valid_vocab_mass": []}
+        with torch.no_grad():
+            for start in range(0, len(self.valid), self.config.batch_size):
+                batch = self.pair_rows(self.valid[start:start + self.config.batch_size])
+                guessed, keys, values = head_pass(self.bound, batch, 0.0)
+                at, target, lse = response_rows(guessed, batch)
+                at_2, _, _ = response_rows(second_pass(self.bound, batch, guessed, keys, values), batch)
+                log_p = self.bound.logits(target) - lse[:, None]
+                log_q, log_q2 = self.bound.log_probs(at), self.bound.log_probs(at_2)
+                every = torch.ones(len(log_p), dtype=torch.bool)
+                scores[ACCEPTANCE].append(acceptance(log_p, log_q, every))
+                scores[ACCEPTANCE_2].append(acceptance(log_p, log_q2, every))
+                scores["valid_kl"].append(support_kl(log_p, log_q))
+                scores["valid_vocab_mass"].append(log_p.exp().sum(dim=-1))
+        return {name: float(torch.cat(values).mean()) for name, values in scores.items()}
+
+    def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
+        """The validation KL (``valid_kl``)."""
+        return self.validation_scores(model)["valid_kl"]
+
+
+def head_pass(bound: TextHeadDraft, batch: dict[str, torch.Tensor], noise: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head over a :meth:`TextHeadTask.pair_rows` batch with teacher features: input ``i`` is
+    ``(f_i, x_{i+1})`` at position ``i`` (plus ``U(-noise, noise)`` on ``f_i``), attending causally
+    to the real inputs. Returns its outputs ``[b, L - 1, H]`` and keys and values
+    ``[b, kv_heads, L - 1, d]``."""
+    features = batch["features"][:, :-1]
+    if noise:
+        features = features + (torch.rand_like(features) * 2 - 1) * noise
+    return bound.step(features, batch["input_ids"][:, 1:], batch["position_ids"][:, :-1], causal_rows(batch))
+
+
+def second_pass(bound: TextHeadDraft, batch: dict[str, torch.Tensor], guessed: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> torch.Tensor:
+    """The head two steps ahead: input ``i`` is ``(h_{i-1}, x_{i+1})`` (``guessed`` ``[b, T, H]``:
+    the outputs of :func:`head_pass`, ``keys``, ``values`` its keys and values) at position ``i``,
+    attending to the true inputs before ``i`` and itself, as a draft tree's second level does.
+    Returns ``[b, T, H]``."""
+    rows = causal_rows(batch)
+    count = rows.shape[1]
+    own = torch.eye(count, dtype=torch.bool)
+    earlier = rows & ~own
+    previous = torch.nn.functional.pad(guessed[:, :-1], (0, 0, 1, 0))
+    return bound.step(previous, batch["input_ids"][:, 1:], batch["position_ids"][:, :-1],
+                      torch.cat((earlier, own.expand_as(rows)), dim=2), (keys, values))[0]
+
+
+def causal_rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """bool ``[b, T, T]`` (``T = L - 1`` head inputs): input ``i`` sees the real inputs up to ``i``,
+    and a padding input itself."""
+    real = batch["attention_mask"][:, :-1].bool()
+    count = real.shape[1]
+    causal = torch.ones(count, count, dtype=torch.bool).tril()
+    return (causal & real[:, None, :]) | torch.eye(count, dtype=torch.bool)
+
+
+def response_rows(guessed: torch.Tensor, batch: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's outputs whose next token is a response token, flat ``[n, H]``, the target's
+    features they guess ``[n, H]`` and its log-normalisers there ``[n]``."""
+    lengths = batch["response_lengths"]
+    width = int(lengths.max())
+    real = torch.arange(width)[None, :] >= width - lengths[:, None]
+    return (guessed[:, -(width + 1):-1][real], batch["features"][:, -(width + 1):-1][real],
+            batch["lse"][:, -width:][real])
+
+
+def support_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``p(D) KL(p_D || q)`` per row (module doc): ``log_p`` ``[n, D]`` the target's log-probs on
+    the draft vocabulary (their mass ``p(D) <= 1``), ``log_q`` ``[n, D]`` the head's. Returns ``[n]``."""
+    mass = log_p.exp().sum(dim=-1)
+    return position_kl(log_p, log_q, torch.ones(len(log_p), dtype=torch.bool)) - mass * mass.log()
+
+
+def distill_head(target_spec: str, out_dir: Path, config: HeadDistillConfig = HeadDistillConfig(),
+                 max_minutes: float | None = None, progress: bool = True) -> dict[str, Any]:
+    """Sample the corpus, compute the target's features once, then train (or go on training) the
+    head; returns the run's summary (as :func:`~recspec.align.distill.distill`)."""
+    from recspec.knowledge.decode import eos_ids
+
+    target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), "head": True, **asdict(config)})
+    text_head_config(target, 0)  # an unsupported target fails before sampling
+    fingerprint = text_head_fingerprint(resolve_model_dir(target_spec))
+    train, valid = corpus_split(target, tokenizer, out_dir, config, progress)
+    pairs = train + valid
+    corpus = corpus_features(target, pairs, out_dir, config.batch_size, tokenizer.pad_token_id, fingerprint, progress)
+    ids = draft_vocabulary(train, config.vocab, eos_ids(target, tokenizer)) if config.vocab else None
+    head = new_text_head(target, ids, config.seed)
+    store = HeadStore(out_dir, fingerprint, {"target": str(target_spec)}, TEXT_HEAD)
+    task = TextHeadTask(TextHeadDraft(head, target), pairs, corpus, np.arange(len(train)),
+                        np.arange(len(train), len(pairs)), config, tokenizer.pad_token_id, store)
+    started = time.perf_counter()
+    result = Trainer(head, task, out_dir, config.training(max_minutes), evaluate=task.validation_scores,
+                     progress=progress, metric=ACCEPTANCE, baseline=True).run()
+    return run_summary(result, len(train), len(valid), started)

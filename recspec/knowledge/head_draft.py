@@ -1,0 +1,151 @@
+"""Drafting text with a feature-level head (:mod:`recspec.models.text_head`): EAGLE-2's dynamic
+draft trees for :func:`~recspec.knowledge.decode.speculative_generate`.
+
+A request's :class:`HeadSession` keeps the head's KV cache over the inputs ``(f_t, x_{t+1})`` whose
+features are the target's own: the prompt's and every accepted token's, never a draft's. After
+each target call the decoder hands it the target's features at the positions it kept
+(:meth:`HeadSession.observe`: the prompt after the prefill, then each step's root and accepted
+path); the next :meth:`HeadSession.propose` feeds them, each with the token that follows it in the
+text (the last one the target's own token after the accepted path), in one head call that extends
+the cache, and the last output, the guessed feature after the text, drafts the tree:
+
+* level 1: the ``width`` most probable draft tokens after the text;
+* every further level, up to ``depth``: the ``width`` nodes of the newest level with the highest
+  cumulative draft probability (the product of ``q`` along the path) are fed to the head in one
+  call (their parent's guessed feature and their own token, at their text positions, attending to
+  the cache and to their ancestors in the tree, whose keys and values live for the round only),
+  and each gets its ``width`` most probable children;
+* the tree proposed is the ``nodes`` nodes of all levels with the highest cumulative probability
+  (EAGLE-2's reranking), best first. A node is never more probable than its parent and ties keep
+  the parent first, so the selection is a tree whose parents precede their children.
+
+A round costs ``depth`` head calls: the first over the newly accepted inputs, the others over at
+most ``width`` nodes each. Drafts only choose what the target verifies, so with greedy verification the text is the
+greedy decoding's whatever the head's quality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from recspec.errors import RecspecError
+from recspec.knowledge.retrieval import DraftTree
+from recspec.models.text_head import TextHeadDraft
+
+
+@dataclass(frozen=True)
+class HeadTreeConfig:
+    """A head's draft tree: ``width`` children per expanded node and nodes expanded per level,
+    ``depth`` levels at most, ``nodes`` nodes proposed at most."""
+
+    width: int = 4
+    depth: int = 5
+    nodes: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.width, self.depth, self.nodes) < 1:
+            raise RecspecError(f"a head's draft tree needs width, depth and nodes >= 1, got {self}")
+
+
+class HeadDrafter:
+    """Drafts with a bound text head (``head``) in trees shaped by ``config``."""
+
+    def __init__(self, head: TextHeadDraft, config: HeadTreeConfig = HeadTreeConfig()) -> None:
+        if config.width > len(head.ids):
+            raise RecspecError(f"a draft tree {config.width} wide needs at least {config.width} draft tokens; the head "
+                               f"has {len(head.ids)}")
+        self.head, self.config = head, config
+
+    def session(self, prompt: Sequence[int]) -> HeadSession:
+        return HeadSession(self.head, self.config)
+
+
+class HeadSession:
+    """One request's head state: its KV cache over ``length`` inputs (positions ``0 .. length - 1``)
+    and the target's features handed over since the last proposal."""
+
+    def __init__(self, head: TextHeadDraft, config: HeadTreeConfig) -> None:
+        self.head, self.config = head, config
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values [1, kv_heads, length, d]
+        self.length = 0
+        self.pending: torch.Tensor | None = None
+
+    def observe(self, features: torch.Tensor, start: int) -> None:
+        """The target's features ``[n, H]`` at text positions ``start .. start + n - 1``, which must
+        follow the inputs read so far."""
+        if start != self.length or self.pending is not None:
+            raise RuntimeError(f"head session out of step: features from position {start}, {self.length} read")
+        self.pending = features
+
+    def propose(self, text: list[int], max_depth: int) -> DraftTree:
+        """Read the pending features, then draft a tree (at most ``max_depth`` deep) after ``text``."""
+        guessed = self.read(text)
+        depth = min(self.config.depth, max_depth)
+        return self.grow(guessed, depth) if depth >= 1 else DraftTree([], [])
+
+    def read(self, text: list[int]) -> torch.Tensor:
+        """Feed the pending features with the tokens after them in ``text`` (which must end there) to
+        the head, extending its cache; returns the guessed feature after ``text``, ``[H]``."""
+        features, start = self.pending, self.length
+        if features is None or start + len(features) + 1 != len(text):
+            raise RuntimeError("head session out of step: the text does not end after the observed features")
+        count, device = len(features), features.device
+        tokens = torch.tensor(text[start + 1:], device=device)[None]
+        positions = torch.arange(start, start + count, device=device)[None]
+        visible = torch.cat((torch.ones(count, start, dtype=torch.bool, device=device),
+                             torch.ones(count, count, dtype=torch.bool, device=device).tril()), dim=1)
+        guessed, keys, values = self.head.step(features[None], tokens, positions, visible[None], self.cache)
+        self.cache = (keys, values) if self.cache is None else \
+            (torch.cat((self.cache[0], keys), dim=2), torch.cat((self.cache[1], values), dim=2))
+        self.length, self.pending = start + count, None
+        return guessed[0, -1]
+
+    def grow(self, guessed: torch.Tensor, depth: int) -> DraftTree:
+        """The draft tree of ``depth`` levels below the feature ``guessed`` ``[H]`` (module doc)."""
+        assert self.cache is not None
+        width, head = self.config.width, self.head
+        device = guessed.device
+        top = head.log_probs(guessed[None])[0].topk(width)
+        # the newest level's candidates: cumulative log-probs, draft-vocabulary slots, the features
+        # they would be fed with (their parent's guess) and their ancestors among the fed nodes
+        scores, slots = top.values, top.indices
+        inputs, ancestors = guessed[None].expand(width, -1), torch.zeros(width, 0, dtype=torch.bool, device=device)
+        all_scores, all_slots, all_parents = [scores], [slots], [torch.full((width,), -1, device=device)]
+        first, tree_keys, tree_values = 0, self.cache[0][:, :, :0], self.cache[1][:, :, :0]
+        for level in range(1, depth):
+            chosen = scores.topk(min(width, len(scores))).indices  # [c]: the level's nodes to expand
+            count = len(chosen)
+            rows = torch.cat((ancestors[chosen], torch.eye(count, dtype=torch.bool, device=device)), dim=1)
+            visible = torch.cat((torch.ones(count, self.length, dtype=torch.bool, device=device), rows), dim=1)
+            positions = torch.full((1, count), self.length - 1 + level, device=device)
+            past = (torch.cat((self.cache[0], tree_keys), dim=2), torch.cat((self.cache[1], tree_values), dim=2))
+            out, keys, values = head.step(inputs[chosen][None], head.ids[slots[chosen]][None], positions,
+                                          visible[None], past)
+            tree_keys, tree_values = torch.cat((tree_keys, keys), dim=2), torch.cat((tree_values, values), dim=2)
+            children = head.log_probs(out[0]).topk(width)  # [c, width]
+            parents = (first + chosen)[:, None].expand(count, width).reshape(-1)
+            first += len(scores)
+            scores = (scores[chosen][:, None] + children.values).reshape(-1)
+            slots = children.indices.reshape(-1)
+            inputs = out[0].repeat_interleave(width, dim=0)
+            ancestors = rows.repeat_interleave(width, dim=0)
+            all_scores.append(scores)
+            all_slots.append(slots)
+            all_parents.append(parents)
+        return select(torch.cat(all_scores), head.ids[torch.cat(all_slots)], torch.cat(all_parents), self.config.nodes)
+
+
+def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, nodes: int) -> DraftTree:
+    """The ``nodes`` candidates with the highest ``scores`` (float ``[T]``; never above the
+    parent's), best first, ties in candidate order, as a :class:`DraftTree`: ``tokens`` int64
+    ``[T]``, ``parents`` int64 ``[T]`` (a smaller candidate index, or -1)."""
+    order = torch.argsort(-scores, stable=True)[:nodes]
+    index = torch.full_like(parents, -1)
+    index[order] = torch.arange(len(order), device=order.device)
+    kept = parents[order]
+    renumbered = torch.where(kept >= 0, index[kept.clamp(min=0)], -1)
+    assert not bool(((kept >= 0) & (renumbered < 0)).any()), "a selected node's parent was not selected"
+    return DraftTree(tokens[order].tolist(), renumbered.tolist())

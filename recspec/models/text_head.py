@@ -1,0 +1,210 @@
+"""A feature-level draft head for text (EAGLE-1, drafted in trees as EAGLE-2) over any Hugging
+Face causal LM with rotary positions (SmolLM2-135M-Instruct first).
+
+At text position ``t`` the target's last hidden state ``f_t`` (after its final norm, so that
+``lm_head(f_t)`` are its logits for token ``x_{t+1}``) and the embedding of the next token
+``e(x_{t+1})`` (the target's own, frozen) give the head's guess of the target's next feature::
+
+    u_t = W_fc [f_t; e(x_{t+1})]
+    u_t = u_t + Attn(norm(u_t))          causal self-attention over u_0 .. u_t, RoPE at position t
+    h_t = u_t + MLP(norm(u_t))           SwiGLU, as Llama's
+    h_t ~ f_{t+1}
+
+and the target's output layer, restricted to the draft vocabulary ``D`` (a gathered ``[|D|, H]``
+matrix built once at bind time, :class:`TextHeadDraft`), turns ``h_t`` into the draft's
+distribution over ``x_{t+2}``: one Llama decoder layer (the target's attention geometry, its rope
+theta and norm epsilon) between an input projection and the target's own output layer. There is no
+norm after the layer (as EAGLE-1): at initialisation ``W_fc`` passes ``f_t`` through and the
+attention and MLP outputs are zero, so an untrained head guesses ``f_{t+1} = f_t``.
+
+The head keeps a KV cache of its own over the inputs it has read (:meth:`TextHead.forward` takes
+the cached keys and values and returns those of the new inputs); input ``t`` sits at position
+``t``. Deeper draft levels feed it its own ``h`` in place of the target's feature.
+
+Reduced vocabulary: ``D`` is stored in the head (the ``vocab_ids`` buffer, int64, ascending) and
+``draft_vocab = 0`` means the target's whole vocabulary; SmolLM2's output layer is 28M of its
+135M parameters, so a draft token over the full vocabulary costs a fifth of a target call.
+
+Saved as a head folder (:func:`~recspec.models.head.save_head` with :data:`TEXT_HEAD`):
+``head.safetensors`` (the head's weights and ``vocab_ids``, never the target's), ``text_head.json``
+(config, format tag, the sha256 of the target's weights) and checksums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from recspec.errors import RecspecError
+from recspec.models.checkpoint import weights_fingerprint
+from recspec.models.head import Block, HeadKind, RMSNorm, load_head
+from recspec.models.small_rows import small_row_linear, use_small_row_products
+
+
+@dataclass(frozen=True)
+class TextHeadConfig:
+    """The target's shapes the head copies (``hidden``, ``intermediate``, attention ``heads``,
+    ``kv_heads``, ``head_dim``, ``rope_theta``, norm ``eps``), its vocabulary size ``vocab_size``,
+    and ``draft_vocab``: the size of the draft vocabulary (0: the whole vocabulary)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    eps: float
+    vocab_size: int
+    draft_vocab: int
+
+    def __post_init__(self) -> None:
+        sizes = (self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.vocab_size)
+        if min(sizes) < 1 or self.heads % self.kv_heads or self.head_dim % 2 or not 0 <= self.draft_vocab <= \
+                self.vocab_size or not self.rope_theta > 0 or not self.eps > 0:
+            raise RecspecError(f"a text head needs positive sizes, heads a multiple of kv_heads, an even head_dim "
+                               f"and 0 <= draft_vocab <= vocab_size; got {self}")
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary positions as Llama applies them: ``x`` ``[B, heads, T, d]`` at int64 ``positions``
+    ``[B, T]``, ``inv_freq`` ``[d / 2]``; returns ``[B, heads, T, d]``."""
+    angles = positions[:, None, :, None].float() * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * angles.cos().to(x.dtype) + turned * angles.sin().to(x.dtype)
+
+
+class TextHead(nn.Module):
+    """The head's own parameters (see the module doc) and its draft vocabulary ``vocab_ids``."""
+
+    def __init__(self, config: TextHeadConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=False)
+        self.attn_norm = RMSNorm(c.hidden, c.eps)
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.mlp = Block(c.hidden, c.intermediate, c.eps)
+        self.register_buffer("vocab_ids", torch.zeros(c.draft_vocab, dtype=torch.int64))
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def initialise(self, generator: torch.Generator) -> None:
+        """Llama's normal(0, 0.02) weights from ``generator``, then: ``W_fc`` passes the feature
+        through and the attention and MLP outputs are zero (the head starts as ``h_t = f_t``)."""
+        hidden = self.config.hidden
+        with torch.no_grad():
+            for linear in (self.fc, self.q, self.k, self.v, self.mlp.gate, self.mlp.up):
+                linear.weight.normal_(0.0, 0.02, generator=generator)
+            self.fc.weight[:, :hidden] += torch.eye(hidden)
+            self.o.weight.zero_()
+            self.mlp.down.weight.zero_()
+
+    def forward(self, features: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``T`` new inputs per row after ``S`` cached ones: ``features`` and ``embedded`` float
+        ``[B, T, H]`` (``f`` or a guess of it, and ``e`` of the next token), int64 ``positions``
+        ``[B, T]``, bool ``visible`` ``[B, T, S + T]`` (what each input attends to: cached inputs,
+        then the new ones; each must see itself), ``past``: the cached keys and values
+        ``[B, kv_heads, S, d]`` (None: ``S = 0``). Returns the guessed next features ``[B, T, H]``
+        and the new inputs' keys and values ``[B, kv_heads, T, d]``."""
+        c = self.config
+        batch, count = features.shape[:2]
+        u = self.fc(torch.cat((features, embedded.to(features.dtype)), dim=-1))
+        y = self.attn_norm(u)
+        q = rotate(self.q(y).view(batch, count, c.heads, c.head_dim).transpose(1, 2), positions, self.inv_freq)
+        k = rotate(self.k(y).view(batch, count, c.kv_heads, c.head_dim).transpose(1, 2), positions, self.inv_freq)
+        v = self.v(y).view(batch, count, c.kv_heads, c.head_dim).transpose(1, 2)
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2))
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], enable_gqa=True)
+        u = u + self.o(attended.transpose(1, 2).reshape(batch, count, c.heads * c.head_dim))
+        return self.mlp(u), k, v
+
+
+def text_head_config(target, draft_vocab: int) -> TextHeadConfig:
+    """The config of a head for ``target`` (a transformers causal LM with default rotary positions)
+    over ``draft_vocab`` tokens (0: all)."""
+    config = target.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        raise RecspecError(f"a text head needs a target with default rotary positions; this one has {rope or 'none'}")
+    heads = config.num_attention_heads
+    return TextHeadConfig(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
+                          kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                          head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                          rope_theta=float(rope["rope_theta"]), eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+                          vocab_size=target.get_output_embeddings().weight.shape[0], draft_vocab=draft_vocab)
+
+
+def new_text_head(target, vocab_ids: torch.Tensor | None, seed: int) -> TextHead:
+    """An untrained head for ``target`` (:meth:`TextHead.initialise`, seeded) over the draft
+    vocabulary ``vocab_ids`` (int64 ``[D]``, distinct ids; None: the whole vocabulary)."""
+    ids = torch.empty(0, dtype=torch.int64) if vocab_ids is None else torch.unique(vocab_ids.long())
+    head = TextHead(text_head_config(target, len(ids)))
+    if len(ids) and not 0 <= int(ids[0]) <= int(ids[-1]) < head.config.vocab_size:
+        raise RecspecError(f"draft vocabulary ids must lie in [0, {head.config.vocab_size})")
+    head.vocab_ids.copy_(ids)
+    head.initialise(torch.Generator().manual_seed(seed))
+    return head
+
+
+TEXT_HEAD = HeadKind("text_head.json", "recspec-text-head/1", lambda config: TextHead(TextHeadConfig(**config)),
+                     "recspec distill --head")
+
+
+def text_head_fingerprint(target_dir: Path) -> dict[str, str]:
+    """What a text head is tied to: the sha256 of its target's weights (``target_dir``: the
+    target's model folder)."""
+    return {"target_weights_sha256": weights_fingerprint(Path(target_dir))}
+
+
+def load_text_head(path: str | Path, target_dir: Path, device: torch.device | str = "cpu") -> TextHead:
+    """The text head saved in ``path`` (a head folder or a training folder), refused unless it was
+    trained for the target in ``target_dir``."""
+    head = load_head(path, text_head_fingerprint(target_dir), device, TEXT_HEAD)
+    assert isinstance(head, TextHead)
+    return head
+
+
+class TextHeadDraft:
+    """A text head bound to its loaded target: the target's input embeddings (shared, frozen) and
+    the rows of its output layer for the draft vocabulary (``weight`` ``[D, H]``, gathered once;
+    the output layer itself for the whole vocabulary). ``ids``: int64 ``[D]``, the draft tokens'
+    ids in the target's vocabulary (ascending). The head's linear layers and the draft logits run
+    a few rows through the fast CPU product (:mod:`recspec.models.small_rows`)."""
+
+    def __init__(self, head: TextHead, target) -> None:
+        expected = text_head_config(target, head.config.draft_vocab)
+        if expected != head.config:
+            raise RecspecError(f"this text head was built for another model (its shapes {head.config} are not the "
+                               f"target's {expected})")
+        output = target.get_output_embeddings().weight.detach()
+        self.head, self.embed = use_small_row_products(head), target.get_input_embeddings()
+        if head.config.draft_vocab:
+            self.ids = head.vocab_ids.to(output.device)
+            self.weight = output.index_select(0, self.ids)
+        else:
+            self.ids, self.weight = torch.arange(output.shape[0], device=output.device), output
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+             past: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`TextHead.forward` with the next tokens (int64 ``[B, T]``) embedded by the target."""
+        return self.head(features, self.embed(tokens), positions, visible, past)
+
+    def logits(self, guessed: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., D]``: the target's output layer over the draft vocabulary at features
+        ``guessed`` ``[..., H]``."""
+        return small_row_linear(guessed, self.weight.to(guessed.dtype)).float()
+
+    def log_probs(self, guessed: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., D]``: the draft distribution (log-softmax of :meth:`logits`)."""
+        return torch.log_softmax(self.logits(guessed), dim=-1)

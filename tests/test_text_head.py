@@ -1,0 +1,292 @@
+"""The text draft head (:mod:`recspec.models.text_head`) on the real SmolLM2 and MovieLens: its
+folder and refusals, head distillation (features cached and checked, exact resume, the validation
+acceptance against a brute-force computation through the decoding path), and greedy speculative
+knowledge generation with a head: the greedy tokens, untrained or briefly trained, full or
+reduced vocabulary, the head's cache always that of the accepted text."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from recspec.align.distill import CHECKPOINT, corpus_split
+from recspec.align.head import HeadStore
+from recspec.align.text_head import (ACCEPTANCE, ACCEPTANCE_2, FEATURES, HeadDistillConfig, TextHeadTask,
+                                     corpus_features, distill_head, draft_vocabulary)
+from recspec.decoding.scorer import score_tree_features
+from recspec.decoding.tree import ancestor_matrix
+from recspec.errors import RecspecError
+from recspec.fileio import record_checksums, write_json_atomic
+from recspec.knowledge.decode import eos_ids, speculative_generate
+from recspec.knowledge.head_draft import HeadDrafter, HeadSession, HeadTreeConfig, select
+from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
+from recspec.knowledge.retrieval import DraftTree
+from recspec.knowledge.stream import stream_split
+from recspec.models.head import load_head, save_head
+from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, load_text_head, new_text_head,
+                                      text_head_fingerprint)
+from recspec.statefile import load_state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_NEW = 16
+CONFIG = HeadDistillConfig(prompts=16, max_new_tokens=6, epochs=1, batch_size=7, lr=1e-3, warmup_steps=1,
+                           vocab=256, noise=0.05, ahead_weight=0.5)
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2_dir):
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
+
+    model, tokenizer = load_causal_lm(smollm2_dir), load_tokenizer(smollm2_dir)
+    return model, tokenizer, eos_ids(model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_dir, ml100k, tmp_path_factory) -> tuple[Path, Path, list[dict]]:
+    """A head distilled in two calls (stopped by the time budget after one step, then resumed) and
+    the same run uninterrupted (its corpus and features copied, not recomputed)."""
+    resumed, whole = tmp_path_factory.mktemp("resumed"), tmp_path_factory.mktemp("whole")
+    first = distill_head(str(smollm2_dir), resumed, CONFIG, max_minutes=1e-6, progress=False)
+    assert first["stopped"] == "time budget"
+    result = distill_head(str(smollm2_dir), resumed, CONFIG, progress=False)
+    for name in ("corpus.jsonl", f"{FEATURES}.safetensors", f"{FEATURES}.json"):
+        shutil.copy(resumed / name, whole / name)
+    distill_head(str(smollm2_dir), whole, CONFIG, progress=False)
+    return resumed, whole, result["history"]
+
+
+def greedy_prompts(tokenizer, ml100k) -> list[list[int]]:
+    """Three new-part item prompts and one user prompt, as the knowledge job builds them."""
+    split = stream_split(ml100k)
+    items = [item_prompt_ids(tokenizer, ml100k, int(i), 1024) for i in split.new_items[:3]]
+    return items + [user_prompt_ids(tokenizer, ml100k, 0, split.new[0], 10, 1024)]
+
+
+@pytest.fixture(scope="module")
+def greedy(lm, ml100k) -> tuple[list[list[int]], list[list[int]]]:
+    model, tokenizer, eos = lm
+    prompts = greedy_prompts(tokenizer, ml100k)
+    return prompts, [speculative_generate(model, p, MAX_NEW, eos).tokens for p in prompts]
+
+
+class Recorded(HeadDrafter):
+    """A head drafter that keeps its sessions and the trees they proposed."""
+
+    sessions: list[HeadSession]
+    trees: list[DraftTree]
+
+    def session(self, prompt):
+        session = super().session(prompt)
+        self.sessions, self.trees = [*getattr(self, "sessions", []), session], getattr(self, "trees", [])
+        propose = session.propose
+
+        def recorded(text: list[int], max_depth: int) -> DraftTree:
+            tree = propose(text, max_depth)
+            self.trees.append(tree)
+            return tree
+
+        session.propose = recorded  # type: ignore[method-assign]
+        return session
+
+
+def teacher_cache(model, head: TextHeadDraft, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's keys and values over ``text`` fed in one call with the target's own features."""
+    with torch.inference_mode():
+        features = model(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states[-1]
+        count = len(text) - 1
+        _, keys, values = head.step(features[:, :-1], torch.tensor([text[1:]]), torch.arange(count)[None],
+                                    torch.ones(count, count, dtype=torch.bool).tril()[None])
+    return keys, values
+
+
+def test_hidden_states_are_what_the_output_layer_reads(lm) -> None:
+    """transformers 5's ``hidden_states[-1]`` of a Llama is after the final norm: the output layer
+    maps the features a tree call returns onto its logits."""
+    model, _, _ = lm
+    with torch.inference_mode():
+        cache = model(input_ids=torch.arange(100, 140)[None], use_cache=True).past_key_values
+        parents = torch.tensor([[-1, 0, 0, 1]])
+        logits, features = score_tree_features(model, cache, torch.tensor([[5, 6, 7, 8]]), ancestor_matrix(parents),
+                                               torch.ones(1, 40, dtype=torch.bool), torch.tensor([40]))
+        torch.testing.assert_close(features @ model.lm_head.weight.T, logits, rtol=1e-5, atol=1e-4)
+
+
+def test_folder_round_trip_and_refusals(lm, smollm2_dir, tmp_path: Path) -> None:
+    model, _, _ = lm
+    head = new_text_head(model, torch.tensor([7, 3, 3, 2]), seed=1)
+    assert head.vocab_ids.tolist() == [2, 3, 7]
+    fingerprint = text_head_fingerprint(smollm2_dir)
+    save_head(tmp_path / "run" / "best", head, fingerprint, {"note": "test"}, TEXT_HEAD)
+    assert sorted(p.name for p in (tmp_path / "run" / "best").iterdir()) == ["checksums.json", "head.safetensors",
+                                                                           "text_head.json"]
+    loaded = load_text_head(tmp_path / "run", smollm2_dir)  # a training folder: its best/
+    assert head.state_dict().keys() == loaded.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+    folder = tmp_path / "run" / "best"
+    with pytest.raises(RecspecError, match="trained for another target"):
+        load_head(folder, {"target_weights_sha256": "0" * 64}, kind=TEXT_HEAD)
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    config = other / "text_head.json"
+    write_json_atomic(config, {"format": "recspec-head/1", "config": {}})
+    record_checksums(other)
+    with pytest.raises(RecspecError, match="not a recspec-text-head/1 head"):
+        load_text_head(other, smollm2_dir)
+    weights = folder / "head.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RecspecError, match="head.safetensors: damaged"):
+        load_text_head(folder, smollm2_dir)
+
+
+def test_draft_vocabulary_takes_the_most_frequent_response_tokens() -> None:
+    pairs = [([1, 2, 3], [5, 5, 6, 9]), ([4], [6, 5, 8, 8])]  # 5: 3, 6: 2, 8: 2, 9: 1; prompts never count
+    assert draft_vocabulary(pairs, 2, [0]).tolist() == [0, 5, 6]  # 6 and 8 tie: the smaller id
+    assert draft_vocabulary(pairs, 99, [9]).tolist() == [5, 6, 8, 9]
+    with pytest.raises(RecspecError, match="vocab=-1, noise=nan"):
+        HeadDistillConfig(vocab=-1, noise=float("nan"))
+
+
+def test_resume_is_exact_and_the_log_complete(runs) -> None:
+    resumed, whole, history = runs
+    assert [row["epoch"] for row in history] == [0, 1, 1] and history[1]["partial"]
+    assert all(0 < row[ACCEPTANCE] <= 1 and 0 < row[ACCEPTANCE_2] <= 1 for row in history)
+    left, right = (load_state(folder, CHECKPOINT, "")["weights"] for folder in (resumed, whole))
+    assert left.keys() == right.keys()
+    assert all(torch.equal(left[k], right[k]) for k in left), "resumed weights differ from the uninterrupted run's"
+    with pytest.raises(RecspecError, match="other settings"):
+        distill_head("smollm2", resumed, HeadDistillConfig(prompts=16, max_new_tokens=6), progress=False)
+
+
+def test_features_cache_is_checked(runs, lm, tmp_path: Path) -> None:
+    resumed, _, _ = runs
+    model, tokenizer, _ = lm
+    pairs = [pair for part in corpus_split(model, tokenizer, resumed, CONFIG, False) for pair in part]
+    fingerprint = load_state(resumed, FEATURES, "")["made_from"]["target"]
+    for name in (f"{FEATURES}.safetensors", f"{FEATURES}.json"):
+        shutil.copy(resumed / name, tmp_path / name)
+    with pytest.raises(RecspecError, match="another corpus or target"):
+        corpus_features(None, pairs[1:], tmp_path, 7, 2, fingerprint, False)
+    data = bytearray((tmp_path / f"{FEATURES}.safetensors").read_bytes())
+    data[-7] ^= 0xFF
+    (tmp_path / f"{FEATURES}.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RecspecError, match=r"features\.safetensors: damaged"):
+        corpus_features(None, pairs, tmp_path, 7, 2, fingerprint, False)
+
+
+def test_validation_acceptance_is_the_decoding_paths(runs, lm, smollm2_dir) -> None:
+    """``valid_acceptance`` (one step ahead) and ``valid_acceptance_2`` (two) of the batched
+    training path equal ``sum min(p, q)`` computed the slow way: the target's full forward for p,
+    the head fed one input at a time over its own cache as decoding feeds it for q."""
+    resumed, _, _ = runs
+    model, tokenizer, _ = lm
+    train, valid = corpus_split(model, tokenizer, resumed, CONFIG, False)
+    pairs = train + valid
+    fingerprint = text_head_fingerprint(smollm2_dir)
+    corpus = corpus_features(model, pairs, resumed, CONFIG.batch_size, tokenizer.pad_token_id, fingerprint, False)
+    bound = TextHeadDraft(load_text_head(resumed, smollm2_dir), model)
+    task = TextHeadTask(bound, pairs, corpus, torch.arange(len(train)).numpy(),
+                        torch.arange(len(train), len(pairs)).numpy(), CONFIG, tokenizer.pad_token_id,
+                        HeadStore(resumed, fingerprint, {}, TEXT_HEAD))
+    scores = task.validation_scores(bound.head)
+    one, two = [], []
+    with torch.inference_mode():
+        for prompt, response in valid:
+            text = prompt + response
+            out = model(input_ids=torch.tensor([text]), output_hidden_states=True)
+            p = torch.softmax(out.logits[0].float(), dim=-1)[:, bound.ids]  # [L, D]
+            features = out.hidden_states[-1][0]
+            keys = values = torch.zeros(1, bound.head.config.kv_heads, 0, bound.head.config.head_dim)
+            guesses = []
+            for i in range(len(text) - 1):  # one input at a time, as a session reads
+                visible = torch.ones(1, 1, i + 1, dtype=torch.bool)
+                scored = len(prompt) - 2 <= i <= len(text) - 3  # its next token but one is a response token
+                if scored:  # two steps ahead: (h_{i-1}, x_{i+1}) over the true inputs < i
+                    second, _, _ = bound.step(guesses[-1][None, None], torch.tensor([[text[i + 1]]]),
+                                              torch.tensor([[i]]), visible, (keys, values))
+                    two.append(torch.minimum(p[i + 1], torch.softmax(bound.logits(second[0, 0]), -1)).sum())
+                guess, k, v = bound.step(features[i][None, None], torch.tensor([[text[i + 1]]]), torch.tensor([[i]]),
+                                         visible, (keys, values))
+                keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
+                guesses.append(guess[0, 0])
+                if scored:
+                    one.append(torch.minimum(p[i + 1], torch.softmax(bound.logits(guess[0, 0]), -1)).sum())
+    assert scores[ACCEPTANCE] == pytest.approx(float(torch.stack(one).mean()), abs=1e-4)
+    assert scores[ACCEPTANCE_2] == pytest.approx(float(torch.stack(two).mean()), abs=1e-4)
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_dir) -> None:
+    """Token for token the greedy text, with an untrained head over the whole vocabulary and with
+    the briefly trained one over its reduced vocabulary; the drafts stay in the head's vocabulary
+    and are trees within the budget; the head's cache ends as the teacher-forced one."""
+    model, _, eos = lm
+    prompts, references = greedy
+    head = new_text_head(model, None, seed=3) if which == "untrained" else load_text_head(runs[0], smollm2_dir)
+    bound = TextHeadDraft(head.eval(), model)
+    config = HeadTreeConfig(width=3, depth=4, nodes=10)
+    drafter = Recorded(bound, config)
+    for prompt, reference in zip(prompts, references):
+        generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter)
+        assert generation.tokens == reference
+        session = drafter.sessions[-1]
+        keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
+        assert session.cache is not None and len(prompt) <= session.length <= keys.shape[2]
+        torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)
+    allowed = set(bound.ids.tolist())
+    assert sum(map(len, drafter.trees)) > 0
+    for tree in drafter.trees:
+        assert len(tree) <= config.nodes and set(tree.tokens) <= allowed
+        assert all(parent < i for i, parent in enumerate(tree.parents)) and tree.longest_branch() <= config.depth
+    if which == "trained":
+        assert len(allowed) < 300
+
+
+def test_accepted_drafts_keep_the_head_cache_in_step(lm, greedy) -> None:
+    """Drafts that are mostly right (the greedy continuation with a wrong sibling at every level):
+    several tokens accepted per call, the text still greedy, and the head's cache exactly the
+    teacher-forced one over the accepted text (features of rejected drafts never enter it)."""
+    model, _, eos = lm
+    prompts, references = greedy
+    prompt, reference = prompts[0], references[0]
+    bound = TextHeadDraft(new_text_head(model, None, seed=4).eval(), model)
+
+    class Oracle(HeadDrafter):
+        def session(self, prompt):
+            session = super().session(prompt)
+            read = session.read
+
+            def propose(text: list[int], max_depth: int) -> DraftTree:
+                read(text)
+                done = len(text) - len(prompt)
+                right = reference[done:done + min(3, max_depth)]
+                tokens = [token for token in right for token in (token, (token + 1) % 49152)]
+                parents = [-1, -1][:2 * len(right)] + [2 * (i - 1) for i in range(1, len(right)) for _ in range(2)]
+                return DraftTree(tokens, parents)
+
+            session.propose = propose  # type: ignore[method-assign]
+            self.last = session
+            return session
+
+    drafter = Oracle(bound)
+    generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter)
+    assert generation.tokens == reference and generation.calls < MAX_NEW // 2
+    session = drafter.last
+    keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
+    torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)
+
+
+def test_select_keeps_the_most_probable_nodes_as_a_tree() -> None:
+    # candidates: two roots, their children, a grandchild; scores never above the parent's
+    scores = torch.tensor([-0.1, -0.5, -0.3, -0.1, -2.0, -0.2])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 3])
+    tree = select(scores, torch.arange(10, 16), parents, 4)
+    assert tree.tokens == [10, 13, 15, 12] and tree.parents == [-1, 0, 1, 0]
