@@ -631,7 +631,18 @@ def generate_command(
 def distill_command(
     out: Annotated[Path, typer.Option(help="Folder of the run (running again resumes); the draft goes to OUT/best.")],
     target: Annotated[str, typer.Option(help="Target causal LM: asset name or HF folder.")] = "smollm2",
-    layers: Annotated[str, typer.Option(help="Target layers the draft starts from, e.g. 0,29.")] = "0,29",
+    head: Annotated[bool, typer.Option(help="Train a feature-level draft head (EAGLE: one layer over the target's "
+                                            "features) instead of a draft of the target's layers.")] = False,
+    layers: Annotated[Optional[str], typer.Option(help="Target layers the draft starts from (default 0,29; not "
+                                                       "with --head).")] = None,
+    vocab: Annotated[Optional[int], typer.Option(help="--head: draft vocabulary, the most frequent corpus tokens "
+                                                      "(0: all; default 8192).")] = None,
+    feature_weight: Annotated[Optional[float], typer.Option(help="--head: weight of the feature regression "
+                                                                 "(default 1).")] = None,
+    ahead_weight: Annotated[Optional[float], typer.Option(help="--head: weight of the loss two steps ahead "
+                                                               "(default 0).")] = None,
+    noise: Annotated[Optional[float], typer.Option(help="--head: uniform noise on input features (default 0).")
+                     ] = None,
     prompts: Annotated[int, typer.Option(help="Knowledge prompts of the corpus (half users, half movies).")] = 384,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens the target samples per prompt.")] = 128,
     epochs: int = 6,
@@ -642,19 +653,31 @@ def distill_command(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
     seed: int = 0,
 ) -> None:
-    """Distill a small text draft from the target (for spec-sample, topk-imp and dsbd): the
-    target's own samples on knowledge prompts, forward KL, the draft kept by validation acceptance."""
+    """Distill a text draft from the target (for spec-sample, topk-imp, dsbd and, with --head,
+    greedy speculative knowledge generation): the target's own samples on knowledge prompts, the
+    draft kept by validation acceptance."""
     import torch
 
     from recspec.align.distill import DistillConfig, distill
+    from recspec.align.text_head import HeadDistillConfig, distill_head
 
-    config = DistillConfig(layers=layers, prompts=prompts, max_new_tokens=max_new_tokens, epochs=epochs,
-                           batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed)
+    common = dict(prompts=prompts, max_new_tokens=max_new_tokens, epochs=epochs, batch_size=batch_size, lr=lr,
+                  warmup_steps=warmup_steps, seed=seed)
+    head_options = {name: value for name, value in (("vocab", vocab), ("feature_weight", feature_weight),
+                                                    ("ahead_weight", ahead_weight), ("noise", noise))
+                    if value is not None}
+    if head and layers is not None:
+        raise RecspecError("--layers picks the target layers of a layer draft; a --head has its own layer")
+    if not head and head_options:
+        raise RecspecError(f"--{', --'.join(n.replace('_', '-') for n in head_options)}: options of --head")
     if threads is not None:
         torch.set_num_threads(threads)
     with _on_interrupt(f"the corpus sampled so far and the checkpoint of the last finished epoch in {out} are kept; "
                        f"run the same command to resume"):
-        result = distill(target, out, config, max_minutes=max_minutes)
+        if head:
+            result = distill_head(target, out, HeadDistillConfig(**common, **head_options), max_minutes=max_minutes)
+        else:
+            result = distill(target, out, DistillConfig(layers=layers or "0,29", **common), max_minutes=max_minutes)
     typer.echo(f"{result['stopped']}: validation acceptance " + " -> ".join(
         f"{row['valid_acceptance']:.3f}" for row in result["history"]) +
         f"; best {result['best_acceptance']:.3f} in {result['best_dir']} ({result['train_pairs']} training and "
@@ -984,7 +1007,9 @@ def bench_align(
 def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], k: int, p: float,
                       max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
                       draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
-                      batch_size: int = 1):
+                      batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
+                      head_nodes: int = 16):
+    from recspec.knowledge.head_draft import HeadTreeConfig
     from recspec.knowledge.job import KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
     from recspec.knowledge.verify import Verification
@@ -994,7 +1019,9 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
     return KnowledgeConfig(side=side, part=part, method=method, verification=verification,
                            max_new_tokens=max_new_tokens, grouping=grouping, groups=groups,
                            min_interactions=min_interactions, retrieval=retrieval, max_history=max_history,
-                           max_prompt_tokens=max_prompt_tokens, batch_size=batch_size)
+                           max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
+                           draft=str(draft) if draft is not None else None,
+                           head_tree=HeadTreeConfig(head_width, head_depth, head_nodes))
 
 
 @knowledge_app.command("generate")
@@ -1018,6 +1045,12 @@ def knowledge_generate(
     max_history: Annotated[int, typer.Option(help="Movies listed in a user prompt (the most recent).")] = 10,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts drop their oldest movies, else are refused.")] = 1024,
     batch_size: Annotated[int, typer.Option(help="Method hf: requests per generate call (bulk knowledge, e.g. the pools).")] = 1,
+    draft: Annotated[Optional[Path], typer.Option(help="A text draft head (`recspec distill --head`): with ar, greedy "
+                                                       "speculative decoding; with resd / laser, hybrid trees.")] = None,
+    head_width: Annotated[int, typer.Option(help="--draft: children per expanded node and nodes expanded per "
+                                                 "level.")] = 4,
+    head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
+    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree.")] = 16,
     model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
@@ -1034,7 +1067,8 @@ def knowledge_generate(
     from recspec.api import generate_knowledge
 
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
-                               draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size)
+                               draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
+                               draft, head_width, head_depth, head_nodes)
     where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
         run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from recspec.errors import RecspecError
+from recspec.knowledge.decode import DraftSession, RetrievalDrafter
 from recspec.knowledge.retrieval import DraftTree
 from recspec.models.text_head import TextHeadDraft
 
@@ -149,3 +150,45 @@ def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, no
     renumbered = torch.where(kept >= 0, index[kept.clamp(min=0)], -1)
     assert not bool(((kept >= 0) & (renumbered < 0)).any()), "a selected node's parent was not selected"
     return DraftTree(tokens[order].tolist(), renumbered.tolist())
+
+
+def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:
+    """The union of two draft trees after the same text: ``first``'s nodes in its order, then the
+    nodes of ``second`` whose path ``first`` lacks (their parents renumbered); a path in both is
+    kept once. Parents still precede their children."""
+    index: dict[tuple[int, int], int] = {(parent, token): i for i, (token, parent)
+                                         in enumerate(zip(first.tokens, first.parents))}
+    tokens, parents = list(first.tokens), list(first.parents)
+    where: list[int] = []  # second's node -> merged node
+    for token, parent in zip(second.tokens, second.parents):  # a tree of at most a few dozen nodes
+        key = (where[parent] if parent >= 0 else -1, token)
+        if key not in index:
+            index[key] = len(tokens)
+            tokens.append(token)
+            parents.append(key[0])
+        where.append(index[key])
+    return DraftTree(tokens, parents)
+
+
+class HybridDrafter:
+    """Retrieval drafting (``retrieval``) and a head (``head``) in one tree per step (module doc)."""
+
+    def __init__(self, retrieval: RetrievalDrafter, head: HeadDrafter) -> None:
+        self.retrieval, self.head = retrieval, head
+
+    def session(self, prompt: Sequence[int]) -> HybridSession:
+        return HybridSession(self.retrieval.session(prompt), self.head.session(prompt))
+
+
+class HybridSession:
+    """A request's retrieval session and head session side by side: the head observes the
+    target's features, both propose, the trees are merged."""
+
+    def __init__(self, retrieval: DraftSession, head: HeadSession) -> None:
+        self.retrieval, self.head = retrieval, head
+
+    def observe(self, features: torch.Tensor, start: int) -> None:
+        self.head.observe(features, start)
+
+    def propose(self, text: list[int], max_depth: int) -> DraftTree:
+        return merge_trees(self.retrieval.propose(text, max_depth), self.head.propose(text, max_depth))

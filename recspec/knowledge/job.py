@@ -10,7 +10,8 @@ missing from a store.
 Methods:
 
 * ``ar``: recspec's plain greedy loop (:func:`~recspec.knowledge.decode.speculative_generate`
-  without drafts);
+  without drafts); with ``draft`` (a text head, ``recspec distill --head``) greedy speculative
+  decoding drafted by the head's trees (:mod:`recspec.knowledge.head_draft`), the same text;
 * ``hf``: transformers ``generate``, greedy; with ``batch_size`` > 1 a left-padded batch of
   requests per call, the throughput path for bulk knowledge such as the old-part pools (each
   batch is persisted in one transaction, so a crash loses at most the batch in flight);
@@ -19,6 +20,9 @@ Methods:
   request's temporary branches), greedy verification;
 * ``laser``: drafting from the pool chosen by the grouping (default: LASER's binary router),
   greedy or relaxed verification.
+
+``resd`` and ``laser`` with ``draft`` draft hybrid trees: the retrieved continuations and the
+head's branches in one tree per step (:class:`~recspec.knowledge.head_draft.HybridDrafter`).
 
 Earlier knowledge (the pools) is the old-part store of the same side, model, prompt version and
 split, passed as ``pool``. Generating the old part itself with ``resd`` or ``laser`` and no
@@ -42,6 +46,7 @@ from recspec.data import load_dataset
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import (Generation, RetrievalDrafter, eos_ids, hf_generate,
                                       speculative_generate)
+from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter
 from recspec.knowledge.pools import PoolSet
 from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import MAX_DEPTH, MAX_NODES, RetrievalConfig
@@ -50,10 +55,15 @@ from recspec.knowledge.store import KnowledgeStore, model_fingerprint, read_rows
 from recspec.knowledge.stream import check_side_part, stream_split
 from recspec.knowledge.verify import Verification
 from recspec.hub import load_tokenizer, resolve_model_dir
+from recspec.models.checkpoint import weights_fingerprint
+from recspec.models.head import HEAD_WEIGHTS, head_dir
 from recspec.models.hf import load_causal_lm
+from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
 METHODS = ("ar", "hf", "prompt-lookup", "resd", "laser")
 DRAFTING = ("resd", "laser")
+#: Methods a text head drafts for: greedy speculative decoding (``ar``), and beside retrieval.
+HEAD_METHODS = ("ar", "resd", "laser")
 # Settings a pool store must share with the job that drafts from it (same token ids, prompt wording,
 # entities and streaming split).
 POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side")
@@ -76,6 +86,8 @@ class KnowledgeConfig:
     max_history: int = 10
     max_prompt_tokens: int = 1024
     batch_size: int = 1
+    draft: str | None = None
+    head_tree: HeadTreeConfig = field(default_factory=HeadTreeConfig)
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)
@@ -95,6 +107,9 @@ class KnowledgeConfig:
             raise RecspecError("--max-history and --max-prompt-tokens must be positive")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise RecspecError(f"--batch-size must be a positive integer, got {self.batch_size!r}")
+        if self.draft is not None and self.method not in HEAD_METHODS:
+            raise RecspecError(f"--draft (a text head, `recspec distill --head`) drafts for methods "
+                               f"{', '.join(HEAD_METHODS)}; method {self.method} does not draft with one")
         if self.batch_size > 1 and self.method != "hf":
             raise RecspecError(f"--batch-size batches transformers generate (method hf), for bulk knowledge such as "
                                f"the old-part pools; method {self.method} decodes one request at a time")
@@ -111,6 +126,8 @@ class KnowledgeConfig:
                                     "max_history": self.max_history, "max_prompt_tokens": self.max_prompt_tokens}
         if self.verification.kind == "relaxed":
             settings["pools"] = {"grouping": self.pool_grouping, "retrieval": asdict(self.retrieval)}
+            if self.draft is not None:  # the head's weights are recorded by KnowledgeTask.store_settings
+                settings["head_tree"] = asdict(self.head_tree)
             if self.pool_grouping != "global":
                 settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)
         if self.method == "prompt-lookup":
@@ -133,6 +150,7 @@ class KnowledgeTask:
         self.device = device
         self.seed = seed
         self._routings: dict[tuple[str, str, int, int], PoolRouting] = {}
+        self._heads: dict[str, TextHeadDraft] = {}
         self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
                          "split": self.split.settings}
@@ -183,7 +201,19 @@ class KnowledgeTask:
         return self._routings[key]
 
     def store_settings(self, config: KnowledgeConfig) -> dict[str, Any]:
-        return {**self.identity, **config.settings()}
+        """What a store of ``config``'s texts records: the model, prompts and split, the method's
+        settings, and the head's weights where they change the text (relaxed verification)."""
+        settings = {**self.identity, **config.settings()}
+        if config.draft is not None and config.verification.kind == "relaxed":
+            settings["head_sha256"] = weights_fingerprint(head_dir(config.draft, TEXT_HEAD), HEAD_WEIGHTS)
+        return settings
+
+    def head(self, path: str) -> TextHeadDraft:
+        """The text head in ``path`` bound to the model (loaded once per path), refused unless it
+        was trained for this model."""
+        if path not in self._heads:
+            self._heads[path] = TextHeadDraft(load_text_head(path, self.model_dir, self.device), self.model)
+        return self._heads[path]
 
     def pool_texts(self, config: KnowledgeConfig, pool: Path) -> dict[int, list[int]]:
         """Entity -> tokens of the old-part store ``pool``, after checking it fits this job."""
@@ -220,17 +250,21 @@ def make_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet 
     """A :data:`Generator` for ``config.method`` drafting from ``pools`` (:func:`build_pools`;
     ``hf`` decodes its batch in one ``generate`` call, every other method one request at a time)."""
     model, budget, eos = task.model, config.max_new_tokens, task.eos
+    head = HeadDrafter(task.head(config.draft), config.head_tree) if config.draft is not None else None
     if config.method == "ar":
-        return lambda entities, prompts: [speculative_generate(model, p, budget, eos) for p in prompts]
+        return lambda entities, prompts: [speculative_generate(model, p, budget, eos, head) for p in prompts]
     if config.method in ("hf", "prompt-lookup"):
         lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
         return lambda entities, prompts: hf_generate(model, prompts, budget, eos, lookup)
     if pools is None:
         raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
 
+    def drafter(entity: int) -> RetrievalDrafter | HybridDrafter:
+        retrieval = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
+        return retrieval if head is None else HybridDrafter(retrieval, head)
+
     def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
-        return [speculative_generate(model, prompt, budget, eos,
-                                     RetrievalDrafter(pools.trie_for(entity), config.retrieval), config.verification)
+        return [speculative_generate(model, prompt, budget, eos, drafter(entity), config.verification)
                 for entity, prompt in zip(entities, prompts)]
 
     return generate

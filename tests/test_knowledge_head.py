@@ -1,0 +1,92 @@
+"""A text draft head in the knowledge job: `--method ar --draft HEAD` (greedy speculative
+decoding drafted by the head) and hybrid trees with retrieval (`--method laser|resd --draft
+HEAD`) on the real SmolLM2 and MovieLens; greedy texts equal plain greedy decoding token for
+token, relaxed stores record the head; the tree union; bad input refused in one line."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from recspec.cli import main
+from recspec.errors import RecspecError
+from recspec.knowledge.head_draft import HeadTreeConfig, merge_trees
+from recspec.knowledge.job import KnowledgeConfig, run_job
+from recspec.knowledge.retrieval import DraftTree
+from recspec.knowledge.store import read_rows, read_settings
+from recspec.knowledge.verify import Verification
+from recspec.models.head import save_head
+from recspec.models.text_head import TEXT_HEAD, new_text_head, text_head_fingerprint
+from tests.test_knowledge_job import OLD_ITEMS, old_store, task  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GREEDY = Verification("greedy")
+
+
+@pytest.fixture(scope="module")
+def head(task, tmp_path_factory) -> Path:  # noqa: F811
+    """An untrained reduced-vocabulary head for SmolLM2 (its drafts are poor; exactness must not
+    depend on them), saved as `recspec distill --head` saves one."""
+    path = tmp_path_factory.mktemp("head") / "best"
+    vocab = torch.arange(0, 4000, dtype=torch.int64)
+    save_head(path, new_text_head(task.model, vocab, seed=2), text_head_fingerprint(task.model_dir),
+              {"note": "test"}, TEXT_HEAD)
+    return path
+
+
+def test_merge_trees_is_the_union_of_paths() -> None:
+    first = DraftTree([5, 6, 7], [-1, 0, -1])
+    second = DraftTree([5, 9, 6, 8, 7], [-1, -1, 0, 2, 3])
+    merged = merge_trees(first, second)
+    assert merged == DraftTree([5, 6, 7, 9, 8, 7], [-1, 0, -1, -1, 1, 4])
+    paths = set()
+    for i in range(len(merged)):
+        path, node = [], i
+        while node >= 0:
+            path.append(merged.tokens[node])
+            node = merged.parents[node]
+        paths.add(tuple(reversed(path)))
+    assert len(paths) == len(merged)  # no path twice
+    assert all(parent < i for i, parent in enumerate(merged.parents))
+    assert merge_trees(DraftTree([], []), second) == second and merge_trees(first, DraftTree([], [])) == first
+
+
+def test_greedy_with_a_head_and_hybrid_trees_equal_greedy(task, old_store, head, tmp_path) -> None:  # noqa: F811
+    """`ar` with a head, and `laser` / `resd` with pools and a head under greedy verification,
+    write exactly the texts of plain greedy decoding."""
+    new = replace(OLD_ITEMS, part="new", max_new_tokens=12)
+    run_job(task, new, tmp_path / "plain.db", limit=3, progress=False)
+    plain = {row.entity: row.tokens for row in read_rows(tmp_path / "plain.db")}
+    tree = HeadTreeConfig(width=3, depth=3, nodes=8)
+    for name, config, pool in (
+            ("head", replace(new, draft=str(head), head_tree=tree), None),
+            ("laser", replace(new, method="laser", grouping="attribute", draft=str(head), head_tree=tree), old_store),
+            ("resd", replace(new, method="resd", draft=str(head), head_tree=tree), old_store)):
+        summary = run_job(task, config, tmp_path / f"{name}.db", pool=pool, limit=3, progress=False)
+        rows = list(read_rows(tmp_path / f"{name}.db"))
+        assert {row.entity: row.tokens for row in rows} == plain, name
+        assert sum(row.drafted for row in rows) > 0 and summary.calls <= sum(len(t) for t in plain.values())
+        assert "head_sha256" not in read_settings(tmp_path / f"{name}.db")  # greedy texts do not depend on it
+
+
+def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_store, head, tmp_path,  # noqa: F811
+                                                                   capsys) -> None:
+    laser = KnowledgeConfig(side="item", method="laser", max_new_tokens=8, grouping="attribute", draft=str(head),
+                            head_tree=HeadTreeConfig(width=2, depth=2, nodes=4))
+    summary = run_job(task, laser, tmp_path / "relaxed.db", pool=old_store, limit=2, progress=False)
+    settings = read_settings(tmp_path / "relaxed.db")
+    assert summary.requests == 2 and len(settings["head_sha256"]) == 64
+    assert settings["head_tree"] == {"width": 2, "depth": 2, "nodes": 4}
+    with pytest.raises(RecspecError, match="method hf does not draft with one"):
+        KnowledgeConfig(method="hf", verification=GREEDY, draft=str(head))
+    with pytest.raises(RecspecError, match="width, depth and nodes >= 1"):
+        HeadTreeConfig(width=0)
+    out = tmp_path / "cli.db"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["knowledge", "generate", "--out", str(out), "--side", "item", "--part", "old", "--method", "hf",
+              "--verify", "greedy", "--draft", str(head), "--limit", "1"])
+    assert exit_info.value.code == 2 and "does not draft with one" in capsys.readouterr().err
+    assert not out.exists()
