@@ -1110,7 +1110,15 @@ def knowledge_ctr(
 def bench_knowledge(
     user_pool: Annotated[Optional[Path], typer.Option(help="Old-part user store (benchmarks the user side).")] = None,
     item_pool: Annotated[Optional[Path], typer.Option(help="Old-part item store (benchmarks the item side).")] = None,
+    side: Annotated[Optional[list[str]], typer.Option(help="A side benchmarked without a pool, by the variants that "
+                                                          "need none (repeatable: user, item).")] = None,
+    draft: Annotated[Optional[Path], typer.Option(help="A text draft head (`recspec distill --head`): adds the "
+                                                       "head, laser-greedy+head and laser+head variants.")] = None,
+    head_width: Annotated[int, typer.Option(help="--draft: children per expanded node.")] = 4,
+    head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
+    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree.")] = 16,
     out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "knowledge",
     limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
     repeats: Annotated[int, typer.Option(help="Runs per text and method (median reported).")] = 3,
     max_new_tokens: int = 128,
@@ -1122,26 +1130,31 @@ def bench_knowledge(
     groups: Annotated[int, typer.Option(help="k-means groups of the collaborative pools.")] = 5,
     min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
     variant: Annotated[Optional[list[str]], typer.Option(
-        help="Variants to run (repeatable; default all: hf, prompt-lookup, ar, resd, rrp, laser-greedy, rv+grp, "
-             "rv+rrp, laser, laser@8, laser@32, laser@64).")] = None,
+        help="Variants to run (repeatable; default all the pools and --draft allow: hf, prompt-lookup, ar, resd, "
+             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, laser-greedy+head, "
+             "laser+head).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
 ) -> None:
-    """hf, prompt lookup, ReSD and LASER side by side: tokens/s, speed-ups, AAL, ART, ceiling, ablation."""
-    from recspec.bench.knowledge import VARIANTS, run
+    """hf, prompt lookup, ReSD, LASER and the text head side by side: tokens/s, speed-ups, AAL, ART,
+    ceiling, ablation."""
+    from recspec.bench.knowledge import run
     from recspec.knowledge.job import set_threads
 
     set_threads(threads)
-    pools = {side: path for side, path in (("user", user_pool), ("item", item_pool)) if path is not None}
+    pools: dict[str, Optional[Path]] = {name_: path for name_, path in (("user", user_pool), ("item", item_pool))
+                                        if path is not None}
+    for bare in side or []:
+        if bare not in ("user", "item") or bare in pools:
+            raise RecspecError(f"--side {bare}: a side is user or item, given once (by its pool or by --side)")
+        pools[bare] = None
     if not pools:
-        raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`)")
+        raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`), "
+                           "or --side for the variants that need no pool")
     base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", groups,
-                             min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024)
-    variants = tuple(variant or VARIANTS)
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown or "hf" not in variants:
-        raise RecspecError(f"--variant: unknown {', '.join(unknown)}" if unknown else
-                           "--variant: include hf, the reference of every speed-up")
-    typer.echo(run(_results_dir(out), pools, limit, repeats, max_new_tokens, base, variants))
+                             min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024, 1, draft, head_width,
+                             head_depth, head_nodes)
+    typer.echo(run(_results_dir(out), pools, limit, repeats, max_new_tokens, base,
+                   tuple(variant) if variant else None, name=name))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

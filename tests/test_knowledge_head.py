@@ -5,12 +5,14 @@ token, relaxed stores record the head; the tree union; bad input refused in one 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from recspec.bench.knowledge import run as bench_knowledge
 from recspec.cli import main
 from recspec.errors import RecspecError
 from recspec.knowledge.head_draft import HeadTreeConfig, merge_trees
@@ -90,3 +92,18 @@ def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_stor
               "--verify", "greedy", "--draft", str(head), "--limit", "1"])
     assert exit_info.value.code == 2 and "does not draft with one" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_bench_knowledge_runs_the_head_variants(task, head, tmp_path) -> None:  # noqa: F811
+    """`bench knowledge --side item --draft HEAD` without a pool: hf, ar and the head side by side,
+    the head's greedy texts equal hf's; pool and head variants refused without what they need."""
+    base = replace(KnowledgeConfig(), draft=str(head), head_tree=HeadTreeConfig(width=2, depth=2, nodes=4))
+    markdown = bench_knowledge(tmp_path, {"item": None}, limit=2, repeats=1, max_new_tokens=6, base=base,
+                               variants=("hf", "ar", "head"), model=str(task.model_dir), name="head")
+    rows = json.loads((tmp_path / "head.json").read_text())["sides"][0]["rows"]
+    assert list(rows) == ["hf", "ar", "head"] and rows["head"]["same_as_hf"] == 2
+    assert rows["head"]["draft_nodes_per_call"] > 0 and "head tokens/s ratio: " in markdown
+    with pytest.raises(RecspecError, match="drafts from old-part pools: pass --item-pool"):
+        bench_knowledge(tmp_path, {"item": None}, variants=("hf", "laser"), base=base, model=str(task.model_dir))
+    with pytest.raises(RecspecError, match="drafts with a text head: pass --draft"):
+        bench_knowledge(tmp_path, {"item": None}, variants=("hf", "head"), model=str(task.model_dir))

@@ -11,7 +11,12 @@ of machine load hits all variants alike); per text the median wall time is kept.
 * Table 3 ablation: ``rrp`` (random pools of the collaborative groups' sizes, greedy),
   ``rv+grp`` and ``rv+rrp`` (relaxed verification on the global / random pools);
 * draft tree size: ``laser@8``, ``laser@32``, ``laser@64`` (relaxed LASER with 8, 32, 64 draft
-  nodes instead of the configured number).
+  nodes instead of the configured number);
+* with a text draft head (``--draft``): ``head`` (greedy speculative decoding with the head's
+  trees), ``laser-greedy+head`` and ``laser+head`` (hybrid trees: LASER's retrieved
+  continuations and the head's branches, greedy or relaxed).
+
+Variants that draft from pools need the side's old-part store; the others run without one.
 
 Reported per variant: tokens/s over the whole requests (prefill included) and over the decoding
 phase alone, speed-ups against ``hf``, AAL (tokens per target call), ART (retrieval ms per
@@ -38,38 +43,65 @@ from recspec.decoding.scorer import score_tree
 from recspec.decoding.cache import gather_positions
 from recspec.decoding.tree import ancestor_matrix
 from recspec.knowledge.decode import Generation
-from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, build_pools, make_generator
+from recspec.errors import RecspecError
+from recspec.knowledge.job import DRAFTING, KnowledgeConfig, KnowledgeTask, build_pools, make_generator
 from recspec.knowledge.verify import Verification
 
 GREEDY, RELAXED = Verification("greedy"), Verification("relaxed")
-# name -> (method, grouping, relaxed?, draft nodes or None for the configured number)
+# name -> (method, grouping, relaxed?, draft nodes or None for the configured number, with the text head?)
 VARIANTS = {
-    "hf": ("hf", "router", False, None), "prompt-lookup": ("prompt-lookup", "router", False, None),
-    "ar": ("ar", "router", False, None), "resd": ("resd", "global", False, None),
-    "rrp": ("laser", "random", False, None), "laser-greedy": ("laser", "router", False, None),
-    "rv+grp": ("laser", "global", True, None), "rv+rrp": ("laser", "random", True, None),
-    "laser": ("laser", "router", True, None),
-    "laser@8": ("laser", "router", True, 8), "laser@32": ("laser", "router", True, 32),
-    "laser@64": ("laser", "router", True, 64),
+    "hf": ("hf", "router", False, None, False), "prompt-lookup": ("prompt-lookup", "router", False, None, False),
+    "ar": ("ar", "router", False, None, False), "resd": ("resd", "global", False, None, False),
+    "rrp": ("laser", "random", False, None, False), "laser-greedy": ("laser", "router", False, None, False),
+    "rv+grp": ("laser", "global", True, None, False), "rv+rrp": ("laser", "random", True, None, False),
+    "laser": ("laser", "router", True, None, False),
+    "laser@8": ("laser", "router", True, 8, False), "laser@32": ("laser", "router", True, 32, False),
+    "laser@64": ("laser", "router", True, 64, False),
+    "head": ("ar", "router", False, None, True), "laser-greedy+head": ("laser", "router", False, None, True),
+    "laser+head": ("laser", "router", True, None, True),
 }
-MAIN = ("hf", "prompt-lookup", "ar", "resd", "laser-greedy", "laser")
+#: Variants drafted by the text head (need ``--draft``).
+HEAD_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[4])
+#: Variants drafting from the old-part pools (need the side's pool).
+POOL_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[0] in DRAFTING)
+MAIN = ("hf", "prompt-lookup", "ar", "head", "resd", "laser-greedy", "laser-greedy+head", "laser", "laser+head")
 TREE_SIZES = ("laser@8", "laser", "laser@32", "laser@64")
 ABLATION = (("GRP", "resd"), ("RRP", "rrp"), ("CRP", "laser-greedy"), ("RV+GRP", "rv+grp"), ("RV+RRP", "rv+rrp"),
             ("LASER (RV+CRP)", "laser"))
+ABLATION_NAMES = tuple(name for _, name in ABLATION)
 CALL_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def variant_config(base: KnowledgeConfig, name: str) -> KnowledgeConfig:
-    method, grouping, relaxed, nodes = VARIANTS[name]
+    """``base`` (with its text head in ``draft``, if any) as variant ``name`` runs it."""
+    method, grouping, relaxed, nodes, head = VARIANTS[name]
     retrieval = replace(base.retrieval, max_nodes=nodes) if nodes else base.retrieval
     return replace(base, method=method, grouping=grouping, retrieval=retrieval,
-                   verification=replace(base.verification, kind="relaxed") if relaxed else GREEDY)
+                   verification=replace(base.verification, kind="relaxed") if relaxed else GREEDY,
+                   draft=base.draft if head else None)
 
 
-def bench_side(task: KnowledgeTask, base: KnowledgeConfig, pool: Path, limit: int, repeats: int,
+def check_variants(variants: Sequence[str], has_head: bool, sides: dict[str, Path | None]) -> None:
+    """Refuse an unknown variant, a run without ``hf`` (every speed-up's reference), head variants
+    without a head and pool variants on a side without its pool."""
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "hf" not in variants:
+        raise RecspecError(f"--variant: unknown {', '.join(unknown)}" if unknown else
+                           "--variant: include hf, the reference of every speed-up")
+    headed = [name for name in variants if name in HEAD_VARIANTS]
+    if headed and not has_head:
+        raise RecspecError(f"--variant {', '.join(headed)} drafts with a text head: pass --draft")
+    pooled = [name for name in variants if name in POOL_VARIANTS]
+    bare = [side for side, pool in sides.items() if pool is None]
+    if pooled and bare:
+        raise RecspecError(f"--variant {', '.join(pooled)} drafts from old-part pools: pass --{bare[0]}-pool")
+
+
+def bench_side(task: KnowledgeTask, base: KnowledgeConfig, pool: Path | None, limit: int, repeats: int,
                variants: Sequence[str]) -> dict[str, Any]:
-    """Rows for one side: every variant on the first ``limit`` new-part entities."""
-    texts = task.pool_texts(replace(base, method="resd", verification=GREEDY), pool)
+    """Rows for one side: every variant on the first ``limit`` new-part entities (``pool``: the
+    side's old-part store, for the variants that draft from pools)."""
+    texts = task.pool_texts(replace(base, method="resd", verification=GREEDY), pool) if pool is not None else None
     entities = [int(e) for e in task.entities(base.side, "new", limit)]
     prompts = {e: task.prompt(base, e) for e in entities}
     generators, build_s, pool_sizes = {}, {}, {}
@@ -142,18 +174,23 @@ def call_costs(model, prompt: Sequence[int], repeats: int = 5) -> dict[str, floa
     return costs
 
 
-def run(out: Path, pools: dict[str, Path], limit: int = 8, repeats: int = 3, max_new_tokens: int = 128,
-        base: KnowledgeConfig | None = None, variants: Sequence[str] = tuple(VARIANTS), model: str = "smollm2",
-        dataset: str = "ml-100k") -> str:
-    """Benchmark each side of ``pools`` (side -> old-part store); write ``knowledge.json`` /
-    ``knowledge.md`` into ``out``; return the Markdown."""
+def run(out: Path, pools: dict[str, Path | None], limit: int = 8, repeats: int = 3, max_new_tokens: int = 128,
+        base: KnowledgeConfig | None = None, variants: Sequence[str] | None = None, model: str = "smollm2",
+        dataset: str = "ml-100k", name: str = "knowledge") -> str:
+    """Benchmark each side of ``pools`` (side -> its old-part store, or None where no variant
+    drafts from pools) with ``variants`` (default: every one the head and pools given allow);
+    write ``name.json`` / ``name.md`` into ``out``; return the Markdown."""
+    base = base or KnowledgeConfig()
+    if variants is None:
+        variants = tuple(v for v in VARIANTS if (base.draft is not None or v not in HEAD_VARIANTS)
+                         and (all(pools.values()) or v not in POOL_VARIANTS))
+    check_variants(variants, base.draft is not None, pools)
     reuse_freed_memory()
     task = KnowledgeTask(model, dataset)
-    base = base or KnowledgeConfig()
     sides = [bench_side(task, replace(base, side=side, max_new_tokens=max_new_tokens), pool, limit, repeats,
                         variants) for side, pool in pools.items()]
     markdown = render(sides, limit, repeats, max_new_tokens, base)
-    write_results(out, "knowledge", {"limit": limit, "repeats": repeats, "max_new_tokens": max_new_tokens,
+    write_results(out, name, {"limit": limit, "draft": base.draft, "head_tree": vars(base.head_tree), "repeats": repeats, "max_new_tokens": max_new_tokens,
                                      "retrieval": vars(base.retrieval), "verification": vars(base.verification),
                                      "groups": base.groups, "min_interactions": base.min_interactions,
                                      "sides": sides}, markdown)
@@ -162,7 +199,7 @@ def run(out: Path, pools: dict[str, Path], limit: int = 8, repeats: int = 3, max
 
 def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens: int, base: KnowledgeConfig) -> str:
     r = base.retrieval
-    parts = ["# Knowledge generation: greedy, prompt lookup, ReSD and LASER",
+    parts = ["# Knowledge generation: greedy, prompt lookup, ReSD, LASER and the text head",
              f"SmolLM2-135M-Instruct, MovieLens-100K, first {limit} new-part users / new items per side, "
              f"{max_new_tokens} new tokens at most; median of {repeats} interleaved runs per text. Drafts: at most "
              f"{r.max_nodes} nodes, {r.max_depth} deep, suffix <= {r.max_suffix}; relaxed verification "
@@ -183,16 +220,19 @@ def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens
               "-" if VARIANTS[name][2] else f"{row.get('same_as_hf', '-')}/{row['texts']}",
               f"{row.get('ceiling_speedup', 0):.2f}x"]
              for name, row in rows.items() if name in MAIN]))
-        if "laser" in rows:
-            ratios = {other: rows["laser"]["tokens_per_s"] / rows[other]["tokens_per_s"]
-                      for other in ("hf", "prompt-lookup", "resd") if other in rows}
-            parts.append("LASER (relaxed) tokens/s ratio: " + ", ".join(f"{v:.2f}x over {k}" for k, v in ratios.items()))
-        parts.append("Ablation (laser.txt Table 3):")
-        parts.append(markdown_table(
-            ["variant", "AAL", "ART ms", "tokens/s", "x hf", "draft nodes per call", "pool build s"],
-            [[label, rows[name]["aal"], rows[name]["art_ms"], rows[name]["tokens_per_s"],
-              f"{rows[name].get('speedup', 0):.2f}x", rows[name]["draft_nodes_per_call"],
-              side["pool_build_s"].get(name, 0.0)] for label, name in ABLATION if name in rows]))
+        for mine, others in (("laser", ("hf", "prompt-lookup", "resd")), ("head", ("hf", "ar")),
+                             ("laser+head", ("hf", "laser")), ("laser-greedy+head", ("laser-greedy", "head"))):
+            if mine in rows:
+                ratios = {other: rows[mine]["tokens_per_s"] / rows[other]["tokens_per_s"]
+                          for other in others if other in rows}
+                parts.append(f"{mine} tokens/s ratio: " + ", ".join(f"{v:.2f}x over {k}" for k, v in ratios.items()))
+        if any(name in rows for name in ABLATION_NAMES):
+            parts.append("Ablation (laser.txt Table 3):")
+            parts.append(markdown_table(
+                ["variant", "AAL", "ART ms", "tokens/s", "x hf", "draft nodes per call", "pool build s"],
+                [[label, rows[name]["aal"], rows[name]["art_ms"], rows[name]["tokens_per_s"],
+                  f"{rows[name].get('speedup', 0):.2f}x", rows[name]["draft_nodes_per_call"],
+                  side["pool_build_s"].get(name, 0.0)] for label, name in ABLATION if name in rows]))
         sizes = [name for name in TREE_SIZES if name in rows]
         if len(sizes) > 1:
             parts.append("Draft tree size (relaxed LASER):")
