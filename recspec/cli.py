@@ -553,7 +553,8 @@ def generate_command(
     method: Annotated[str, typer.Option(help="sample, spec-sample, topk-imp, beam-sample or dsbd.")] = "sample",
     target: Annotated[str, typer.Option(help="Target causal LM: asset name or HF folder (with a chat "
                                              "template).")] = "smollm2",
-    draft: Annotated[Optional[str], typer.Option(help="Draft causal LM with the target's tokenizer.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft causal LM with the target's tokenizer, or a text "
+                                                      "head (`recspec distill --head`; spec-sample, topk-imp).")] = None,
     draft_layers: Annotated[Optional[str], typer.Option(help="Draft = these layers of the target, e.g. 0-3,29 "
                                                              "(default for drafted methods without --draft).")] = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="A prompt (repeatable); default: knowledge prompts.")] = None,
@@ -586,7 +587,7 @@ def generate_command(
     from recspec.decoding.warp import Warp
     from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
-    from recspec.hub import load_tokenizer
+    from recspec.hub import load_tokenizer, resolve_model_dir
     from recspec.models.hf import load_causal_lm
     from recspec.models.layer_draft import text_draft_model
 
@@ -602,7 +603,7 @@ def generate_command(
     model = load_causal_lm(target, device=device)
     draft_model = None
     if method in DRAFTED:
-        draft_model = text_draft_model(model, draft, draft_layers)
+        draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target))
     prompts = chat_prompts(tokenizer, messages)
     with _on_interrupt(f"nothing was written to {out} (it is written once every prompt is done)"):
         result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,

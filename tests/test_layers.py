@@ -25,7 +25,7 @@ DECODING = (
     ("prompts",),
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),
-    ("frontier", "acceptance"),
+    ("frontier", "acceptance", "chain_drafts"),
     ("drafters", "draft_sources"),
     ("rounds",),
     ("verifiers",),

@@ -6,10 +6,11 @@ return_dict_in_generate=True)``: with ``prefix_allowed_tokens_fn`` over the trie
 (how LC-Rec and AtSpeed decode) and with ``custom_generate=recspec.hf.trie_beam_search(...)``.
 Per K and batch size, median of ``repeats`` interleaved runs over the same users, every drop-in
 answer checked against the reference (same items; a near-tie may swap, counted). Two floors,
-each the bare cost of one layout's model calls timed alone (the prefill of the batch, then
-L - 1 calls): transformers' layout, ``B * K`` beam rows of one token each over their own copy of
-the prompt's cache, and ``tree-beam``'s, one row per user feeding its K beams as K tokens over
-one shared prompt cache. The ceiling is the reference over the second (every decoding overhead
+each the bare cost of one layout's model calls timed alone (the prefill, computing the last
+position's logits only as both do, then L - 1 calls): transformers' layout, which prefills the
+prompt once per beam (``B * K`` rows) and then feeds ``B * K`` beam rows of one token each over
+their own copy of the prompt's cache, and ``tree-beam``'s, one row per user feeding its K beams
+as K tokens over one shared prompt cache. The ceiling is the reference over the second (every decoding overhead
 gone); the first shows what removing only the Python work of ``generate`` could give.
 """
 
@@ -66,9 +67,10 @@ def run(out: Path, target: Path, ks: Sequence[int] = (5, 10, 20), batches: Seque
                     outputs[way] = generate(way == "constrained")
                     times[way].append(time.perf_counter() - started)
             differ, gap = _compare(outputs["drop-in"], outputs["constrained"])
-            prefill = measure_call_cost(model, batch, prompt_len, repeats=5)
-            hf_floor = len(groups) * (prefill + (depth - 1) * measure_call_cost(model, batch * k, 1, repeats=5,
-                                                                                past_len=prompt_len))
+            prefill = measure_call_cost(model, batch, prompt_len, repeats=5, last_logits=True)
+            hf_prefill = measure_call_cost(model, batch * k, prompt_len, repeats=3, warmup=1, last_logits=True)
+            hf_floor = len(groups) * (hf_prefill + (depth - 1) * measure_call_cost(model, batch * k, 1, repeats=5,
+                                                                                   past_len=prompt_len))
             floor = len(groups) * (prefill + (depth - 1) * measure_call_cost(model, batch, k, repeats=5,
                                                                              past_len=prompt_len))
             reference, ours = statistics.median(times["constrained"]), statistics.median(times["drop-in"])
@@ -104,5 +106,6 @@ def _markdown(results: dict[str, Any]) -> str:
             f"{results['cells'][0]['users']} test users, identifiers of {results['depth']} tokens, median prompt "
             f"{results['prompt_len_median']} tokens, {results['threads']} torch threads; median of "
             f"{results['repeats']} interleaved runs. Ceilings: constrained generate over the bare cost of "
-            f"the {results['depth']} model calls, with the K beams of a user fed over one shared prompt cache "
+            f"the {results['depth']} model calls (the prefill computing the last position's logits only, as "
+            f"both do), with the K beams of a user fed over one shared prompt cache "
             f"(tree-beam's layout) and as K rows over their own caches (transformers' layout).\n\n{table}\n")

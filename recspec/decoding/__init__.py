@@ -8,7 +8,8 @@ sampling and speculative beam search) and the text decoders share one layer laid
   peer, ``hf_reference``);
 * speculative decoding: the round loops (``rounds``), the drafters (``drafters``), the verifiers
   (``verifiers``) and their acceptance rules (``acceptance``), the round's token tree
-  (``draft_tree``) and frontier (``frontier``), a chain of text per row (``chain``);
+  (``draft_tree``) and frontier (``frontier``), a chain of text per row (``chain``) and what drafts
+  it (``chain_drafts``: a draft LM or a text head);
 * each method's wiring: ``speculative_beam`` (AtSpeed), ``dsbd``, ``text`` (the text decoders).
 """
 

@@ -14,13 +14,14 @@ import torch
 
 from recspec.decoding.cache import compact, select_rows
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.scorer import forward_visible, next_log_probs, prefill
+from recspec.decoding.scorer import forward_features, forward_visible, next_log_probs, prefill, prefill_features
 from recspec.decoding.tree import tree_rows
 
 
 @dataclass
 class Chain:
-    """One model's KV cache over ``B`` rows of text of different lengths.
+    """One model's KV cache over ``B`` rows of text of different lengths (a causal LM's, or a text
+    head's: :class:`~recspec.decoding.chain_drafts.HeadChainDraft`).
 
     ``visible``: bool ``[B, T]``, the cached positions that hold the row's text (what the row's
     next tokens attend to), including the tokens fed since the last :meth:`keep`; ``count``: int64
@@ -34,25 +35,42 @@ class Chain:
     fed: int = 0
 
     @staticmethod
-    def start(model, prompts: Prompts, lag: int) -> Chain:
-        """Prefill every prompt but its last ``lag`` tokens (every prompt must be longer)."""
+    def start(model, prompts: Prompts, lag: int, features: bool = False) -> tuple[Chain, torch.Tensor | None]:
+        """Prefill every prompt but its last ``lag`` tokens (every prompt must be longer); with
+        ``features``, also return the model's features at the prefilled columns ``[B, P - lag, H]``
+        (:func:`~recspec.decoding.scorer.prefill_features`), else None."""
         width = prompts.input_ids.shape[1] - lag
         head = Prompts(input_ids=prompts.input_ids[:, :width], attention_mask=prompts.attention_mask[:, :width],
                        position_ids=prompts.position_ids[:, :width], lengths=prompts.lengths - lag,
                        pad_token_id=prompts.pad_token_id)
-        _, cache = prefill(model, head)
-        return Chain(cache=cache, visible=head.attention_mask.bool(), count=head.lengths.clone())
+        if features:
+            _, cache, hidden = prefill_features(model, head)
+        else:
+            _, cache = prefill(model, head)
+            hidden = None
+        return Chain(cache=cache, visible=head.attention_mask.bool(), count=head.lengths.clone()), hidden
 
-    def feed(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed ``n`` tokens per row after its text: float32 log-probs ``[B, n, V]`` after each."""
-        batch, n = tokens.shape
-        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()  # a chain's ancestors
-        positions = (self.count + self.fed)[:, None] + torch.arange(n, device=tokens.device)
-        log_probs = next_log_probs(forward_visible(model, self.cache, tokens,
-                                                   tree_rows(self.visible, causal.expand(batch, n, n)), positions))
+    def extend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record ``n`` inputs fed to every row after its text (a chain: each sees the row's text,
+        the ones fed before it and itself): returns what they attend to, bool ``[B, n, T + n]``
+        (``T`` cached positions), and their position ids, int64 ``[B, n]``."""
+        batch, device = self.visible.shape[0], self.visible.device
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # a chain's ancestors
+        positions = (self.count + self.fed)[:, None] + torch.arange(n, device=device)
+        rows = tree_rows(self.visible, causal.expand(batch, n, n))
         self.visible = torch.cat((self.visible, self.visible.new_ones(batch, n)), dim=1)
         self.fed += n
-        return log_probs
+        return rows, positions
+
+    def feed(self, model, tokens: torch.Tensor, features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``n`` tokens per row (int64 ``[B, n]``) after its text: float32 log-probs
+        ``[B, n, V]`` after each, and with ``features`` the model's features at them ``[B, n, H]``
+        (:func:`~recspec.decoding.scorer.forward_features`), else None."""
+        rows, positions = self.extend(tokens.shape[1])
+        if features:
+            logits, hidden = forward_features(model, self.cache, tokens, rows, positions)
+            return next_log_probs(logits), hidden
+        return next_log_probs(forward_visible(model, self.cache, tokens, rows, positions)), None
 
     def keep(self, kept: torch.Tensor) -> None:
         """Of the tokens fed since the last keep, keep the first ``kept[b]`` (int64 ``[B]``) in row

@@ -22,6 +22,7 @@ import torch
 
 from recspec.decoding.cache import gather_positions
 from recspec.errors import RecspecError
+from recspec.hub import keep_last_logits
 from recspec.models.head import HeadDraft
 
 #: Tokens fed per timed call of :func:`measure_cost_model` (one row over a cached prompt).
@@ -71,8 +72,9 @@ def fit_call_cost(tokens: Sequence[int], seconds: Sequence[float]) -> CallCost:
 
 @torch.inference_mode()
 def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_len: int = 0,
-                      warmup: int = 3) -> float:
-    """Median wall time (seconds) of one forward call on ``batch`` x ``seq_len`` new tokens.
+                      warmup: int = 3, last_logits: bool = False) -> float:
+    """Median wall time (seconds) of one forward call on ``batch`` x ``seq_len`` new tokens
+    (``last_logits``: the output layer for the last position only, as a prefill computes it).
 
     With ``past_len`` > 0 the call runs over a KV cache of ``past_len`` tokens (built once, not
     timed, cropped back after each call), as a verification or draft step does. Runs on the
@@ -93,15 +95,16 @@ def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_l
         past = torch.randint(0, vocab, (batch, past_len), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
         model(input_ids=past, past_key_values=cache, use_cache=True)
-    keep = torch.arange(past_len, device=device)[None, :].expand(batch, past_len)
+    kept = torch.arange(past_len, device=device)[None, :].expand(batch, past_len)
+    keep = keep_last_logits(model, 1) if last_logits else {}
     positions = torch.arange(past_len, past_len + seq_len, device=device)[None, :].expand(batch, seq_len)
     mask = torch.ones(batch, past_len + seq_len, dtype=torch.long, device=device)
 
     def call() -> None:
         model(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=cache,
-              use_cache=cache is not None)
+              use_cache=cache is not None, **keep)
         if cache is not None:  # drop the new tokens again, through the layers' keys / values
-            gather_positions(cache, keep)
+            gather_positions(cache, kept)
 
     seconds = median_seconds(call, device, repeats, warmup)
     model.train(was_training)

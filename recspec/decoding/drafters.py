@@ -14,7 +14,8 @@ interface; :func:`~recspec.decoding.rounds.draft_levels` feeds the draft and sta
 
 The chain decoders draft a chain of tokens per row instead of a tree level (:class:`ChainDrafter`):
 ``gamma`` draws from the draft's warped ``q`` (speculative sampling), or from the draft's top-K
-reweighted by the target (TopK-ImpSpecDec, :func:`importance_proposal`).
+reweighted by the target (TopK-ImpSpecDec, :func:`importance_proposal`); the draft is a causal LM
+or a text head over the target's features (:mod:`recspec.decoding.chain_drafts`).
 
 **TopK-ImpSpecDec drafting** (topk_impspecdec.txt Alg. 1, sections 3.1-3.3). At drafted position
 ``i`` the draft's ``K`` most probable tokens ``T_K`` (of its warped distribution ``q_i``) are
@@ -53,6 +54,7 @@ import torch
 
 from recspec.decoding.beams import Beams, Ends, candidates, draw, select_top_k
 from recspec.decoding.chain import Chain
+from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_tree import Level, child_level
 from recspec.decoding.frontier import Frontier, level_beams
 from recspec.decoding.warp import Warp
@@ -130,20 +132,22 @@ class ChainDrafter:
         """Target calls per round."""
         return 1 if self.importance is None else self.gamma + 1
 
-    def draft(self, target, draft, target_chain: Chain, draft_chain: Chain,
-              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chain after each row's pending ``tail`` (int64 ``[B, 2]``, its last two tokens: the
-        draft's cache lags one behind the target's): the drafts int64 ``[B, gamma]``, the draft's
-        ``q`` and the target's ``p``, float32 ``[B, gamma, V]`` / ``[B, gamma + 1, V]``."""
-        log_q = draft_chain.feed(draft, tail)[:, -1]
+    def draft(self, target, target_chain: Chain, draft: ChainDraft,
+              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The chain after each row's pending ``tail`` (int64 ``[B, 2]``, its last two tokens; the
+        target's chain holds the text but the last): the drafts int64 ``[B, gamma]``, the draft's
+        ``q`` and the target's ``p``, float32 ``[B, gamma, V]`` / ``[B, gamma + 1, V]``, and the
+        target's features at the ``gamma + 1`` tokens it was fed ``[B, gamma + 1, H]`` if the
+        draft wants them (else None)."""
+        features = draft.wants_features
+        scored: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the target's calls of the round
         drafts, q, p = [], [], []
         previous = tail[:, -1:]
         for i in range(self.gamma):
-            if i:
-                log_q = draft_chain.feed(draft, previous)[:, -1]
-            q.append(self.warp(log_q).exp())
+            q.append(self.warp(draft.log_q_after(previous) if i else draft.log_q_first(tail)).exp())
             if self.importance is not None:
-                p.append(self.warp(target_chain.feed(target, previous)[:, -1]).exp())
+                scored.append(target_chain.feed(target, previous, features))
+                p.append(self.warp(scored[-1][0][:, -1]).exp())
                 proposal = importance_proposal(q[-1], p[-1], self.importance)
             else:
                 proposal = q[-1]
@@ -151,10 +155,14 @@ class ChainDrafter:
             previous = drafts[-1]
         drafted = torch.cat(drafts, dim=1)
         if self.importance is not None:
-            p.append(self.warp(target_chain.feed(target, previous)[:, -1]).exp())
-            return drafted, torch.stack(q, dim=1), torch.stack(p, dim=1)
-        p_all = self.warp(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1))).exp()
-        return drafted, torch.stack(q, dim=1), p_all
+            scored.append(target_chain.feed(target, previous, features))
+            p.append(self.warp(scored[-1][0][:, -1]).exp())
+            p_all = torch.stack(p, dim=1)
+        else:
+            scored.append(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1), features))
+            p_all = self.warp(scored[-1][0]).exp()
+        seen = torch.cat([hidden for _, hidden in scored if hidden is not None], dim=1) if features else None
+        return drafted, torch.stack(q, dim=1), p_all, seen
 
 
 def importance_proposal(q: torch.Tensor, p: torch.Tensor, k: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from recspec.decoding.acceptance import verify_chain
 from recspec.decoding.beams import Beams
 from recspec.decoding.cache import require_full_attention
 from recspec.decoding.chain import Chain
+from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_sources import draft_source
 from recspec.decoding.draft_tree import Level, stacked
 from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
@@ -163,9 +164,11 @@ class Drafter(Protocol):
 
 
 class ChainDrafting(Protocol):
-    """Drafts ``gamma`` tokens per row after its pending ``tail`` (int64 ``[B, 2]``) and returns
-    them (int64 ``[B, gamma]``) with the draft's ``q`` ``[B, gamma, V]`` and the target's ``p``
-    ``[B, gamma + 1, V]`` (warped), costing ``target_calls`` target calls."""
+    """Drafts ``gamma`` tokens per row after its pending ``tail`` (int64 ``[B, 2]``) with ``draft``
+    and returns them (int64 ``[B, gamma]``) with the draft's ``q`` ``[B, gamma, V]``, the target's
+    ``p`` ``[B, gamma + 1, V]`` (warped) and, if the draft wants them, the target's features at
+    the ``gamma + 1`` tokens fed to it ``[B, gamma + 1, H]``, costing ``target_calls`` target
+    calls."""
 
     gamma: int
     generator: torch.Generator
@@ -173,8 +176,8 @@ class ChainDrafting(Protocol):
     @property
     def target_calls(self) -> int: ...
 
-    def draft(self, target, draft, target_chain: Chain, draft_chain: Chain,
-              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def draft(self, target, target_chain: Chain, draft: ChainDraft,
+              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class DraftSource(Protocol):
@@ -304,16 +307,18 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     stats.overhead_s += (total - sum(clock.seconds.values())) / len(prompts.lengths)
 
 
-def run_chain(target, draft, prompts: Prompts, drafter: ChainDrafting, lenience: float, limit: int,
+def run_chain(target, draft: ChainDraft, prompts: Prompts, drafter: ChainDrafting, lenience: float, limit: int,
               eos: int | None, stats: ChainStats) -> list[list[int]]:
     """The chain loop (speculative sampling, TopK-ImpSpecDec) for one batch of prompts (at least
     3 tokens each): draft ``gamma`` tokens, verify them (:func:`~recspec.decoding.acceptance.
     verify_chain`), keep the accepted ones and the next token, until ``limit`` new tokens or the
-    end token. The target's cache holds a row's text but its last token, the draft's but its last
-    two, so every round feeds the same number of tokens to every row. Returns each row's tokens."""
+    end token. The target's cache holds a row's text but its last token, so every round feeds the
+    same number of tokens to every row; ``draft`` (a draft LM or a text head,
+    :mod:`recspec.decoding.chain_drafts`) keeps its own state in step. Returns each row's tokens."""
     batch, device = len(prompts.lengths), prompts.input_ids.device
     gamma = drafter.gamma
-    target_chain, draft_chain = Chain.start(target, prompts, 1), Chain.start(draft, prompts, 2)
+    target_chain, features = Chain.start(target, prompts, 1, draft.wants_features)
+    draft.start(prompts, features)
     stats.target_calls += 1
     stats.draft_calls += 1
     tail = prompts.input_ids[:, -2:]  # each row's last two tokens
@@ -323,7 +328,7 @@ def run_chain(target, draft, prompts: Prompts, drafter: ChainDrafting, lenience:
     results: list[list[int]] = [[] for _ in range(batch)]
     steps = torch.arange(gamma + 1, device=device)
     while len(rows):
-        drafted, q, p_all = drafter.draft(target, draft, target_chain, draft_chain, tail)
+        drafted, q, p_all, features = drafter.draft(target, target_chain, draft, tail)
         verdict = verify_chain(drafted, q, p_all, drafter.generator, lenience)
         n = verdict.accepted
         emitted = torch.cat((drafted, drafted[:, :1]), dim=1).scatter_(1, n[:, None], verdict.token[:, None])
@@ -336,13 +341,13 @@ def run_chain(target, draft, prompts: Prompts, drafter: ChainDrafting, lenience:
         stats.add_chain_round(rows.cpu(), n, verdict.alpha, take, gamma, drafter.target_calls)
         done = (length >= limit) | ends.any(dim=1)
         target_chain.keep(n + 1)
-        draft_chain.keep(n + 1)
+        draft.keep(n, emitted, features)
         tail = torch.cat((tail, emitted), dim=1).gather(1, torch.stack((n + 1, n + 2), dim=1))
         if bool(done.any()):
             for row, tokens, size in zip(rows[done].tolist(), out[done].tolist(), length[done].tolist()):
                 results[row] = tokens[:size]
             keep = (~done).nonzero()[:, 0]
-            for chain in (target_chain, draft_chain):
-                chain.select(keep)
+            target_chain.select(keep)
+            draft.select(keep)
             tail, out, length, rows = tail[keep], out[keep], length[keep], rows[keep]
     return results

@@ -27,14 +27,29 @@ def next_log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def prefill(model, prompts: Prompts):
     """Run the prompts once: ``(log_probs [B, 1, V] of the first generated token, KV cache)``."""
+    log_probs, cache, _ = _prefill(model, prompts, False)
+    return log_probs, cache
+
+
+def prefill_features(model, prompts: Prompts):
+    """:func:`prefill` that also returns the model's last hidden state at every prompt column
+    (after its final norm, what a text draft head reads; meaningless on padding):
+    ``(log_probs [B, 1, V], KV cache, features [B, P, H])``."""
+    log_probs, cache, features = _prefill(model, prompts, True)
+    assert features is not None
+    return log_probs, cache, features
+
+
+def _prefill(model, prompts: Prompts, features: bool):
     out = model(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
         position_ids=prompts.position_ids,
         use_cache=True,
+        output_hidden_states=features,
         **keep_last_logits(model, 1),
     )
-    return next_log_probs(out.logits[:, -1:]), out.past_key_values
+    return next_log_probs(out.logits[:, -1:]), out.past_key_values, out.hidden_states[-1] if features else None
 
 
 def score_tree(
@@ -133,9 +148,17 @@ def prompt_and_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, posit
     visibility ``[B, P + M, P + M]`` and ``keep_last = 1 + M`` (the root and the tree)."""
     prompt_len = input_ids.shape[1]
     width = tree_visible.shape[2]
-    real = attention_mask.bool()
-    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=real.device).tril()
-    prompt_rows = (causal & real[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=real.device)
-    visible = torch.cat((torch.nn.functional.pad(prompt_rows, (0, width - prompt_len)), tree_visible), dim=1)
+    visible = torch.cat((torch.nn.functional.pad(prompt_rows(attention_mask), (0, width - prompt_len)),
+                         tree_visible), dim=1)
     return (torch.cat((input_ids, tokens), dim=1), visible, torch.cat((position_ids, tree_positions), dim=1),
             tokens.shape[1] + 1)
+
+
+def prompt_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """What each column of left-padded prompts attends to (``attention_mask``: int64 ``[B, P]``,
+    1 on real tokens): bool ``[B, P, P]``, the real tokens up to itself, and itself (so that
+    padding columns see something)."""
+    prompt_len = attention_mask.shape[1]
+    real = attention_mask.bool()
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=real.device).tril()
+    return (causal & real[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=real.device)

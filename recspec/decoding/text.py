@@ -1,5 +1,6 @@
 """The text decoders (knowledge generation): plain sampling, speculative sampling,
-TopK-ImpSpecDec, beam sampling and DSBD, over a causal LM and a draft with the same tokenizer;
+TopK-ImpSpecDec, beam sampling and DSBD, over a causal LM and a draft with the same tokenizer (for
+the chain methods, or a text head over the target's features: :mod:`recspec.decoding.chain_drafts`);
 each method is a few lines of wiring here.
 
 * ``sample``: ancestral sampling from the warped target distribution: beam sampling with one beam
@@ -33,6 +34,7 @@ import torch
 from recspec.decoding.acceptance import check_lenience
 from recspec.decoding.beam_search import TreeCache, beam_steps
 from recspec.decoding.beams import Beams, sample_step
+from recspec.decoding.chain_drafts import chain_draft
 from recspec.decoding.drafters import ChainDrafter
 from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, left_pad, prompt_batches
@@ -42,10 +44,13 @@ from recspec.decoding.space import FreeText
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.hub import keep_last_logits
+from recspec.models.text_head import TextHeadDraft
 
 METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
 #: Methods that need a draft model.
 DRAFTED = ("spec-sample", "topk-imp", "dsbd")
+#: Methods that draft a chain of tokens per row (with a draft model or a text head).
+CHAIN = ("spec-sample", "topk-imp")
 
 
 @dataclass(frozen=True)
@@ -131,12 +136,26 @@ def best_texts(scores: torch.Tensor, tokens: torch.Tensor, eos: int | None) -> l
     return texts
 
 
+def check_draft(method: str, target, draft) -> None:
+    """Raise :class:`RecspecError` unless ``draft`` can draft for ``target`` with ``method``: a
+    causal LM over the target's vocabulary, or a text head bound to this target (whose draft
+    vocabulary is the target's by construction) for the chain methods."""
+    if not isinstance(draft, TextHeadDraft):
+        check_draft_vocabulary(target, draft)
+    elif method in DRAFTED and method not in CHAIN:
+        raise RecspecError(f"{method} drafts with a draft model; a text head serves {' and '.join(CHAIN)}")
+    elif draft.embed is not target.get_input_embeddings():
+        raise RecspecError("this text head is bound to another model: bind it with TextHeadDraft(head, target)")
+
+
 def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], options: TextOptions, pad_token_id: int,
              eos: int | None, batch_size: int | None = None) -> Generated:
-    """Generate from every prompt (1-D token ids, at least 3 tokens) with ``method``."""
+    """Generate from every prompt (1-D token ids, at least 3 tokens) with ``method``; ``draft``: a
+    draft causal LM, or for the chain methods a text head bound to ``target``
+    (:class:`~recspec.models.text_head.TextHeadDraft`)."""
     check_request(method, options, draft is not None)
     if draft is not None:
-        check_draft_vocabulary(target, draft)
+        check_draft(method, target, draft)
     short = [i for i, prompt in enumerate(prompts) if len(prompt) < 3]
     if short:
         raise RecspecError(f"prompt {short[0]} has fewer than 3 tokens; the text decoders need at least 3")
@@ -160,8 +179,8 @@ def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], option
                 drafter = ChainDrafter(options.warp, options.gamma, generator,
                                        options.candidates if method == "topk-imp" else None)
                 part_stats = ChainStats.zeros(len(batch.lengths))
-                texts += run_chain(target, draft, batch, drafter, options.lenience, options.max_new_tokens, eos,
-                                   part_stats)
+                texts += run_chain(target, chain_draft(draft), batch, drafter, options.lenience,
+                                   options.max_new_tokens, eos, part_stats)
                 stats.append(part_stats)
     seconds = time.perf_counter() - started
     merged = None if not stats else (DSBDStats if method == "dsbd" else ChainStats).cat(stats)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 from recspec.errors import RecspecError
+from recspec.models.head import is_head_dir
+from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
 #: The layers of SmolLM2-135M-Instruct (30 layers) that `recspec generate` drafts with by default.
 DEFAULT_DRAFT_LAYERS = "0-5,29"
@@ -53,10 +56,15 @@ def layer_draft(model, layers: Sequence[int]):
     return draft
 
 
-def text_draft_model(model, draft: str | None, layers: str | None = None):
-    """The draft of the text decoders: the causal-LM folder or asset ``draft`` (e.g. `recspec
-    distill`'s ``OUT/best``) when given, else ``layers`` of ``model`` (default
-    :data:`DEFAULT_DRAFT_LAYERS`) as :func:`layer_draft`."""
+def text_draft_model(model, draft: str | None, layers: str | None = None, target_dir: Path | None = None):
+    """The draft of the text decoders: a text head folder ``draft`` (`recspec distill --head`,
+    bound to ``model``; ``target_dir``: the model's folder, whose weights the head must have been
+    trained on), the causal-LM folder or asset ``draft`` (e.g. `recspec distill`'s ``OUT/best``),
+    else ``layers`` of ``model`` (default :data:`DEFAULT_DRAFT_LAYERS`) as :func:`layer_draft`."""
+    if draft is not None and is_head_dir(draft, TEXT_HEAD):
+        if target_dir is None:
+            raise RecspecError(f"{draft}: a text head is checked against its target's folder; none was given")
+        return TextHeadDraft(load_text_head(draft, target_dir, model.device), model)
     if draft is not None:
         from recspec.models.hf import load_causal_lm
 

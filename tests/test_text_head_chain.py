@@ -1,0 +1,277 @@
+"""A text head (:mod:`recspec.models.text_head`) as the draft of the chain text decoders
+(:mod:`recspec.decoding.chain_drafts`): speculative sampling with a head draws the target's
+distribution (chi-square at fixed seeds, random heads over the whole or a reduced vocabulary and a
+briefly trained one, on a tiny random Llama), TopK-ImpSpecDec with a head samples its own
+distribution built from the head's ``q``, the head's cache after a run is the teacher-forced one
+over the text's true features, rows of different lengths batch together; and a smoke run on the
+real SmolLM2."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import pytest
+import torch
+
+from recspec.decoding import text
+from recspec.decoding.chain_drafts import HeadChainDraft
+from recspec.decoding.drafters import importance_proposal
+from recspec.decoding.prompts import Prompts
+from recspec.decoding.rounds import ChainStats
+from recspec.decoding.text import TextOptions, generate
+from recspec.decoding.warp import Warp
+from recspec.errors import RecspecError
+from recspec.models.text_head import TextHead, TextHeadDraft, new_text_head
+from tests.test_speculative import goodness_of_fit, small_llama
+from tests.test_specsample import LENGTH, PROMPT, VOCAB, next_table, sampled, sequence_distribution
+from tests.test_text_head import teacher_cache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    """test_specsample's random target over 6 tokens."""
+    return small_llama(VOCAB, seed=0, width=16, init=0.5).requires_grad_(False)
+
+
+def scrambled_head(target, vocab_ids: torch.Tensor | None, seed: int) -> TextHead:
+    """A random head whose attention and MLP outputs are not zero (so it guesses far from
+    ``f_{t+1} = f_t``)."""
+    head = new_text_head(target, vocab_ids, seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for linear in (head.o, head.mlp.down):
+            linear.weight.normal_(0.0, 0.5, generator=generator)
+    return head.eval()
+
+
+def trained_head(target, seed: int) -> TextHead:
+    """A head trained for a few seconds on the target's features over random texts (forward KL of
+    the next token but one, plus EAGLE's feature regression), teacher-forced."""
+    head = new_text_head(target, None, seed)
+    bound = TextHeadDraft(head, target)
+    texts = torch.randint(0, VOCAB, (256, 10), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = target(input_ids=texts, output_hidden_states=True)
+    features, log_p = out.hidden_states[-1], torch.log_softmax(out.logits, dim=-1)
+    count = texts.shape[1] - 1
+    positions = torch.arange(count).expand(len(texts), -1)
+    causal = torch.ones(count, count, dtype=torch.bool).tril().expand(len(texts), -1, -1)
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(150):
+        guessed, _, _ = bound.step(features[:, :-1], texts[:, 1:], positions, causal)
+        log_q = bound.log_probs(guessed)
+        kl = (log_p[:, 1:].exp() * (log_p[:, 1:] - log_q)).sum(-1).mean()
+        loss = kl + (guessed - features[:, 1:]).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def heads(target) -> dict[str, TextHeadDraft]:
+    return {"scrambled": TextHeadDraft(scrambled_head(target, None, seed=1), target),
+            "reduced": TextHeadDraft(scrambled_head(target, torch.tensor([0, 2, 3, 5]), seed=2), target),
+            "trained": TextHeadDraft(trained_head(target, seed=3), target)}
+
+
+def acceptance(stats: ChainStats) -> float:
+    """Leviathan's ``alpha`` estimated over a run: the mean acceptance rate at the tried positions."""
+    return float(stats.alpha_sum.sum() / stats.tried.sum())
+
+
+@pytest.mark.parametrize(("which", "warp"), [("scrambled", Warp(1.0)), ("reduced", Warp(1.0)),
+                                             ("trained", Warp(1.0)), ("reduced", Warp(1.3, top_k=4, top_p=0.9))],
+                         ids=["scrambled", "reduced", "trained", "reduced-T1.3-k4-p0.9"])
+def test_spec_sample_with_a_head_draws_the_target_distribution(target, heads, which: str, warp: Warp) -> None:
+    """Theorem A.1 with a head as the draft (lenience 1): the emitted sequences follow the target's
+    warped distribution, for a head far from it, one whose ``q`` is zero on two of the six tokens,
+    and a trained one that agrees with it more."""
+    table = next_table(target, LENGTH)
+    exact = sequence_distribution(lambda prefix: warp(table[prefix]).exp())
+    options = TextOptions(max_new_tokens=LENGTH, warp=warp, gamma=2, seed=13)
+    assert goodness_of_fit(sampled("spec-sample", target, heads[which], options, 6000), exact) > 1e-3
+    stats = generate("spec-sample", target, heads[which], [PROMPT] * 500, options, pad_token_id=0, eos=None).stats
+    assert 0.2 < acceptance(stats) < 0.95  # the draft differs from the target: the residual matters
+    assert bool((stats.accepted_steps > 0).any())
+
+
+def test_a_trained_head_agrees_more(target, heads) -> None:
+    options = TextOptions(max_new_tokens=8, gamma=3, seed=2)
+    rates = {which: acceptance(generate("spec-sample", target, heads[which], [PROMPT] * 300, options, 0, None).stats)
+             for which in ("scrambled", "trained")}
+    assert rates["trained"] > rates["scrambled"] + 0.1, rates
+
+
+def head_q(target, head: TextHeadDraft, prefix: tuple[int, ...], warp: Warp) -> torch.Tensor:
+    """The head's warped ``q`` after ``PROMPT + prefix`` read with the target's true features,
+    float64 ``[VOCAB]``."""
+    ids = torch.cat((PROMPT, torch.tensor(prefix, dtype=torch.int64)))[None]
+    count = ids.shape[1] - 1
+    with torch.no_grad():
+        features = target(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        guessed, _, _ = head.step(features[:, :-1], ids[:, 1:], torch.arange(count)[None],
+                                  torch.ones(count, count, dtype=torch.bool).tril()[None])
+        log_q = torch.full((VOCAB,), -torch.inf).scatter_(0, head.ids, head.log_probs(guessed[0, -1]))
+    return warp(log_q.double()).exp()
+
+
+def test_topk_imp_with_a_head_samples_its_own_distribution(target, heads) -> None:
+    """TopK-ImpSpecDec with a head and ``gamma = 1``: every drafted token is drawn from the head's
+    ``q`` over the true features of its prefix, reweighted (drafters' module doc), so the text is
+    a Markov chain over (prefix, whether the next token is drafted or the bonus) that can be
+    enumerated: after an accepted draft the bonus comes from ``p``, after a rejection the next
+    token is drafted again."""
+    head, warp, k = heads["reduced"], Warp(1.0), 3
+    table = next_table(target, LENGTH)
+
+    @functools.cache
+    def step(prefix: tuple[int, ...], drafted: bool) -> tuple[tuple[torch.Tensor, bool], ...]:
+        """The next token's probabilities, split by whether the token after it is drafted."""
+        p = warp(table[prefix]).exp()
+        if not drafted:
+            return ((p, True),)
+        q = head_q(target, head, prefix, warp)
+        r = importance_proposal(q[None].float(), p[None].float(), k)[0].double()
+        accepted = r * torch.clamp(p / q, max=1).nan_to_num(0.0)
+        residual = (p - q).clamp(min=0)
+        return (accepted, False), ((1 - accepted.sum()) * residual / residual.sum(), True)
+
+    def probability(rest: tuple[int, ...], prefix: tuple[int, ...], drafted: bool) -> float:
+        if not rest:
+            return 1.0
+        return sum(float(part[rest[0]]) * probability(rest[1:], prefix + rest[:1], after)
+                   for part, after in step(prefix, drafted))
+
+    exact = {seq: probability(seq, (), True) for seq in itertools.product(range(VOCAB), repeat=LENGTH)}
+    assert math.isclose(sum(exact.values()), 1.0, abs_tol=1e-9)
+    options = TextOptions(max_new_tokens=LENGTH, warp=warp, gamma=1, candidates=k, seed=4)
+    counts = sampled("topk-imp", target, head, options, 6000)
+    assert goodness_of_fit(counts, exact) > 1e-3
+    target_exact = sequence_distribution(lambda prefix: warp(table[prefix]).exp())
+    assert goodness_of_fit(counts, target_exact) < 1e-6
+
+
+class Recording(HeadChainDraft):
+    """A head's chain draft that keeps, for every row leaving the batch, its cached keys and values
+    at the positions it sees (its inputs, in order): ``final[row]``, ``[kv_heads, count, d]`` each."""
+
+    def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
+        super().start(prompts, features)
+        self.rows = list(range(len(prompts.lengths)))
+        self.final: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def select(self, rows: torch.Tensor) -> None:
+        layer, kept = self.chain.cache.layers[0], set(rows.tolist())
+        for i, row in enumerate(self.rows):
+            if i not in kept:
+                seen = self.chain.visible[i]
+                assert int(seen.sum()) == int(self.chain.count[i])
+                self.final[row] = layer.keys[i][:, seen], layer.values[i][:, seen]
+        self.rows = [self.rows[i] for i in rows.tolist()]
+        super().select(rows)
+
+
+def run_recorded(monkeypatch, method: str, target, head: TextHeadDraft, prompts: list[torch.Tensor],
+                 options: TextOptions, eos: int | None) -> tuple[text.Generated, Recording]:
+    """``generate`` with the head's chain draft recorded."""
+    recording = Recording(head)
+    monkeypatch.setattr(text, "chain_draft", lambda draft: recording)
+    return generate(method, target, head, prompts, options, pad_token_id=0, eos=eos), recording
+
+
+def assert_true_inputs(target, head: TextHeadDraft, prompts: list[torch.Tensor], tokens: list[list[int]],
+                       recording: Recording) -> None:
+    """Every row's head cache is the teacher-forced one over its text (as far as the text goes: a
+    row may have kept tokens past the limit or its end token)."""
+    assert sorted(recording.final) == list(range(len(prompts)))
+    for row, (prompt, generated) in enumerate(zip(prompts, tokens)):
+        words = prompt.tolist() + generated
+        keys, values = recording.final[row]
+        assert keys.shape[1] >= len(words) - 1
+        expected_keys, expected_values = teacher_cache(target, head, words)
+        torch.testing.assert_close(keys[:, :len(words) - 1], expected_keys[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(values[:, :len(words) - 1], expected_values[0], rtol=1e-4, atol=1e-4)
+
+
+PROMPTS = [PROMPT, PROMPT[:3], torch.tensor([3, 3, 1, 2, 4, 5, 0, 1, 4])]
+
+
+@pytest.mark.parametrize(("method", "gamma"), [("spec-sample", 3), ("topk-imp", 2), ("spec-sample", 1)])
+def test_head_cache_holds_the_true_features_of_the_text(monkeypatch, target, heads, method: str, gamma: int) -> None:
+    """Rows of different lengths in one batch, ending at the limit or at their end token: after
+    the run each row's head cache holds exactly its text's inputs with the target's true features
+    (the drafted inputs dropped, the accepted ones re-read), as if read in one teacher-forced call;
+    the counters add up."""
+    head = heads["trained"]
+    options = TextOptions(max_new_tokens=12, gamma=gamma, candidates=3, seed=7)
+    prompts = PROMPTS * 4
+    result, recording = run_recorded(monkeypatch, method, target, head, prompts, options, eos=0)
+    assert_true_inputs(target, head, prompts, result.tokens, recording)
+    stats = result.stats
+    assert stats is not None and float(stats.accepted_steps.sum()) > 0
+    assert any(len(tokens) < 12 for tokens in result.tokens) and any(len(tokens) == 12 for tokens in result.tokens)
+    assert torch.equal(stats.tokens, torch.tensor([float(len(tokens)) for tokens in result.tokens]))
+    assert torch.equal(stats.draft_calls, stats.rounds * gamma + 1)
+    calls_per_round = 1 if method == "spec-sample" else gamma + 1
+    assert torch.equal(stats.target_calls, stats.rounds * calls_per_round + 1)
+
+
+def test_a_head_only_drafts_for_its_target_and_the_chain_methods(target, heads) -> None:
+    other = small_llama(VOCAB, seed=0, width=16, init=0.5)
+    with pytest.raises(RecspecError, match="bound to another model"):
+        generate("spec-sample", other, heads["trained"], [PROMPT], TextOptions(), pad_token_id=0, eos=None)
+    with pytest.raises(RecspecError, match="a text head serves spec-sample and topk-imp"):
+        generate("dsbd", target, heads["trained"], [PROMPT], TextOptions(), pad_token_id=0, eos=None)
+
+
+def test_spec_sample_with_a_head_on_smollm2(monkeypatch, smollm2_dir) -> None:
+    """The real SmolLM2 with an untrained head over a reduced vocabulary: a batch of two prompts of
+    different lengths runs, its counters are sane, and the head's cache ends on the true features."""
+    from recspec.hub import load_tokenizer
+    from recspec.models.hf import load_causal_lm
+
+    model, tokenizer = load_causal_lm(smollm2_dir), load_tokenizer(smollm2_dir)
+    prompts = [torch.tensor(tokenizer.encode(words)) for words in
+               ("The film is a quiet drama about", "Tell me about a science fiction movie set on a ship where")]
+    assert len(prompts[0]) != len(prompts[1])
+    head = TextHeadDraft(new_text_head(model, torch.arange(4096), seed=5).eval(), model)
+    options, gamma = TextOptions(max_new_tokens=12, gamma=3, seed=1), 3
+    result, recording = run_recorded(monkeypatch, "spec-sample", model, head, prompts, options,
+                                     eos=tokenizer.eos_token_id)
+    assert all(1 <= len(tokens) <= 12 for tokens in result.tokens)
+    stats = result.stats
+    assert stats is not None and bool((stats.accepted_steps <= stats.drafted_steps).all())
+    assert bool((stats.alpha_sum <= stats.tried).all()) and 0 < acceptance(stats) < 1
+    assert torch.equal(stats.draft_calls, stats.rounds * gamma + 1)
+    assert torch.equal(stats.target_calls, stats.rounds + 1)
+    assert_true_inputs(model, head, prompts, result.tokens, recording)
+
+
+def test_generate_cli_takes_a_head_folder(smollm2_dir, tmp_path, capsys) -> None:
+    """`recspec generate --draft HEAD`: a head folder is loaded against the target and drafts for
+    spec-sample; dsbd with it is refused in one line."""
+    import json
+
+    from recspec.cli import main
+    from recspec.models.head import save_head
+    from recspec.models.hf import load_causal_lm
+    from recspec.models.text_head import TEXT_HEAD, text_head_fingerprint
+
+    model = load_causal_lm(smollm2_dir)
+    save_head(tmp_path / "head" / "best", new_text_head(model, torch.arange(0, 2000), seed=1),
+              text_head_fingerprint(smollm2_dir), {}, TEXT_HEAD)
+    out = tmp_path / "g.jsonl"
+    common = ["generate", "--out", str(out), "--target", str(smollm2_dir), "--draft", str(tmp_path / "head"),
+              "--count", "1", "--max-new-tokens", "4"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(common + ["--method", "spec-sample"])
+    assert exit_info.value.code == 0 and "with spec-sample" in capsys.readouterr().out
+    assert json.loads(out.read_text())["tokens"] >= 1
+    with pytest.raises(SystemExit) as exit_info:
+        main(common + ["--method", "dsbd", "--gamma", "2", "--overwrite"])
+    assert exit_info.value.code == 2 and "a text head serves spec-sample and topk-imp" in capsys.readouterr().err
