@@ -942,7 +942,8 @@ def bench_sampling(
     target: Annotated[str, typer.Option(help="Text target (asset name or HF folder).")] = "smollm2",
     draft_layers: Annotated[str, typer.Option(help="The text draft: these layers of the target.")] = "0-5,29",
     draft: Annotated[Optional[str], typer.Option(help="The text draft: this model folder instead (e.g. "
-                                                      "`recspec distill`'s OUT/best).")] = None,
+                                                      "`recspec distill`'s OUT/best), or a text head "
+                                                      "(`recspec distill --head`; no DSBD rows then).")] = None,
     candidate_layers: Annotated[list[str], typer.Option(help="Layer sets compared for the draft choice "
                                                              "(repeatable).")] = ["0-1,29", "0-3,29", "0-5,29",
                                                                                   "0-9,29", "0-5,28-29"],

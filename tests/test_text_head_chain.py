@@ -252,9 +252,10 @@ def test_spec_sample_with_a_head_on_smollm2(monkeypatch, smollm2_dir) -> None:
     assert_true_inputs(model, head, prompts, result.tokens, recording)
 
 
-def test_generate_cli_takes_a_head_folder(smollm2_dir, tmp_path, capsys) -> None:
+def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_path, capsys) -> None:
     """`recspec generate --draft HEAD`: a head folder is loaded against the target and drafts for
-    spec-sample; dsbd with it is refused in one line."""
+    spec-sample; dsbd with it is refused in one line; `bench sampling --draft HEAD` measures the
+    chain methods with the head (its step's cost ratio c well below a target call) and no DSBD."""
     import json
 
     from recspec.cli import main
@@ -275,3 +276,9 @@ def test_generate_cli_takes_a_head_folder(smollm2_dir, tmp_path, capsys) -> None
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--method", "dsbd", "--gamma", "2", "--overwrite"])
     assert exit_info.value.code == 2 and "a text head serves spec-sample and topk-imp" in capsys.readouterr().err
+    from recspec.bench.sampling import bench_text
+
+    base = TextOptions(max_new_tokens=4, gamma=2)
+    result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 2, base, 0.7, 1, str(tmp_path / "head"))
+    assert [row["method"] for row in result["rows"]] == ["sample", "spec-sample", "topk-imp", "beam-sample"]
+    assert 0 < result["c"] < 0.5 and result["drafts"][-1]["layers"] == f"distilled: {tmp_path / 'head'}"

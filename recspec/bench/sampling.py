@@ -1,7 +1,8 @@
 """`recspec bench sampling`: the sampling decoders side by side, on text and on item identifiers.
 
 **Text** (knowledge generation: MovieLens user-profile prompts, SmolLM2-135M-Instruct as the
-target, a draft of its own layers): ``sample``, ``spec-sample``, ``topk-imp``, ``beam-sample``
+target, a draft of its own layers, a distilled draft or a text head with ``draft_spec``; a head
+drafts chains only, so the DSBD rows are left out with one): ``sample``, ``spec-sample``, ``topk-imp``, ``beam-sample``
 and DSBD (fixed width, dynamic width, one KV cache), every prompt decoded alone (batch 1), the
 methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token,
 the speed ratio against the non-speculative method of the same output distribution
@@ -42,9 +43,10 @@ from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.eval.metrics import recall_ndcg
-from recspec.hub import load_tokenizer
+from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
+from recspec.models.text_head import TextHeadDraft
 from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
 
 #: label -> (method, option overrides, baseline label of the same output distribution)
@@ -64,15 +66,22 @@ def _options(base: TextOptions, overrides: dict[str, Any], threshold: float) -> 
 
 
 def call_cost(target, draft, prompt: torch.Tensor, repeats: int = 20) -> tuple[float, float]:
-    """Median seconds of one single-token call after the prompt's cache, target and draft: the
-    ``T`` and ``c T`` of Theorem 3.8."""
+    """Median seconds of one single-token call after the prompt's cache, target and draft (a draft
+    model, or a text head's step and draft distribution): the ``T`` and ``c T`` of Theorem 3.8."""
     from transformers import DynamicCache
 
     seconds = []
     with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        out = target(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache, output_hidden_states=True)
+        features = out.hidden_states[-1]  # [1, P - 1, H]: what a text head reads
         for model in (target, draft):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache)
+            if isinstance(model, TextHeadDraft):
+                seconds.append(_head_step_seconds(model, features, prompt, repeats))
+                continue
+            if model is not target:
+                cache = DynamicCache(config=model.config)
+                model(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache)
             runs = []
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -82,6 +91,22 @@ def call_cost(target, draft, prompt: torch.Tensor, repeats: int = 20) -> tuple[f
                     layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
             seconds.append(statistics.median(runs))
     return seconds[0], seconds[1]
+
+
+def _head_step_seconds(head: TextHeadDraft, features: torch.Tensor, prompt: torch.Tensor, repeats: int) -> float:
+    """Median seconds of one drafting step of ``head`` after the prompt: one input (its own guess
+    and a token) over its cache of the prompt's ``P - 2`` inputs, then the draft distribution."""
+    length = features.shape[1] - 1
+    visible = torch.ones(1, length, length, dtype=torch.bool).tril()
+    _, keys, values = head.step(features[:, :-1], prompt[None, 1:-1], torch.arange(length)[None], visible)
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        guessed, _, _ = head.step(features[:, -1:], prompt[None, -1:], torch.tensor([[length]]),
+                                  torch.ones(1, 1, length + 1, dtype=torch.bool), (keys, values))
+        head.log_probs(guessed[:, -1])
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
 
 
 def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost: float) -> dict[str, Any]:
@@ -116,7 +141,7 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
     return_freed_memory()
     torch.set_num_threads(1)
     model = load_causal_lm(target)
-    draft = text_draft_model(model, draft_spec, layers)
+    draft = text_draft_model(model, draft_spec, layers, resolve_model_dir(target))
     ids = torch.tensor(prompt)
     peaks = []
     for method, options in runs:
@@ -149,13 +174,15 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))
     drafts = [{"layers": layers, **_draft_probe(model, text_draft_model(model, None, layers), ids, probe, pad, eos)}
               for layers in candidate_layers]
-    draft = text_draft_model(model, draft_spec, draft_layers)
+    draft = text_draft_model(model, draft_spec, draft_layers, resolve_model_dir(target))
     if draft_spec is not None:
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos)})
     target_s, draft_s = call_cost(model, draft, ids[0])
     cost = draft_s / target_s
+    methods = {label: spec for label, spec in TEXT_METHODS.items()
+               if not (isinstance(draft, TextHeadDraft) and spec[0] == "dsbd")}  # a head drafts chains only
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
-            TEXT_METHODS.items()}
+            methods.items()}
     calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
              for label, (method, options) in runs.items()}
     times, outputs = time_per_user(calls, ids, repeats)
@@ -163,7 +190,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
                                                            list(runs.values()), pad, eos))))
     rows = []
-    for label, (method, _, baseline) in TEXT_METHODS.items():
+    for label, (method, _, baseline) in methods.items():
         texts = [tokens for result in outputs[label] for tokens in result.tokens]
         generated = sum(len(tokens) for tokens in texts)
         per_token = statistics.median(times[label]) / generated
