@@ -866,6 +866,7 @@ def bench_serve(
     repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
     max_batch: Annotated[int, typer.Option(help="--max-batch of batching on.")] = 16,
     max_seconds: Annotated[float, typer.Option(help="Time cap of one run.")] = 60.0,
+    device: Annotated[str, typer.Option(help="The server's device (cpu, cuda).")] = "cpu",
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "serve",
 ) -> None:
@@ -878,7 +879,7 @@ def bench_serve(
     for name_ in decoder:
         check_decoder(name_, draft is not None)
     typer.echo(run(_results_dir(out), target, draft, decoder, concurrency, k, users, requests, repeats, max_batch,
-                   max_seconds, name))
+                   max_seconds, name, _device(device)))
 
 
 @bench_app.command("dropin")

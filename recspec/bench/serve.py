@@ -202,14 +202,16 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], concurrency: Sequence[int], k: int,
-        users: int, requests: int, repeats: int, max_batch: int, max_seconds: float, name: str) -> str:
-    """Measure every decoder x batching x concurrency (module doc); write ``name``.json/.md/.png."""
+        users: int, requests: int, repeats: int, max_batch: int, max_seconds: float, name: str,
+        device: str = "cpu") -> str:
+    """Measure every decoder x batching x concurrency (module doc) with the server's models on
+    ``device``; write ``name``.json/.md/.png."""
     client_cores, server_cores = _cores()
     os.sched_setaffinity(0, client_cores)
     import torch
 
     torch.set_num_threads(len(client_cores))
-    recommender = Recommender.load(target)
+    recommender = Recommender.load(target, device=device)  # the expected answers, on the server's device
     examples = recommender.examples("test", users)
     decoded = recommender.recommend(examples, k, "tree-beam", 16)
     keys = recommender.index.item_keys
@@ -222,7 +224,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], co
     for decoder in decoders:
         for batching, size in (("on", max_batch), ("off", 1)):
             args = ["--target", str(target), "--decoder", decoder, "--max-batch", str(size), "--threads",
-                    str(len(server_cores))]
+                    str(len(server_cores)), "--device", device]
             if draft is not None and decoder != "tree-beam":
                 args += ["--draft", str(draft)]
             with running_server(args, server_cores) as (url, _):
