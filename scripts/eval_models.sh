@@ -22,7 +22,7 @@ evaluate() {  # evaluate MODEL DATASET SPLIT [recommend options...]
 }
 
 if [ -d "$BEAUTY" ]; then
-    for model in beauty-target beauty-draft beauty-llm-draft; do evaluate "$model" "$BEAUTY" given; done
+    for model in beauty-target beauty-target-small beauty-draft beauty-llm-draft; do evaluate "$model" "$BEAUTY" given; done
     evaluate beauty-llm "$BEAUTY" given --users "$LLM_USERS" --batch-size 8
 fi
-for model in ml-target ml-draft; do evaluate "$model" ml-100k loo; done
+for model in ml-target ml-target-small ml-draft; do evaluate "$model" ml-100k loo; done

@@ -198,13 +198,15 @@ def test_example_selection(setup) -> None:
 def test_preset_parameter_counts() -> None:
     tokenizer = build_tokenizer(synthetic_index(num_items=256, levels=4, codes_per_level=256))  # ~ Beauty's 4 x 256
     target = build_model("target-small", tokenizer)
+    mini = build_model("target-mini", tokenizer)
     draft = build_model("draft-tiny", tokenizer)
-    assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer)
+    assert target.config.vocab_size == mini.config.vocab_size == draft.config.vocab_size == len(tokenizer)
     assert (target.config.pad_token_id, target.config.bos_token_id, target.config.eos_token_id) == (0, 1, 2)
     assert target.config.max_position_embeddings == 512
     assert 24e6 <= count_parameters(target) <= 28e6
+    assert 3.4e6 <= count_parameters(mini) <= 3.8e6
     assert 0.3e6 <= count_parameters(draft) <= 0.6e6
-    assert set(PRESETS) >= {"target-small", "draft-tiny"}
+    assert set(PRESETS) >= {"target-small", "target-mini", "draft-tiny"}
 
 
 def test_build_model_is_seeded_and_timed(setup) -> None:
