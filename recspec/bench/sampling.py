@@ -2,8 +2,9 @@
 
 **Text** (knowledge generation: MovieLens user-profile prompts, SmolLM2-135M-Instruct as the
 target, a draft of its own layers, a distilled draft or a text head with ``draft_spec``; a head
-drafts chains only, so the DSBD rows are left out with one): ``sample``, ``spec-sample``, ``topk-imp``, ``beam-sample``
-and DSBD (fixed width, dynamic width, one KV cache), every prompt decoded alone (batch 1), the
+drafts chains only, so the DSBD rows are left out with one): ``sample``, ``spec-sample``,
+``topk-imp``, ``beam-sample`` and DSBD (fixed width, dynamic width, one KV cache), every prompt
+decoded alone (batch 1), the
 methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token,
 the speed ratio against the non-speculative method of the same output distribution
 (``spec-sample`` against ``sample``; DSBD against ``beam-sample``; ``topk-imp``, which samples
@@ -39,6 +40,7 @@ import torch
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.bench.spec import time_per_user
 from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call
+from recspec.decoding.cost import median_seconds
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
@@ -99,14 +101,13 @@ def _head_step_seconds(head: TextHeadDraft, features: torch.Tensor, prompt: torc
     length = features.shape[1] - 1
     visible = torch.ones(1, length, length, dtype=torch.bool).tril()
     _, keys, values = head.step(features[:, :-1], prompt[None, 1:-1], torch.arange(length)[None], visible)
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def step() -> None:
         guessed, _, _ = head.step(features[:, -1:], prompt[None, -1:], torch.tensor([[length]]),
                                   torch.ones(1, 1, length + 1, dtype=torch.bool), (keys, values))
         head.log_probs(guessed[:, -1])
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+
+    return median_seconds(step, features.device, repeats, warmup=0)
 
 
 def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost: float) -> dict[str, Any]:
