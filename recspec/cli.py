@@ -854,6 +854,29 @@ def bench_auto(
     typer.echo(run(_results_dir(out), _pairs(target, draft), k, batch_size, users, repeats, name))
 
 
+@bench_app.command("compare")
+def bench_compare(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    draft: Annotated[Optional[Path], typer.Option(help="Its draft (a model, a head, or MODEL+HEAD), for the "
+                                                       "speculative decoders and auto.")] = None,
+    decoder: Annotated[list[str], typer.Option(help="Decoders side by side (repeatable; the first is the reference "
+                                                    "of the speed-ups).")] = ["beam", "tree-beam", "spec-strict",
+                                                                               "auto"],
+    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    batch_size: Annotated[int, typer.Option(help="Users per batch.")] = 1,
+    users: Annotated[int, typer.Option(help="Test users.")] = 200,
+    repeats: Annotated[int, typer.Option(help="Timed runs per decoder (median reported).")] = 3,
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "compare",
+) -> None:
+    """Decoders side by side on one model pair: users/s, speed-up and identical items (what `make
+    demo` prints)."""
+    from recspec.bench.compare import run
+
+    _positive(users=users, repeats=repeats, k=k, batch_size=batch_size)
+    typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name))
+
+
 @bench_app.command("serve")
 def bench_serve(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
@@ -1012,7 +1035,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                       max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
                       draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
                       batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
-                      head_nodes: int = 16):
+                      head_nodes: int = 16, fixed_tree: bool = False):
     from recspec.knowledge.head_draft import HeadTreeConfig
     from recspec.knowledge.job import KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
@@ -1025,7 +1048,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                            min_interactions=min_interactions, retrieval=retrieval, max_history=max_history,
                            max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
                            draft=str(draft) if draft is not None else None,
-                           head_tree=HeadTreeConfig(head_width, head_depth, head_nodes))
+                           head_tree=HeadTreeConfig(head_width, head_depth, head_nodes, sized=not fixed_tree))
 
 
 @knowledge_app.command("generate")
@@ -1054,7 +1077,10 @@ def knowledge_generate(
     head_width: Annotated[int, typer.Option(help="--draft: children per expanded node and nodes expanded per "
                                                  "level.")] = 4,
     head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
-    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree.")] = 16,
+    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree (greedy: at most; each round "
+                                                 "verifies as many as the cost model says pay).")] = 16,
+    fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
+                                                  "sizing each tree from the cost model.")] = False,
     model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
@@ -1072,7 +1098,7 @@ def knowledge_generate(
 
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
-                               draft, head_width, head_depth, head_nodes)
+                               draft, head_width, head_depth, head_nodes, fixed_tree)
     where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
         run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where)
@@ -1120,7 +1146,10 @@ def bench_knowledge(
                                                        "head, laser-greedy+head and laser+head variants.")] = None,
     head_width: Annotated[int, typer.Option(help="--draft: children per expanded node.")] = 4,
     head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
-    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree.")] = 16,
+    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree (greedy: at most; each round "
+                                                 "verifies as many as the cost model says pay).")] = 16,
+    fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
+                                                  "sizing each tree from the cost model.")] = False,
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "knowledge",
     limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
@@ -1135,8 +1164,8 @@ def bench_knowledge(
     min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
     variant: Annotated[Optional[list[str]], typer.Option(
         help="Variants to run (repeatable; default all the pools and --draft allow: hf, prompt-lookup, ar, resd, "
-             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, laser-greedy+head, "
-             "laser+head).")] = None,
+             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, head-fixed, "
+             "laser-greedy+head, laser+head).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
 ) -> None:
     """hf, prompt lookup, ReSD, LASER and the text head side by side: tokens/s, speed-ups, AAL, ART,
@@ -1156,7 +1185,7 @@ def bench_knowledge(
                            "or --side for the variants that need no pool")
     base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", groups,
                              min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024, 1, draft, head_width,
-                             head_depth, head_nodes)
+                             head_depth, head_nodes, fixed_tree)
     typer.echo(run(_results_dir(out), pools, limit, repeats, max_new_tokens, base,
                    tuple(variant) if variant else None, name=name))
 

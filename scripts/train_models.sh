@@ -30,8 +30,8 @@ fi
 if [ -d "$BEAUTY" ]; then
     train beauty-target --dataset "$BEAUTY" --preset target-mini --epochs 6 --patience 2 --max-minutes 40
 fi
-train ml-target --dataset ml-100k --ids "$OUT/ml-ids" --split loo --preset target-mini --epochs 8 --patience 2 \
-    --last-per-user 40 --max-minutes 30
+train ml-target --dataset ml-100k --ids "$OUT/ml-ids" --split loo --preset target-mini --epochs 5 --patience 2 \
+    --max-minutes 40
 if [ "${SMALL:-0}" = 1 ]; then
     if [ -d "$BEAUTY" ]; then
         train beauty-target-small --dataset "$BEAUTY" --preset target-small --epochs 1 --max-train-examples 85000 \

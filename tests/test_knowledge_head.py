@@ -74,6 +74,20 @@ def test_greedy_with_a_head_and_hybrid_trees_equal_greedy(task, old_store, head,
         assert "head_sha256" not in read_settings(tmp_path / f"{name}.db")  # greedy texts do not depend on it
 
 
+def test_greedy_trees_are_sized_from_the_cost_model(task, head) -> None:  # noqa: F811
+    """Greedy verification sizes the head's trees from the model's kept call cost plus the head's
+    timed drafting; relaxed verification and --fixed-tree keep the configured size."""
+    tree = HeadTreeConfig(width=3, depth=3, nodes=8)
+    greedy = replace(OLD_ITEMS, part="new", draft=str(head), head_tree=tree)
+    cost = task.head_drafter(greedy).cost
+    assert cost is not None and cost.fixed_s > 0 and cost.per_token_s >= 0
+    assert task.head_drafter(greedy).cost == cost  # measured once per head and tree
+    assert (task.model_dir / "calibration-cpu.json").is_file()  # the model's part is kept beside it
+    assert task.head_drafter(replace(greedy, head_tree=replace(tree, sized=False))).cost is None
+    relaxed = replace(greedy, method="laser", verification=Verification("relaxed"))
+    assert task.head_drafter(relaxed).cost is None
+
+
 def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_store, head, tmp_path,  # noqa: F811
                                                                    capsys) -> None:
     laser = KnowledgeConfig(side="item", method="laser", max_new_tokens=8, grouping="attribute", draft=str(head),

@@ -21,7 +21,8 @@ from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
 from recspec.fileio import record_checksums, write_json_atomic
 from recspec.knowledge.decode import eos_ids, speculative_generate
-from recspec.knowledge.head_draft import HeadDrafter, HeadSession, HeadTreeConfig, select
+from recspec.decoding.cost import CallCost
+from recspec.knowledge.head_draft import HeadDrafter, HeadSession, HeadTreeConfig, node_budget, select
 from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import DraftTree
 from recspec.knowledge.stream import stream_split
@@ -290,3 +291,35 @@ def test_select_keeps_the_most_probable_nodes_as_a_tree() -> None:
     parents = torch.tensor([-1, -1, 0, 0, 1, 3])
     tree = select(scores, torch.arange(10, 16), parents, 4)
     assert tree.tokens == [10, 13, 15, 12] and tree.parents == [-1, 0, 1, 0]
+
+
+def test_node_budget_maximises_expected_tokens_per_second() -> None:
+    """The budget is the exhaustive argmax of (1 + sum of the first n path probabilities) / C(n)
+    over random rankings and costs; cheap nodes keep the whole ranking, dear ones the first few;
+    with a cost, select keeps a prefix of its unsized tree."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        count = int(torch.randint(1, 40, (1,), generator=generator))
+        log_scores = torch.sort(torch.rand(count, generator=generator).log() * 3, descending=True).values
+        cost = CallCost(float(torch.rand(1, generator=generator)) * 0.1, float(torch.rand(1, generator=generator)) * 0.01)
+        rates = [(1 + float(log_scores[:n].exp().sum())) / cost.call_s(n + 1) for n in range(1, count + 1)]
+        assert node_budget(log_scores, cost) == max(range(count), key=lambda i: (rates[i], -i)) + 1
+    ranked = torch.log(torch.tensor([0.9, 0.8, 0.5, 0.3, 0.1, 0.05, 0.01]))
+    assert node_budget(ranked, CallCost(0.07, 1e-6)) == 7  # a CPU-bound LLM call: every node pays
+    assert node_budget(ranked, CallCost(0.001, 0.01)) == 1  # nodes dearer than the call itself
+    scores = torch.tensor([-0.1, -0.5, -0.3, -0.1, -2.0, -0.2])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 3])
+    whole = select(scores, torch.arange(10, 16), parents, 6)
+    for cost in (CallCost(0.05, 0.001), CallCost(0.01, 0.004), CallCost(0.001, 0.01)):
+        sized = select(scores, torch.arange(10, 16), parents, 6, cost)
+        n = node_budget(torch.sort(scores, descending=True).values, cost)
+        assert sized.tokens == whole.tokens[:n] and sized.parents == whole.parents[:n]
+
+
+def test_round_seconds_times_the_heads_drafting(lm) -> None:
+    """The head's part of a round is timed positive, and more for a deeper, wider tree."""
+    model = lm[0]
+    bound = TextHeadDraft(new_text_head(model, torch.arange(0, 2000), seed=5).eval(), model)
+    small = HeadDrafter(bound, HeadTreeConfig(width=1, depth=1, nodes=1)).round_seconds(64, repeats=5)
+    large = HeadDrafter(bound, HeadTreeConfig(width=8, depth=8, nodes=64)).round_seconds(64, repeats=5)
+    assert 0 < small < large

@@ -221,12 +221,72 @@ def test_head_cache_holds_the_true_features_of_the_text(monkeypatch, target, hea
     assert torch.equal(stats.target_calls, stats.rounds * calls_per_round + 1)
 
 
-def test_a_head_only_drafts_for_its_target_and_the_chain_methods(target, heads) -> None:
+def test_a_head_only_drafts_for_its_target(target, heads) -> None:
     other = small_llama(VOCAB, seed=0, width=16, init=0.5)
-    with pytest.raises(RecspecError, match="bound to another model"):
-        generate("spec-sample", other, heads["trained"], [PROMPT], TextOptions(), pad_token_id=0, eos=None)
-    with pytest.raises(RecspecError, match="a text head serves spec-sample and topk-imp"):
-        generate("dsbd", target, heads["trained"], [PROMPT], TextOptions(), pad_token_id=0, eos=None)
+    for method in ("spec-sample", "dsbd"):
+        with pytest.raises(RecspecError, match="bound to another model"):
+            generate(method, other, heads["trained"], [PROMPT], TextOptions(), pad_token_id=0, eos=None)
+
+
+@pytest.mark.parametrize("vocab", [None, (0, 2, 3)], ids=["whole", "reduced"])
+def test_dsbd_with_a_head_samples_the_targets_beam_sampling(vocab) -> None:
+    """dsbd.txt Theorem 3.1 with a text head drafting the forest: the output beam pairs follow the
+    enumerated text beam sampling (W = 2, end token absorbing), for a head over the whole
+    vocabulary and one whose ``q`` is zero on a token."""
+    from collections import Counter
+
+    from recspec.decoding.dsbd import dsbd_batch
+    from recspec.decoding.prompts import left_pad
+    from recspec.decoding.space import FreeText
+    from tests.test_dsbd import DEPTH, EOS, PAD, TEXT_VOCAB, canonical, exact_text_beam_sampling
+
+    small = small_llama(TEXT_VOCAB, seed=4, width=16, init=0.5).requires_grad_(False)
+    head = TextHeadDraft(scrambled_head(small, None if vocab is None else torch.tensor(vocab), seed=6), small)
+    prompt, warp = torch.tensor([1, 2, 0, 1]), Warp(1.0)
+    exact = exact_text_beam_sampling(small, prompt, 2, warp)
+    prompts = left_pad([prompt] * 4000, PAD, torch.device("cpu"))
+    config = TextOptions(max_new_tokens=DEPTH, gamma=2, beams=2, draft_width=3).dsbd()
+    with torch.inference_mode():
+        result = dsbd_batch(small, head, prompts, FreeText(TEXT_VOCAB, DEPTH, EOS), 2, config,
+                            torch.Generator().manual_seed(3), ends=FreeText(TEXT_VOCAB, DEPTH, EOS))
+    counts = Counter(tuple(sorted(canonical(beam) for beam in row)) for row in result.tokens[:, :2].tolist())
+    assert goodness_of_fit(counts, exact) > 1e-3
+    assert float(result.stats.accepted_steps.sum()) > 0 and float(result.stats.drafted_steps.sum()) > 0
+
+
+@pytest.mark.parametrize("one_cache", [False, True], ids=["beams", "one-cache"])
+def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, target, heads, one_cache: bool) -> None:
+    """After every round, each beam's view of the head's tree cache (the prompt and its ancestors)
+    holds exactly the inputs of its text with the target's true features, as one teacher-forced
+    call over that text computes them (column 0, the placeholder, aside); rows of different
+    prompt lengths in one batch; the run is DSBD's with the head drafting."""
+    from recspec.decoding import rounds
+
+    head, checked = heads["trained"], []
+    compact = rounds.compact_frontier
+
+    def checking(front, caches):
+        front = compact(front, caches)
+        keys, values = caches[1].layers[0].keys, caches[1].layers[0].values
+        for b in range(len(front.users)):
+            prompt = PROMPTS[int(front.users[b]) % len(PROMPTS)]
+            for k in range(front.visible.shape[1]):
+                if int(front.beams.nodes[b, k]) < 0:
+                    continue
+                columns = front.visible[b, k].nonzero()[:, 0]
+                text = prompt.tolist() + front.paths[b, k, :int(front.depth[b]) - 1].tolist()
+                assert len(columns) == len(text)
+                expected_keys, expected_values = teacher_cache(target, head, text)
+                torch.testing.assert_close(keys[b][:, columns[1:]], expected_keys[0], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(values[b][:, columns[1:]], expected_values[0], rtol=1e-4, atol=1e-4)
+                checked.append(len(text))
+        return front
+
+    monkeypatch.setattr(rounds, "compact_frontier", checking)
+    options = TextOptions(max_new_tokens=8, gamma=2, beams=2, draft_width=3, one_cache=one_cache, seed=5)
+    result = generate("dsbd", target, head, PROMPTS * 2, options, pad_token_id=0, eos=None)
+    assert len(checked) > 20 and max(checked) > len(PROMPTS[2]) + 4
+    assert result.stats is not None and float(result.stats.accepted_steps.sum()) > 0
 
 
 def test_spec_sample_with_a_head_on_smollm2(monkeypatch, smollm2_dir) -> None:
@@ -254,8 +314,8 @@ def test_spec_sample_with_a_head_on_smollm2(monkeypatch, smollm2_dir) -> None:
 
 def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_path, capsys) -> None:
     """`recspec generate --draft HEAD`: a head folder is loaded against the target and drafts for
-    spec-sample; dsbd with it is refused in one line; `bench sampling --draft HEAD` measures the
-    chain methods with the head (its step's cost ratio c well below a target call) and no DSBD."""
+    spec-sample and dsbd; `bench sampling --draft HEAD` measures every drafted method with the head
+    (its step's cost ratio c well below a target call)."""
     import json
 
     from recspec.cli import main
@@ -275,10 +335,11 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     assert json.loads(out.read_text())["tokens"] >= 1
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--method", "dsbd", "--gamma", "2", "--overwrite"])
-    assert exit_info.value.code == 2 and "a text head serves spec-sample and topk-imp" in capsys.readouterr().err
+    assert exit_info.value.code == 0 and "with dsbd" in capsys.readouterr().out
     from recspec.bench.sampling import bench_text
 
     base = TextOptions(max_new_tokens=4, gamma=2)
     result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 2, base, 0.7, 1, str(tmp_path / "head"))
-    assert [row["method"] for row in result["rows"]] == ["sample", "spec-sample", "topk-imp", "beam-sample"]
+    assert [row["method"] for row in result["rows"]][:4] == ["sample", "spec-sample", "topk-imp", "beam-sample"]
+    assert {row["method"] for row in result["rows"]} >= {"dsbd", "dsbd-dynamic", "dsbd-one-cache"}
     assert 0 < result["c"] < 0.5 and result["drafts"][-1]["layers"] == f"distilled: {tmp_path / 'head'}"

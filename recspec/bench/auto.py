@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from recspec.auto import choose
+from recspec.bench.compare import take_turns
 from recspec.bench.decode import same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.recommend import DecodeOptions, Decoded, Recommender
@@ -39,17 +40,7 @@ def _cell(recommender: Recommender, k: int, batch: int, users: int,
                                                      DecodeOptions(draft_beams=2 * k)),
         "auto": lambda: recommender.recommend(examples, k, choice.decoder, batch, choice.options),
     }
-    for run in runs.values():  # warm-up
-        run()
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    outputs: dict[str, Decoded] = {}
-    names = list(runs)
-    for repeat in range(repeats):  # each run starts with another decoder: none always follows the same one
-        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-            run = runs[name]
-            start = time.perf_counter()
-            outputs[name] = run()
-            seconds[name].append(time.perf_counter() - start)
+    seconds, outputs = take_turns(runs, repeats)
     return seconds, outputs, choice.reason, choose_s
 
 

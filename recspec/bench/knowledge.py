@@ -57,14 +57,17 @@ VARIANTS = {
     "laser": ("laser", "router", True, None, False),
     "laser@8": ("laser", "router", True, 8, False), "laser@32": ("laser", "router", True, 32, False),
     "laser@64": ("laser", "router", True, 64, False),
-    "head": ("ar", "router", False, None, True), "laser-greedy+head": ("laser", "router", False, None, True),
+    "head": ("ar", "router", False, None, True), "head-fixed": ("ar", "router", False, None, True),
+    "laser-greedy+head": ("laser", "router", False, None, True),
     "laser+head": ("laser", "router", True, None, True),
 }
 #: Variants drafted by the text head (need ``--draft``).
 HEAD_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[4])
 #: Variants drafting from the old-part pools (need the side's pool).
 POOL_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[0] in DRAFTING)
-MAIN = ("hf", "prompt-lookup", "ar", "head", "resd", "laser-greedy", "laser-greedy+head", "laser", "laser+head")
+#: Variants whose head trees always hold ``--head-nodes`` nodes (the others size greedy trees by cost).
+FIXED_TREES = ("head-fixed",)
+MAIN = ("hf", "prompt-lookup", "ar", "head", "head-fixed", "resd", "laser-greedy", "laser-greedy+head", "laser", "laser+head")
 TREE_SIZES = ("laser@8", "laser", "laser@32", "laser@64")
 ABLATION = (("GRP", "resd"), ("RRP", "rrp"), ("CRP", "laser-greedy"), ("RV+GRP", "rv+grp"), ("RV+RRP", "rv+rrp"),
             ("LASER (RV+CRP)", "laser"))
@@ -76,9 +79,10 @@ def variant_config(base: KnowledgeConfig, name: str) -> KnowledgeConfig:
     """``base`` (with its text head in ``draft``, if any) as variant ``name`` runs it."""
     method, grouping, relaxed, nodes, head = VARIANTS[name]
     retrieval = replace(base.retrieval, max_nodes=nodes) if nodes else base.retrieval
+    tree = replace(base.head_tree, sized=False) if name in FIXED_TREES else base.head_tree
     return replace(base, method=method, grouping=grouping, retrieval=retrieval,
                    verification=replace(base.verification, kind="relaxed") if relaxed else GREEDY,
-                   draft=base.draft if head else None)
+                   draft=base.draft if head else None, head_tree=tree)
 
 
 def check_variants(variants: Sequence[str], has_head: bool, sides: dict[str, Path | None]) -> None:
@@ -220,7 +224,7 @@ def render(sides: list[dict[str, Any]], limit: int, repeats: int, max_new_tokens
               "-" if VARIANTS[name][2] else f"{row.get('same_as_hf', '-')}/{row['texts']}",
               f"{row.get('ceiling_speedup', 0):.2f}x"]
              for name, row in rows.items() if name in MAIN]))
-        for mine, others in (("laser", ("hf", "prompt-lookup", "resd")), ("head", ("hf", "ar")),
+        for mine, others in (("laser", ("hf", "prompt-lookup", "resd")), ("head", ("hf", "ar", "head-fixed")),
                              ("laser+head", ("hf", "laser")), ("laser-greedy+head", ("laser-greedy", "head"))):
             if mine in rows:
                 ratios = {other: rows[mine]["tokens_per_s"] / rows[other]["tokens_per_s"]

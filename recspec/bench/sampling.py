@@ -1,8 +1,7 @@
 """`recspec bench sampling`: the sampling decoders side by side, on text and on item identifiers.
 
 **Text** (knowledge generation: MovieLens user-profile prompts, SmolLM2-135M-Instruct as the
-target, a draft of its own layers, a distilled draft or a text head with ``draft_spec``; a head
-drafts chains only, so the DSBD rows are left out with one): ``sample``, ``spec-sample``,
+target, a draft of its own layers, a distilled draft or a text head with ``draft_spec``): ``sample``, ``spec-sample``,
 ``topk-imp``, ``beam-sample`` and DSBD (fixed width, dynamic width, one KV cache), every prompt
 decoded alone (batch 1), the
 methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token,
@@ -180,10 +179,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos)})
     target_s, draft_s = call_cost(model, draft, ids[0])
     cost = draft_s / target_s
-    methods = {label: spec for label, spec in TEXT_METHODS.items()
-               if not (isinstance(draft, TextHeadDraft) and spec[0] == "dsbd")}  # a head drafts chains only
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
-            methods.items()}
+            TEXT_METHODS.items()}
     calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
              for label, (method, options) in runs.items()}
     times, outputs = time_per_user(calls, ids, repeats)
@@ -191,7 +188,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
                                                            list(runs.values()), pad, eos))))
     rows = []
-    for label, (method, _, baseline) in methods.items():
+    for label, (method, _, baseline) in TEXT_METHODS.items():
         texts = [tokens for result in outputs[label] for tokens in result.tokens]
         generated = sum(len(tokens) for tokens in texts)
         per_token = statistics.median(times[label]) / generated

@@ -145,9 +145,7 @@ class HeadChainDraft:
     def log_q(self) -> torch.Tensor:
         """The draft's log-probs at ``guessed`` over the target's vocabulary, float32 ``[B, V]``:
         ``-inf`` outside the head's draft vocabulary."""
-        batch, ids = self.guessed.shape[0], self.head.ids
-        log_q = torch.full((batch, self.head.head.config.vocab_size), -torch.inf, device=self.guessed.device)
-        return log_q.scatter_(1, ids.expand(batch, -1), self.head.log_probs(self.guessed))
+        return self.head.vocabulary_log_probs(self.guessed)
 
 
 def chain_draft(draft) -> ModelChainDraft | HeadChainDraft:

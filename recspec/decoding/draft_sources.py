@@ -9,13 +9,31 @@
 * ``log_probs(levels, front)``: the draft's log-probs ``[B, n, V]`` at the nodes of
   ``levels[-1]``, the round's newest level (``levels[0]`` is the round's level 0);
 * ``feed_last(levels)``: the round's last level, so that a draft cache holds what the target's will;
+* ``scored(levels, features, prompts, front)``: after the target's call, its features at every
+  position it was fed ``[B, F, H]`` (the prompt's too in the first round, ``prompts`` given) with the
+  round's ``front`` (None unless ``wants_features``);
 * ``caches``: the KV caches to keep in step with the target's (compacted by the same gather).
 
 :class:`HybridDraft` combines the two: the draft model drafts the first round (in the same target
-call as the prompt), the head every later one.
+call as the prompt), the head every later one. :class:`TextTreeDraft` is a text head
+(:mod:`recspec.models.text_head`) drafting tree levels over free text (DSBD), with a KV cache of its
+own laid out as the target's.
 
 ``wants_features`` says whether the target's scoring call must also return its features (the
 round loop then keeps, per beam, the feature at its parent: :attr:`Frontier.features`).
+
+**A text head's tree cache** (:class:`TextTreeDraft`). Column ``c`` of the target's cache holds
+token ``x_c`` at position ``t + 1``; the same column of the head's cache holds the head's input
+``(f_t, x_c)`` at position ``t``, where ``f_t`` is the target's feature at ``c``'s parent (the
+column before it in the prompt, the parent node in a tree): the input that guesses the feature at
+``c`` (EAGLE's pairing, indexed by the child so that a tree, where a node has several children,
+maps column for column). The first real prompt token has no parent: its column holds a
+placeholder that no input ever sees (after the first compaction it is column 0). While drafting,
+level 0's inputs take the target's features at their parents (:attr:`Frontier.features`), deeper
+levels the head's own guesses at theirs, and those inputs live for the round only; once the target
+has scored the round, :meth:`TextTreeDraft.scored` feeds every node it was fed with the target's
+true features at their parents, in the target's column order, in one head call: the head's cache
+again holds only true features, and the round loop compacts and narrows it with the target's.
 """
 
 from __future__ import annotations
@@ -24,11 +42,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recspec.decoding.draft_tree import Level, feed
+from transformers import DynamicCache
+
+from recspec.decoding.draft_tree import Level, fed_block, feed
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import prefill
 from recspec.models.head import HeadDraft
+from recspec.models.text_head import TextHeadDraft
 
 
 @dataclass
@@ -53,6 +74,10 @@ class ModelDraft:
     def feed_last(self, levels: list[Level]) -> None:
         feed(self.model, self.cache, levels[-1:])
 
+    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
+               front: Frontier) -> None:
+        return None
+
 
 @dataclass
 class FeatureDraft:
@@ -69,19 +94,17 @@ class FeatureDraft:
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
         level, j = levels[-1], len(levels) - 1
-        if j == 0:
-            if front.features is None:
-                raise RuntimeError("a head drafts from the target's features: the first round must draft nothing")
-            parent = front.features
-        else:
-            previous = self.guessed[j - 1]
-            parent = previous.gather(1, level.parents[:, :, None].expand(-1, -1, previous.shape[2]))
+        parent = parent_features(levels, front, self.guessed)
         depth = (front.depth - 1 + j)[:, None].expand_as(level.tokens)  # 0-based level of the nodes' tokens
         feature = self.head.features(parent.to(self.head.device), level.tokens, depth)
         self.guessed = [*self.guessed[:j], feature]
         return self.head.log_probs(feature)
 
     def feed_last(self, levels: list[Level]) -> None:
+        return None
+
+    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
+               front: Frontier) -> None:
         return None
 
 
@@ -109,6 +132,98 @@ class HybridDraft:
     def feed_last(self, levels: list[Level]) -> None:
         return None
 
+    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
+               front: Frontier) -> None:
+        return None
+
+
+@dataclass
+class TextTreeDraft:
+    """A text head drafting tree levels over free text (see the module doc): ``cache`` (one layer,
+    laid out as the target's), and this round's drafted inputs' keys and values and guesses."""
+
+    head: TextHeadDraft
+    cache: DynamicCache = field(init=False)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    guessed: list[torch.Tensor] = field(default_factory=list)
+    wants_features = True
+
+    @property
+    def caches(self) -> tuple:
+        return (self.cache,)
+
+    def start(self, prompts: Prompts) -> None:
+        config, batch = self.head.head.config, len(prompts.lengths)
+        empty = torch.zeros(batch, config.kv_heads, 0, config.head_dim, device=prompts.input_ids.device)
+        self.cache = DynamicCache(ddp_cache_data=[(empty, empty.clone())])
+        return None
+
+    def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
+        level = levels[-1]
+        if len(levels) == 1:  # a new round
+            self.keys, self.values, self.guessed = [], [], []
+        parent = parent_features(levels, front, self.guessed)
+        layer = self.cache.layers[0]
+        past = (torch.cat((layer.keys, *self.keys), dim=2), torch.cat((layer.values, *self.values), dim=2))
+        guessed, keys, values = self.head.step(parent, level.tokens, level.positions - 1,
+                                               placeholder_hidden(level.visible, torch.zeros_like(front.lengths),
+                                                                  past[0].shape[2]), past)
+        self.keys.append(keys)
+        self.values.append(values)
+        self.guessed.append(guessed)
+        return self.head.vocabulary_log_probs(guessed)
+
+    def feed_last(self, levels: list[Level]) -> None:
+        return None
+
+    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
+               front: Frontier) -> None:
+        """Append to the cache the head's inputs of every column the target was just fed (the
+        prompt's, then the round's nodes), with the target's true features at their parents."""
+        assert features is not None, "a head drafts from the target's features"
+        tokens, visible, positions, _ = fed_block(levels, prompts)
+        if prompts is None:
+            nodes, parents = features, [front.features]
+            first = torch.zeros_like(front.lengths)
+        else:  # the first round: every prompt column's parent is the column before it
+            prompt_len = prompts.input_ids.shape[1]
+            nodes, parents = features[:, prompt_len - 1:], [torch.cat((torch.zeros_like(features[:, :1]),
+                                                                        features[:, :prompt_len - 1]), dim=1)]
+            first = prompt_len - prompts.lengths
+        own = torch.split(nodes, [level.width for level in levels], dim=1)  # the features at each level's nodes
+        for j in range(1, len(levels)):
+            index = levels[j].parents.clamp(min=0)[:, :, None].expand(-1, -1, nodes.shape[2])
+            parents.append(own[j - 1].gather(1, index))
+        layer = self.cache.layers[0]
+        _, keys, values = self.head.step(torch.cat(parents, dim=1), tokens, (positions - 1).clamp(min=0),
+                                         placeholder_hidden(visible, first, layer.keys.shape[2]),
+                                         (layer.keys, layer.values))
+        layer.keys, layer.values = torch.cat((layer.keys, keys), dim=2), torch.cat((layer.values, values), dim=2)
+
+
+def parent_features(levels: list[Level], front: Frontier, guessed: list[torch.Tensor]) -> torch.Tensor:
+    """The features a head's inputs at the round's newest level take, ``[B, n, H]``: the target's
+    at the beams' parents on level 0 (:attr:`Frontier.features`), the head's own guesses at the
+    nodes' parents (``guessed``: per earlier level of the round, ``[B, n_j, H]``) deeper."""
+    j = len(levels) - 1
+    if j == 0:
+        if front.features is None:
+            raise RuntimeError("a head drafts from the target's features: the first round must draft nothing")
+        return front.features
+    previous = guessed[j - 1]
+    return previous.gather(1, levels[j].parents[:, :, None].expand(-1, -1, previous.shape[2]))
+
+
+def placeholder_hidden(visible: torch.Tensor, first: torch.Tensor, start: int) -> torch.Tensor:
+    """A target's visibility as a text head's: ``visible`` bool ``[B, n, W]`` of the inputs at
+    columns ``start .. start + n - 1`` with column ``first[b]`` (int64 ``[B]``: the first prompt
+    token, whose head input is a placeholder) hidden from every input but its own."""
+    columns = torch.arange(visible.shape[2], device=visible.device)
+    own = start + torch.arange(visible.shape[1], device=visible.device)
+    hidden = (columns[None, None, :] == first[:, None, None]) & (columns[None, None, :] != own[None, :, None])
+    return visible & ~hidden
+
 
 @dataclass(frozen=True)
 class HybridPair:
@@ -118,9 +233,11 @@ class HybridPair:
     head: HeadDraft
 
 
-def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft:
-    """The source for ``draft``: a :class:`~recspec.models.head.HeadDraft`, a :class:`HybridPair`
-    or a causal LM."""
+def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDraft:
+    """The source for ``draft``: a :class:`~recspec.models.head.HeadDraft`, a :class:`HybridPair`,
+    a :class:`~recspec.models.text_head.TextHeadDraft` or a causal LM."""
     if isinstance(draft, HybridPair):
         return HybridDraft(ModelDraft(draft.model), FeatureDraft(draft.head))
+    if isinstance(draft, TextHeadDraft):
+        return TextTreeDraft(draft)
     return FeatureDraft(draft) if isinstance(draft, HeadDraft) else ModelDraft(draft)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.scorer import forward_visible, next_log_probs
+from recspec.decoding.prompts import Prompts
+from recspec.decoding.scorer import forward_visible, next_log_probs, prompt_and_tree
 from recspec.decoding.tree import child_rows
 
 
@@ -91,3 +92,20 @@ def feed(model, cache, levels: list[Level]) -> torch.Tensor:
     """Feed consecutive levels in one call after everything fed before: float32 log-probs
     ``[B, sum n, V]``."""
     return next_log_probs(forward_visible(model, cache, *stacked(levels)))
+
+
+def fed_block(levels: list[Level], prompts: Prompts | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      int | None]:
+    """What a round feeds the target in one call: tokens and positions ``[B, F]``, visibility
+    ``[B, F, T + F]`` and the number of last positions whose logits are needed (None: all). Later
+    rounds feed ``levels`` (:func:`stacked`); the first (``prompts`` given) feeds the prompt, whose
+    last position is level 0, the root, then levels 1.. (``keep_last = 1 + M``)."""
+    if prompts is None:
+        return (*stacked(levels), None)
+    if len(levels) > 1:
+        tree = stacked(levels[1:])
+    else:  # nothing drafted: the prompt alone
+        none = prompts.input_ids[:, :0]
+        batch, width = prompts.input_ids.shape
+        tree = none, torch.zeros(batch, 0, width, dtype=torch.bool, device=none.device), none
+    return prompt_and_tree(prompts.input_ids, prompts.attention_mask, prompts.position_ids, *tree)

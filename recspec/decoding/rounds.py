@@ -34,11 +34,11 @@ from recspec.decoding.cache import require_full_attention
 from recspec.decoding.chain import Chain
 from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_sources import draft_source
-from recspec.decoding.draft_tree import Level, stacked
+from recspec.decoding.draft_tree import Level, fed_block
 from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
                                        select_users)
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.scorer import forward_features, forward_visible, next_log_probs, prompt_and_tree
+from recspec.decoding.scorer import forward_features, forward_visible, next_log_probs
 
 
 @dataclass
@@ -194,6 +194,9 @@ class DraftSource(Protocol):
 
     def feed_last(self, levels: list[Level]) -> None: ...
 
+    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
+               front: Frontier) -> None: ...
+
 
 class Verifier(Protocol):
     """Verifies the scored tree (``log_p``, float32 ``[B, M, V]``: the target's log-probs at every
@@ -223,27 +226,16 @@ def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | 
 
 def score_levels(target, cache, levels: list[Level], prompts: Prompts | None,
                  features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and its
-    features there ``[B, sum n, H]`` if ``features`` (else None). In the first round (``prompts``
-    given) the prompt is fed in the same call, before levels 1.., and row 0 of the result is the
-    prompt's last position (level 0, the root)."""
-    if prompts is None:
-        block, keep = stacked(levels), None
-    else:
-        *block, keep = prompt_and_tree(prompts.input_ids, prompts.attention_mask, prompts.position_ids,
-                                       *(stacked(levels[1:]) if len(levels) > 1 else empty_block(prompts)))
+    """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and if
+    ``features`` its features at every position it was fed (:func:`~recspec.decoding.draft_tree.
+    fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]`` (else None).
+    In the first round (``prompts`` given) the prompt is fed in the same call, before levels 1..,
+    and row 0 of the log-probs is the prompt's last position (level 0, the root)."""
+    *block, keep = fed_block(levels, prompts)
     if features:
-        logits, hidden = forward_features(target, cache, *block, keep_last=keep)
+        logits, hidden = forward_features(target, cache, *block, keep_last=keep, all_features=True)
         return next_log_probs(logits), hidden
     return next_log_probs(forward_visible(target, cache, *block, keep_last=keep)), None
-
-
-def empty_block(prompts: Prompts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """No tree nodes after the prompts (a first round that drafts nothing): tokens and positions
-    ``[B, 0]``, visibility ``[B, 0, P]``."""
-    batch, width = prompts.input_ids.shape
-    none = prompts.input_ids[:, :0]
-    return none, torch.zeros(batch, 0, width, dtype=torch.bool, device=none.device), none
 
 
 def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: Drafter, verifier: Verifier,
@@ -287,7 +279,11 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
             for cache in caches:
                 require_full_attention(cache)
         outcome = verifier.verify(front, levels, log_p)
-        clock.add("verify", mark)
+        mark = clock.add("verify", mark)
+        if features is not None:
+            source.scored(levels, features, prompts if first else None, front)
+            clock.add("draft", mark)
+            features = features[:, -log_p.shape[1]:]  # at the nodes
         front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, features)
         for name, value in outcome.counters.items():
             getattr(stats, name)[users] += value.cpu().float()

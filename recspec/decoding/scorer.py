@@ -105,23 +105,25 @@ def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, p
 
 
 def forward_features(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
-                     keep_last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     keep_last: int | None = None, all_features: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward_visible` that also returns the model's last hidden state at the same nodes
     (after its final norm, so that the output layer maps it to the logits): ``(logits [B, N, V],
-    features [B, N, H])``, what a draft head reads."""
-    logits, features = _forward(model, cache, tokens, visible, position_ids, keep_last, True)
+    features [B, N, H])``, what a draft head reads; with ``all_features`` the features of all the
+    ``N`` fed nodes whatever ``keep_last``."""
+    logits, features = _forward(model, cache, tokens, visible, position_ids, keep_last, True, all_features)
     assert features is not None
     return logits, features
 
 
 def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
-             keep_last: int | None, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             keep_last: int | None, features: bool, all_features: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_last_logits(model, keep_last)
     out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
                 position_ids=position_ids, past_key_values=cache, use_cache=cache is not None,
                 output_hidden_states=features, **keep)
     last = slice(None) if keep_last is None else slice(-keep_last, None)
-    return out.logits[:, last], (out.hidden_states[-1][:, last] if features else None)
+    return out.logits[:, last], (out.hidden_states[-1][:, slice(None) if all_features else last] if features else None)
 
 
 def forward_prompt_and_tree(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,

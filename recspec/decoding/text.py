@@ -1,6 +1,7 @@
 """The text decoders (knowledge generation): plain sampling, speculative sampling,
 TopK-ImpSpecDec, beam sampling and DSBD, over a causal LM and a draft with the same tokenizer (for
-the chain methods, or a text head over the target's features: :mod:`recspec.decoding.chain_drafts`);
+every drafted method, or a text head over the target's features: :mod:`recspec.decoding.chain_drafts`
+for the chain methods, :class:`~recspec.decoding.draft_sources.TextTreeDraft` for DSBD's trees);
 each method is a few lines of wiring here.
 
 * ``sample``: ancestral sampling from the warped target distribution: beam sampling with one beam
@@ -49,8 +50,6 @@ from recspec.models.text_head import TextHeadDraft
 METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
 #: Methods that need a draft model.
 DRAFTED = ("spec-sample", "topk-imp", "dsbd")
-#: Methods that draft a chain of tokens per row (with a draft model or a text head).
-CHAIN = ("spec-sample", "topk-imp")
 
 
 @dataclass(frozen=True)
@@ -139,11 +138,9 @@ def best_texts(scores: torch.Tensor, tokens: torch.Tensor, eos: int | None) -> l
 def check_draft(method: str, target, draft) -> None:
     """Raise :class:`RecspecError` unless ``draft`` can draft for ``target`` with ``method``: a
     causal LM over the target's vocabulary, or a text head bound to this target (whose draft
-    vocabulary is the target's by construction) for the chain methods."""
+    vocabulary is the target's by construction)."""
     if not isinstance(draft, TextHeadDraft):
         check_draft_vocabulary(target, draft)
-    elif method in DRAFTED and method not in CHAIN:
-        raise RecspecError(f"{method} drafts with a draft model; a text head serves {' and '.join(CHAIN)}")
     elif draft.embed is not target.get_input_embeddings():
         raise RecspecError("this text head is bound to another model: bind it with TextHeadDraft(head, target)")
 
@@ -151,8 +148,7 @@ def check_draft(method: str, target, draft) -> None:
 def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], options: TextOptions, pad_token_id: int,
              eos: int | None, batch_size: int | None = None) -> Generated:
     """Generate from every prompt (1-D token ids, at least 3 tokens) with ``method``; ``draft``: a
-    draft causal LM, or for the chain methods a text head bound to ``target``
-    (:class:`~recspec.models.text_head.TextHeadDraft`)."""
+    draft causal LM, or a text head bound to ``target`` (:class:`~recspec.models.text_head.TextHeadDraft`)."""
     check_request(method, options, draft is not None)
     if draft is not None:
         check_draft(method, target, draft)

@@ -22,6 +22,15 @@ the cache, and the last output, the guessed feature after the text, drafts the t
 A round costs ``depth`` head calls: the first over the newly accepted inputs, the others over at
 most ``width`` nodes each. Drafts only choose what the target verifies, so with greedy verification the text is the
 greedy decoding's whatever the head's quality.
+
+**Node budget from the cost model.** With a round's cost ``C(n) = F + r (n + 1)`` (the target's
+call over the root and ``n`` nodes, ``F`` including the head's drafting, :func:`round_cost`) and
+the draft's path probabilities ``c_1 >= c_2 >= ...`` of the ranked candidates taken as their
+acceptance probabilities (EAGLE-2's premise: a node is accepted only with its whole path, and the
+head's confidence tracks the acceptance rate), a round emits ``1 + sum_{i <= n} c_i`` tokens in
+expectation, so :func:`node_budget` keeps the ``n <= nodes`` best candidates that maximise
+``(1 + sum_{i <= n} c_i) / C(n)``: per round, from that round's own confidences. A prefix of the
+ranking is still a tree (parents rank before their children).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recspec.decoding.cost import CallCost, median_seconds
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import DraftSession, RetrievalDrafter
 from recspec.knowledge.retrieval import DraftTree
@@ -40,11 +50,19 @@ from recspec.models.text_head import TextHeadDraft
 @dataclass(frozen=True)
 class HeadTreeConfig:
     """A head's draft tree: ``width`` children per expanded node and nodes expanded per level,
-    ``depth`` levels at most, ``nodes`` nodes proposed at most."""
+    ``depth`` levels at most, ``nodes`` nodes proposed at most; ``sized``: under greedy verification
+    (where the tree cannot change the text) each round verifies only the :func:`node_budget` best
+    of them, from the measured cost model (relaxed verification always verifies ``nodes``: its text
+    depends on the tree, which must not depend on the machine)."""
 
     width: int = 4
     depth: int = 5
     nodes: int = 16
+    sized: bool = True
+
+    def shape(self) -> dict[str, int]:
+        """What a relaxed store records: the tree's shape."""
+        return {"width": self.width, "depth": self.depth, "nodes": self.nodes}
 
     def __post_init__(self) -> None:
         if min(self.width, self.depth, self.nodes) < 1:
@@ -52,24 +70,65 @@ class HeadTreeConfig:
 
 
 class HeadDrafter:
-    """Drafts with a bound text head (``head``) in trees shaped by ``config``."""
+    """Drafts with a bound text head (``head``) in trees shaped by ``config``; with ``cost`` (a
+    round's cost by verified nodes, :func:`round_cost`) each tree keeps the :func:`node_budget`
+    best of its ``config.nodes`` candidates."""
 
-    def __init__(self, head: TextHeadDraft, config: HeadTreeConfig = HeadTreeConfig()) -> None:
+    def __init__(self, head: TextHeadDraft, config: HeadTreeConfig = HeadTreeConfig(),
+                 cost: CallCost | None = None) -> None:
         if config.width > len(head.ids):
             raise RecspecError(f"a draft tree {config.width} wide needs at least {config.width} draft tokens; the head "
                                f"has {len(head.ids)}")
-        self.head, self.config = head, config
+        self.head, self.config, self.cost = head, config, cost
 
     def session(self, prompt: Sequence[int]) -> HeadSession:
-        return HeadSession(self.head, self.config)
+        return HeadSession(self.head, self.config, self.cost)
+
+    @torch.inference_mode()
+    def round_seconds(self, context: int, repeats: int = 10) -> float:
+        """Median seconds of the head's part of one round after a text of ``context`` tokens: reading
+        two accepted inputs, then growing a full tree (random features and tokens: the cost does not
+        depend on them)."""
+        head, device = self.head, self.head.ids.device
+        generator = torch.Generator().manual_seed(0)
+        hidden = head.head.config.hidden
+        features = torch.randn(context + 2, hidden, generator=generator).to(device)
+        text = head.ids[torch.randint(0, len(head.ids), (context + 3,), generator=generator).to(device)].tolist()
+        session = HeadSession(head, self.config)
+        session.observe(features[:context], 0)
+        guessed = session.read(text[:context + 1])
+        cache, length = session.cache, session.length
+
+        def one_round() -> None:
+            session.observe(features[context:], context)
+            session.grow(session.read(text), self.config.depth)
+            session.cache, session.length = cache, length
+
+        return median_seconds(one_round, guessed.device, repeats)
+
+
+def round_cost(target: CallCost, head_s: float) -> CallCost:
+    """A head round's cost by verified nodes: the target's call (fed the root and the nodes) and the
+    head's drafting (``head_s`` seconds, :meth:`HeadDrafter.round_seconds`) folded into the fixed part."""
+    return CallCost(target.fixed_s + head_s, target.per_token_s)
+
+
+def node_budget(log_scores: torch.Tensor, cost: CallCost) -> int:
+    """How many of the ranked candidates to verify: ``log_scores`` float ``[T]`` (their cumulative
+    draft log-probabilities, best first, ``T >= 1``); the ``n`` in ``1 .. T`` that maximises the
+    expected tokens per second ``(1 + sum_{i <= n} exp(log_scores_i)) / cost.call_s(n + 1)`` (module
+    doc)."""
+    count = torch.arange(1, len(log_scores) + 1, dtype=torch.float64, device=log_scores.device)
+    emitted = 1 + log_scores.double().exp().cumsum(0)
+    return int(torch.argmax(emitted / (cost.fixed_s + cost.per_token_s * (count + 1)))) + 1
 
 
 class HeadSession:
     """One request's head state: its KV cache over ``length`` inputs (positions ``0 .. length - 1``)
     and the target's features handed over since the last proposal."""
 
-    def __init__(self, head: TextHeadDraft, config: HeadTreeConfig) -> None:
-        self.head, self.config = head, config
+    def __init__(self, head: TextHeadDraft, config: HeadTreeConfig, cost: CallCost | None = None) -> None:
+        self.head, self.config, self.cost = head, config, cost
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values [1, kv_heads, length, d]
         self.length = 0
         self.pending: torch.Tensor | None = None
@@ -136,14 +195,19 @@ class HeadSession:
             all_scores.append(scores)
             all_slots.append(slots)
             all_parents.append(parents)
-        return select(torch.cat(all_scores), head.ids[torch.cat(all_slots)], torch.cat(all_parents), self.config.nodes)
+        return select(torch.cat(all_scores), head.ids[torch.cat(all_slots)], torch.cat(all_parents), self.config.nodes,
+                      self.cost)
 
 
-def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, nodes: int) -> DraftTree:
+def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, nodes: int,
+           cost: CallCost | None = None) -> DraftTree:
     """The ``nodes`` candidates with the highest ``scores`` (float ``[T]``; never above the
     parent's), best first, ties in candidate order, as a :class:`DraftTree`: ``tokens`` int64
-    ``[T]``, ``parents`` int64 ``[T]`` (a smaller candidate index, or -1)."""
+    ``[T]``, ``parents`` int64 ``[T]`` (a smaller candidate index, or -1). With ``cost``, only the
+    :func:`node_budget` best of those."""
     order = torch.argsort(-scores, stable=True)[:nodes]
+    if cost is not None:
+        order = order[:node_budget(scores[order], cost)]
     index = torch.full_like(parents, -1)
     index[order] = torch.arange(len(order), device=order.device)
     kept = parents[order]

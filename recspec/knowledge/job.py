@@ -42,11 +42,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from recspec.calibration import call_cost
 from recspec.data import load_dataset
+from recspec.decoding.cost import CallCost
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import (Generation, RetrievalDrafter, eos_ids, hf_generate,
                                       speculative_generate)
-from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter
+from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, round_cost
 from recspec.knowledge.pools import PoolSet
 from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import MAX_DEPTH, MAX_NODES, RetrievalConfig
@@ -67,6 +69,9 @@ HEAD_METHODS = ("ar", "resd", "laser")
 # Settings a pool store must share with the job that drafts from it (same token ids, prompt wording,
 # entities and streaming split).
 POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side")
+#: Text tokens before a round that a head's cost-sized trees are costed at (a knowledge prompt of
+#: ~360 tokens and part of its text; a call's cost hardly depends on it at these lengths).
+COST_CONTEXT = 384
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ class KnowledgeConfig:
         if self.verification.kind == "relaxed":
             settings["pools"] = {"grouping": self.pool_grouping, "retrieval": asdict(self.retrieval)}
             if self.draft is not None:  # the head's weights are recorded by KnowledgeTask.store_settings
-                settings["head_tree"] = asdict(self.head_tree)
+                settings["head_tree"] = self.head_tree.shape()
             if self.pool_grouping != "global":
                 settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)
         if self.method == "prompt-lookup":
@@ -151,6 +156,7 @@ class KnowledgeTask:
         self.seed = seed
         self._routings: dict[tuple[str, str, int, int], PoolRouting] = {}
         self._heads: dict[str, TextHeadDraft] = {}
+        self._round_costs: dict[tuple[str, HeadTreeConfig], CallCost] = {}
         self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
                          "split": self.split.settings}
@@ -215,6 +221,21 @@ class KnowledgeTask:
             self._heads[path] = TextHeadDraft(load_text_head(path, self.model_dir, self.device), self.model)
         return self._heads[path]
 
+    def head_drafter(self, config: KnowledgeConfig) -> HeadDrafter:
+        """The drafter of ``config``'s text head; its trees sized from the cost model of a round
+        (:func:`~recspec.knowledge.head_draft.round_cost`: the model's call cost, kept beside it by
+        :func:`~recspec.calibration.call_cost`, and the head's drafting, timed now) when the tree is
+        ``sized`` and verification greedy."""
+        assert config.draft is not None
+        head, tree = self.head(config.draft), config.head_tree
+        if not tree.sized or config.verification.kind != "greedy":
+            return HeadDrafter(head, tree)
+        key = (config.draft, tree)
+        if key not in self._round_costs:
+            target = call_cost(self.model, self.model_dir, COST_CONTEXT)
+            self._round_costs[key] = round_cost(target, HeadDrafter(head, tree).round_seconds(COST_CONTEXT))
+        return HeadDrafter(head, tree, self._round_costs[key])
+
     def pool_texts(self, config: KnowledgeConfig, pool: Path) -> dict[int, list[int]]:
         """Entity -> tokens of the old-part store ``pool``, after checking it fits this job."""
         settings, expected = read_settings(pool), self.store_settings(config)
@@ -250,7 +271,7 @@ def make_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet 
     """A :data:`Generator` for ``config.method`` drafting from ``pools`` (:func:`build_pools`;
     ``hf`` decodes its batch in one ``generate`` call, every other method one request at a time)."""
     model, budget, eos = task.model, config.max_new_tokens, task.eos
-    head = HeadDrafter(task.head(config.draft), config.head_tree) if config.draft is not None else None
+    head = task.head_drafter(config) if config.draft is not None else None
     if config.method == "ar":
         return lambda entities, prompts: [speculative_generate(model, p, budget, eos, head) for p in prompts]
     if config.method in ("hf", "prompt-lookup"):

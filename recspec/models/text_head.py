@@ -208,3 +208,9 @@ class TextHeadDraft:
     def log_probs(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the draft distribution (log-softmax of :meth:`logits`)."""
         return torch.log_softmax(self.logits(guessed), dim=-1)
+
+    def vocabulary_log_probs(self, guessed: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., V]``: :meth:`log_probs` over the target's whole vocabulary, ``-inf`` on
+        every token outside the draft vocabulary."""
+        log_q = torch.full((*guessed.shape[:-1], self.head.config.vocab_size), -torch.inf, device=guessed.device)
+        return log_q.index_copy_(-1, self.ids, self.log_probs(guessed))
