@@ -376,7 +376,7 @@ def test_interrupted_commands_say_what_was_kept(trained, tmp_path: Path) -> None
     recs = tmp_path / "recs.jsonl"
     # hf at K = 40 (every item), one user per batch: the slowest decode of the small data (about 1.5 s), so
     # the signal lands while it runs even when the suite's other worker loads the machine
-    for _ in range(3):  # under the suite's load the decode can end before the signal lands: then try again
+    for _ in range(8):  # under load the decode can end before the signal lands (each try ~2 s): then try again
         recs.unlink(missing_ok=True)
         code, err = _interrupt_when(["recommend", "--target", str(out), "--decoder", "hf", "--k", "40",
                                      "--batch-size", "1", "--part", "valid", "--out", str(recs)], "hf:")
