@@ -4,7 +4,7 @@ VENV := .venv/bin
 DEMO_OUT ?= runs/demo
 DEMO_TRAIN := --dataset ml-100k --ids $(DEMO_OUT)/ml-100k-ids --split loo --epochs 1 --max-train-examples 30000 \
 	--valid-users 128
-DEMO_COMPARE := --target $(DEMO_OUT)/target --draft $(DEMO_OUT)/draft --k 10 --users 200 --repeats 3 --out $(DEMO_OUT)
+DEMO_COMPARE := --target $(DEMO_OUT)/target --draft $(DEMO_OUT)/draft --k 10 --users 200 --repeats 5 --out $(DEMO_OUT)
 
 .PHONY: setup setup-test assets demo test bench
 

@@ -1035,7 +1035,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                       max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
                       draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
                       batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
-                      head_nodes: int = 16, fixed_tree: bool = False):
+                      head_nodes: int = 16, fixed_tree: bool = False, head_gate: Optional[int] = None):
     from recspec.knowledge.head_draft import HeadTreeConfig
     from recspec.knowledge.job import KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
@@ -1048,7 +1048,8 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                            min_interactions=min_interactions, retrieval=retrieval, max_history=max_history,
                            max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
                            draft=str(draft) if draft is not None else None,
-                           head_tree=HeadTreeConfig(head_width, head_depth, head_nodes, sized=not fixed_tree))
+                           head_tree=HeadTreeConfig(head_width, head_depth, head_nodes, sized=not fixed_tree,
+                                                    gate=head_gate))
 
 
 @knowledge_app.command("generate")
@@ -1081,6 +1082,9 @@ def knowledge_generate(
                                                  "verifies as many as the cost model says pay).")] = 16,
     fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
                                                   "sizing each tree from the cost model.")] = False,
+    head_gate: Annotated[Optional[int], typer.Option(help="--draft with resd / laser: the head drafts only in rounds "
+                                                          "whose retrieved tree is less than this many tokens deep "
+                                                          "(default: every round).")] = None,
     model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
@@ -1098,7 +1102,7 @@ def knowledge_generate(
 
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
-                               draft, head_width, head_depth, head_nodes, fixed_tree)
+                               draft, head_width, head_depth, head_nodes, fixed_tree, head_gate)
     where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
         run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where)
@@ -1150,6 +1154,8 @@ def bench_knowledge(
                                                  "verifies as many as the cost model says pay).")] = 16,
     fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
                                                   "sizing each tree from the cost model.")] = False,
+    head_gate: Annotated[int, typer.Option(help="The *+head-gated variants: the head drafts only in rounds whose "
+                                                "retrieved tree is less than this many tokens deep.")] = 2,
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "knowledge",
     limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
@@ -1164,8 +1170,8 @@ def bench_knowledge(
     min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
     variant: Annotated[Optional[list[str]], typer.Option(
         help="Variants to run (repeatable; default all the pools and --draft allow: hf, prompt-lookup, ar, resd, "
-             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, head-fixed, "
-             "laser-greedy+head, laser+head).")] = None,
+             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, head-unpruned, "
+             "head-fixed, laser-greedy+head, laser+head, laser-greedy+head-gated, laser+head-gated).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
 ) -> None:
     """hf, prompt lookup, ReSD, LASER and the text head side by side: tokens/s, speed-ups, AAL, ART,
@@ -1185,7 +1191,7 @@ def bench_knowledge(
                            "or --side for the variants that need no pool")
     base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", groups,
                              min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024, 1, draft, head_width,
-                             head_depth, head_nodes, fixed_tree)
+                             head_depth, head_nodes, fixed_tree, head_gate)
     typer.echo(run(_results_dir(out), pools, limit, repeats, max_new_tokens, base,
                    tuple(variant) if variant else None, name=name))
 

@@ -66,6 +66,8 @@ def test_greedy_with_a_head_and_hybrid_trees_equal_greedy(task, old_store, head,
     for name, config, pool in (
             ("head", replace(new, draft=str(head), head_tree=tree), None),
             ("laser", replace(new, method="laser", grouping="attribute", draft=str(head), head_tree=tree), old_store),
+            ("gated", replace(new, method="laser", grouping="attribute", draft=str(head),
+                              head_tree=replace(tree, gate=2)), old_store),
             ("resd", replace(new, method="resd", draft=str(head), head_tree=tree), old_store)):
         summary = run_job(task, config, tmp_path / f"{name}.db", pool=pool, limit=3, progress=False)
         rows = list(read_rows(tmp_path / f"{name}.db"))
@@ -100,6 +102,8 @@ def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_stor
         KnowledgeConfig(method="hf", verification=GREEDY, draft=str(head))
     with pytest.raises(RecspecError, match="width, depth and nodes >= 1"):
         HeadTreeConfig(width=0)
+    with pytest.raises(RecspecError, match="gate is a retrieved depth of at least 1"):
+        HeadTreeConfig(gate=0)
     out = tmp_path / "cli.db"
     with pytest.raises(SystemExit) as exit_info:
         main(["knowledge", "generate", "--out", str(out), "--side", "item", "--part", "old", "--method", "hf",
@@ -121,3 +125,6 @@ def test_bench_knowledge_runs_the_head_variants(task, head, tmp_path) -> None:  
         bench_knowledge(tmp_path, {"item": None}, variants=("hf", "laser"), base=base, model=str(task.model_dir))
     with pytest.raises(RecspecError, match="drafts with a text head: pass --draft"):
         bench_knowledge(tmp_path, {"item": None}, variants=("hf", "head"), model=str(task.model_dir))
+    with pytest.raises(RecspecError, match="gates the head by retrieval's depth: pass --head-gate"):
+        bench_knowledge(tmp_path, {"item": None}, variants=("hf", "laser+head-gated"), base=base,
+                        model=str(task.model_dir))

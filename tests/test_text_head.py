@@ -7,6 +7,7 @@ reduced vocabulary, the head's cache always that of the accepted text."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,12 @@ from recspec.decoding.scorer import score_tree_features
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
 from recspec.fileio import record_checksums, write_json_atomic
-from recspec.knowledge.decode import eos_ids, speculative_generate
+from recspec.knowledge.decode import RetrievalDrafter, eos_ids, speculative_generate
 from recspec.decoding.cost import CallCost
-from recspec.knowledge.head_draft import HeadDrafter, HeadSession, HeadTreeConfig, node_budget, select
+from recspec.knowledge.head_draft import (HeadDrafter, HeadSession, HeadTreeConfig, HybridDrafter, node_budget,
+                                          select)
 from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
-from recspec.knowledge.retrieval import DraftTree
+from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, load_text_head, new_text_head,
@@ -323,3 +325,60 @@ def test_round_seconds_times_the_heads_drafting(lm) -> None:
     small = HeadDrafter(bound, HeadTreeConfig(width=1, depth=1, nodes=1)).round_seconds(64, repeats=5)
     large = HeadDrafter(bound, HeadTreeConfig(width=8, depth=8, nodes=64)).round_seconds(64, repeats=5)
     assert 0 < small < large
+
+
+def test_pruned_growth_is_full_growth(runs, lm, greedy, smollm2_dir) -> None:
+    """After every position of the greedy texts, with and without a cost model, the tree grown with
+    pruning is the tree grown level by level in full, and pruning saves head calls."""
+    model, _, _ = lm
+    prompts, references = greedy
+    bound = TextHeadDraft(load_text_head(runs[0], smollm2_dir).eval(), model)
+    calls = {True: 0, False: 0}
+    step = bound.step
+
+    def counted(*args, **kwargs):
+        calls[counting] += 1
+        return step(*args, **kwargs)
+
+    bound.step = counted  # type: ignore[method-assign]
+    config, trees = HeadTreeConfig(width=4, depth=5, nodes=16), 0
+    for cost in (None, CallCost(0.09, 0.003), CallCost(0.01, 0.004)):
+        for prompt, reference in zip(prompts, references):
+            text = prompt + reference
+            with torch.inference_mode():
+                features = model(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states[-1][0]
+                for cut in range(len(prompt), len(text), 2):
+                    session = HeadSession(bound, replace(config, prune=False), cost)
+                    session.observe(features[:cut], 0)
+                    counting = True
+                    guessed = session.read(text[:cut + 1])
+                    full = session.grow(guessed, config.depth)
+                    counting = False
+                    session.config = config
+                    pruned = session.grow(guessed, config.depth)
+                    assert pruned.tokens == full.tokens and pruned.parents == full.parents
+                    trees += 1
+    assert trees >= 90
+    assert calls[False] < calls[True] - trees  # the full growth's count includes each read
+
+
+def test_gated_hybrid_reads_skipped_rounds_later(runs, lm, greedy, smollm2_dir) -> None:
+    """A hybrid whose head drafts only where retrieval (here the prompt's own branches) proposes
+    less than 2 tokens deep: the greedy text, rounds both with and without the head, and the
+    head's cache, read in arrears after skipped rounds, still the teacher-forced one."""
+    model, _, eos = lm
+    prompts, references = greedy
+    bound = TextHeadDraft(load_text_head(runs[0], smollm2_dir).eval(), model)
+    head = Recorded(bound, HeadTreeConfig(width=3, depth=4, nodes=10, gate=2))
+    hybrid = HybridDrafter(RetrievalDrafter(None, RetrievalConfig()), head)
+    calls = proposals = 0
+    for prompt, reference in zip(prompts, references):
+        generation = speculative_generate(model, prompt, MAX_NEW, eos, hybrid)
+        assert generation.tokens == reference
+        session = head.sessions[-1]
+        keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
+        torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)
+        calls += generation.calls - 1
+    proposals = len(head.trees)
+    assert 0 < proposals < calls

@@ -1,7 +1,7 @@
 """`recspec bench ray`: batch recommendation and knowledge generation on Ray against one process.
 
-Three ways to run the same job on this machine, side by side in one run (order rotated between
-repeats, median of ``repeats``): one process with every core as torch threads (what
+Three ways to run the same job on this machine, side by side in one run (in a balanced order
+between repeats, median of ``repeats``): one process with every core as torch threads (what
 ``recspec recommend`` does), one Ray worker holding every core, and one Ray worker per core. Each
 run is timed end to end (models loaded in the run: Ray's actors load them in their own
 processes) on a Ray cluster started once beforehand (its start-up is reported apart). The one-
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from recspec.bench.report import markdown_table, write_results
+from recspec.bench.report import markdown_table, turn_order, write_results
 from recspec.cluster.knowledge import ray_runner
 from recspec.cluster.recommend import recommend_on_ray
 from recspec.cluster.runtime import Workers, connect
@@ -66,15 +66,11 @@ def _knowledge(model: str, config: KnowledgeConfig, items: int, workers: Workers
     return time.perf_counter() - started, summary.tokens
 
 
-def _rotated(names: list[str], repeat: int) -> list[str]:
-    return names[repeat % len(names):] + names[:repeat % len(names)]
-
-
 def _measure(names: list[str], repeats: int, once: Callable[[str, Path], float]) -> dict[str, list[float]]:
-    """``once(name, folder)`` for every name, ``repeats`` times in rotated order."""
+    """``once(name, folder)`` for every name, ``repeats`` times in a balanced order (:func:`turn_order`)."""
     runs: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(repeats):
-        for name in _rotated(names, repeat):
+        for name in turn_order(names, repeat):
             with tempfile.TemporaryDirectory() as folder:
                 runs[name].append(once(name, Path(folder)))
     return runs

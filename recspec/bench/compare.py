@@ -3,8 +3,8 @@
 
 On the first ``users`` test users each decoder decodes all of them once untimed, then
 ``repeats`` timed times, the decoders taking turns run by run and each run starting with the next
-one (:func:`take_turns`: none always follows the same one; a decoder run right after a wide
-speculative one was measured up to 15% slower). Reported per decoder: users/s of the median run,
+one in a balanced order (:func:`~recspec.bench.report.turn_order`: none always follows the same
+one; a decoder run right after a wide speculative one was measured up to 15% slower). Reported per decoder: users/s of the median run,
 its speed-up over the first decoder, whether its items are the first decoder's (same items and
 scores, order free only among tied scores), and for ``auto`` what it chose and why (chosen once
 before timing). ``spec-strict`` runs with ``N = 2K`` draft beams. The ceiling of the table is the
@@ -23,7 +23,7 @@ import torch
 
 from recspec.auto import choose
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, turn_order, write_results
 from recspec.errors import RecspecError
 from recspec.recommend import DECODERS, DecodeOptions, Decoded, Recommender
 
@@ -35,14 +35,14 @@ EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 
 def take_turns(runs: dict[str, Callable[[], Decoded]], repeats: int) -> tuple[dict[str, list[float]], dict[str, Decoded]]:
     """Each of ``runs`` once untimed, then ``repeats`` timed rounds in which every run goes once,
-    round ``i`` starting with run ``i``; the seconds of each run's timed calls and its last output."""
+    in the balanced order of :func:`turn_order`; the seconds of each run's timed calls and its last output."""
     for run in runs.values():  # warm-up
         run()
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     outputs: dict[str, Decoded] = {}
     names = list(runs)
     for repeat in range(repeats):
-        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+        for name in turn_order(names, repeat):
             start = time.perf_counter()
             outputs[name] = runs[name]()
             seconds[name].append(time.perf_counter() - start)

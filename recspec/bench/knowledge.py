@@ -13,8 +13,11 @@ of machine load hits all variants alike); per text the median wall time is kept.
 * draft tree size: ``laser@8``, ``laser@32``, ``laser@64`` (relaxed LASER with 8, 32, 64 draft
   nodes instead of the configured number);
 * with a text draft head (``--draft``): ``head`` (greedy speculative decoding with the head's
-  trees), ``laser-greedy+head`` and ``laser+head`` (hybrid trees: LASER's retrieved
-  continuations and the head's branches, greedy or relaxed).
+  trees), ``head-fixed`` (the same with every tree ``--head-nodes`` nodes), ``head-unpruned``
+  (``head``'s trees grown level by level in full: what pruning saves), ``laser-greedy+head`` and
+  ``laser+head`` (hybrid trees: LASER's retrieved continuations and the head's branches, greedy
+  or relaxed), ``laser-greedy+head-gated`` and ``laser+head-gated`` (the head drafts only in
+  rounds whose retrieved tree is shallower than the base config's gate).
 
 Variants that draft from pools need the side's old-part store; the others run without one.
 
@@ -58,8 +61,11 @@ VARIANTS = {
     "laser@8": ("laser", "router", True, 8, False), "laser@32": ("laser", "router", True, 32, False),
     "laser@64": ("laser", "router", True, 64, False),
     "head": ("ar", "router", False, None, True), "head-fixed": ("ar", "router", False, None, True),
+    "head-unpruned": ("ar", "router", False, None, True),
     "laser-greedy+head": ("laser", "router", False, None, True),
     "laser+head": ("laser", "router", True, None, True),
+    "laser-greedy+head-gated": ("laser", "router", False, None, True),
+    "laser+head-gated": ("laser", "router", True, None, True),
 }
 #: Variants drafted by the text head (need ``--draft``).
 HEAD_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[4])
@@ -67,7 +73,13 @@ HEAD_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[4])
 POOL_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[0] in DRAFTING)
 #: Variants whose head trees always hold ``--head-nodes`` nodes (the others size greedy trees by cost).
 FIXED_TREES = ("head-fixed",)
-MAIN = ("hf", "prompt-lookup", "ar", "head", "head-fixed", "resd", "laser-greedy", "laser-greedy+head", "laser", "laser+head")
+#: Variants whose head trees grow every level in full (the same trees as ``head``, more head calls).
+UNPRUNED = ("head-unpruned",)
+#: Hybrid variants whose head drafts only where retrieval is shallow (``--head-gate``); the other
+#: hybrids draft with the head every round.
+GATED = ("laser-greedy+head-gated", "laser+head-gated")
+MAIN = ("hf", "prompt-lookup", "ar", "head", "head-unpruned", "head-fixed", "resd", "laser-greedy", "laser-greedy+head",
+        "laser-greedy+head-gated", "laser", "laser+head", "laser+head-gated")
 TREE_SIZES = ("laser@8", "laser", "laser@32", "laser@64")
 ABLATION = (("GRP", "resd"), ("RRP", "rrp"), ("CRP", "laser-greedy"), ("RV+GRP", "rv+grp"), ("RV+RRP", "rv+rrp"),
             ("LASER (RV+CRP)", "laser"))
@@ -79,15 +91,18 @@ def variant_config(base: KnowledgeConfig, name: str) -> KnowledgeConfig:
     """``base`` (with its text head in ``draft``, if any) as variant ``name`` runs it."""
     method, grouping, relaxed, nodes, head = VARIANTS[name]
     retrieval = replace(base.retrieval, max_nodes=nodes) if nodes else base.retrieval
-    tree = replace(base.head_tree, sized=False) if name in FIXED_TREES else base.head_tree
+    tree = replace(base.head_tree, sized=name not in FIXED_TREES and base.head_tree.sized,
+                   prune=name not in UNPRUNED and base.head_tree.prune,
+                   gate=base.head_tree.gate if name in GATED else None)
     return replace(base, method=method, grouping=grouping, retrieval=retrieval,
                    verification=replace(base.verification, kind="relaxed") if relaxed else GREEDY,
                    draft=base.draft if head else None, head_tree=tree)
 
 
-def check_variants(variants: Sequence[str], has_head: bool, sides: dict[str, Path | None]) -> None:
+def check_variants(variants: Sequence[str], has_head: bool, sides: dict[str, Path | None],
+                   gate: int | None = None) -> None:
     """Refuse an unknown variant, a run without ``hf`` (every speed-up's reference), head variants
-    without a head and pool variants on a side without its pool."""
+    without a head, gated variants without a ``gate`` and pool variants on a side without its pool."""
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "hf" not in variants:
         raise RecspecError(f"--variant: unknown {', '.join(unknown)}" if unknown else
@@ -95,6 +110,9 @@ def check_variants(variants: Sequence[str], has_head: bool, sides: dict[str, Pat
     headed = [name for name in variants if name in HEAD_VARIANTS]
     if headed and not has_head:
         raise RecspecError(f"--variant {', '.join(headed)} drafts with a text head: pass --draft")
+    gated = [name for name in variants if name in GATED]
+    if gated and gate is None:
+        raise RecspecError(f"--variant {', '.join(gated)} gates the head by retrieval's depth: pass --head-gate")
     pooled = [name for name in variants if name in POOL_VARIANTS]
     bare = [side for side, pool in sides.items() if pool is None]
     if pooled and bare:
@@ -188,7 +206,7 @@ def run(out: Path, pools: dict[str, Path | None], limit: int = 8, repeats: int =
     if variants is None:
         variants = tuple(v for v in VARIANTS if (base.draft is not None or v not in HEAD_VARIANTS)
                          and (all(pools.values()) or v not in POOL_VARIANTS))
-    check_variants(variants, base.draft is not None, pools)
+    check_variants(variants, base.draft is not None, pools, base.head_tree.gate)
     reuse_freed_memory()
     task = KnowledgeTask(model, dataset)
     sides = [bench_side(task, replace(base, side=side, max_new_tokens=max_new_tokens), pool, limit, repeats,

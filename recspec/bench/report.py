@@ -45,6 +45,17 @@ def timed(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str,
     return {"median_s": statistics.median(runs), "runs_s": runs}
 
 
+def turn_order(names: Sequence[str], repeat: int) -> list[str]:
+    """The order in which ``names`` run in timed round ``repeat``: a Williams design, so that over
+    ``n`` rounds (``2n`` for an odd count) every name runs first once and right after every other
+    name equally often. A plain rotation keeps the cyclic order, so each name would always follow
+    the same one and carry its after-effects (caches, allocator state) into every timing."""
+    n = len(names)
+    base = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    order = [names[(b + repeat) % n] for b in base]
+    return order[::-1] if n % 2 and (repeat // n) % 2 else order
+
+
 def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
     """Measured float32 matrix-multiply throughput of this machine (GFLOP/s): the compute ceiling."""
     a, b = torch.randn(size, size), torch.randn(size, size)

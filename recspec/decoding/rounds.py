@@ -69,9 +69,13 @@ class SpecStats:
     def cat(cls, parts: Sequence[SpecStats]) -> SpecStats:
         return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
 
-    def add_round(self, users: torch.Tensor, drafted: torch.Tensor, draft_calls: int, tree_nodes: int) -> None:
-        """Count one round of the users ``users`` (int64 index): one target call, the steps each
-        drafted (``drafted``, float32), the draft calls and the tree nodes fed to the target."""
+    def add_round(self, users: torch.Tensor, drafted: torch.Tensor, counters: dict[str, torch.Tensor],
+                  draft_calls: int, tree_nodes: int) -> None:
+        """Count one round of the users ``users`` (int64 index, CPU): one target call, the steps
+        each drafted (``drafted``, float32), the verifier's per-user ``counters`` (added to the
+        fields of the same name), the draft calls and the tree nodes fed to the target."""
+        for name, value in counters.items():
+            getattr(self, name)[users] += value.cpu().float()
         self.drafted_steps[users] += drafted
         self.target_calls[users] += 1
         self.draft_calls[users] += draft_calls
@@ -129,6 +133,14 @@ class Clock:
         now = self.now()
         self.seconds[phase] += now - since
         return now
+
+    def charge(self, stats: SpecStats, started: float, users: int) -> None:
+        """Divide the phases' seconds and the rest since ``started`` (overhead) among the batch's
+        ``users`` in ``stats``."""
+        total = self.now() - started
+        for phase, seconds in self.seconds.items():
+            getattr(stats, f"{phase}_s")[:] += seconds / users
+        stats.overhead_s += (total - sum(self.seconds.values())) / users
 
 
 def drafted_per_row(depth: torch.Tensor, max_depth: int, drafted: int) -> torch.Tensor:
@@ -209,6 +221,34 @@ class Verifier(Protocol):
     def carry(self, front: Frontier) -> Frontier: ...
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round drafts: the width of each drafted level, and whether the draft is also fed the
+    last level (``feed_last``) so that its cache holds what the target's will."""
+
+    widths: tuple[int, ...]
+    feed_last: bool
+
+    def draft_calls(self, first: bool, root_drafted: bool, draft_cached: bool) -> int:
+        """Draft calls of the round: one per drafted level, but the first level of a first round
+        drafted from the prefill (``root_drafted``), plus the last level's when fed to a draft
+        that keeps a cache (``draft_cached``)."""
+        drafted = len(self.widths)
+        return drafted - (first and root_drafted and drafted > 0) + (self.feed_last and draft_cached)
+
+
+def plan_round(drafter: Drafter, first: bool, root_drafted: bool, remaining: int, gamma: int | None) -> RoundPlan:
+    """The round's :class:`RoundPlan` with ``remaining`` steps left to the shallowest user: by
+    default ``gamma`` levels (None: all but the last remaining step, which the target computes
+    from the level before whatever the draft guesses), none in a first round whose draft did not
+    draft the root (a head's: the target's prefill gives level 1); the drafter sets the widths."""
+    default = 0 if first and not root_drafted else min(gamma or remaining, remaining - 1)
+    widths = drafter.widths(first, remaining, default) if default else ()
+    # a bonus step can leave sequences incomplete: the draft then takes the last level too (not in
+    # a first round that drafts nothing: the draft's prefill already holds the root)
+    return RoundPlan(widths, len(widths) < remaining - 1 and (len(widths) > 0 or not first))
+
+
 def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | None, front: Frontier,
                  drafter: Drafter, widths: tuple[int, ...], feed_last: bool) -> list[Level]:
     """Levels ``0 .. len(widths)`` of this round's tree, level ``j`` of ``widths[j - 1]`` nodes.
@@ -257,21 +297,16 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     caches = (target_cache, *source.caches)
     clock.add("prefill", started)
     front = root_frontier(prompts, space)
-    stats.draft_calls += root_log_q is not None
+    root_drafted = root_log_q is not None
+    stats.draft_calls += root_drafted
     first = True
     while True:
-        remaining = space.depth - int(front.depth.min())
-        default = 0 if first and root_log_q is None else min(gamma or remaining, remaining - 1)
-        widths = drafter.widths(first, remaining, default) if default else ()
-        drafted = len(widths)
-        # a bonus step can leave sequences incomplete: the draft then takes the last level too
-        # (not in a first round that drafts nothing: the draft's prefill already holds the root)
-        feed_last = drafted < remaining - 1 and (drafted > 0 or not first)
+        plan = plan_round(drafter, first, root_drafted, space.depth - int(front.depth.min()), gamma)
         users = front.users.cpu()
-        own_drafted = drafted_per_row(front.depth, space.depth, drafted)
+        own_drafted = drafted_per_row(front.depth, space.depth, len(plan.widths))
         mark = clock.now()
         levels = draft_levels(source, level_zero(front, prompts if first else None),
-                              root_log_q if first else None, front, drafter, widths, feed_last)
+                              root_log_q if first else None, front, drafter, plan.widths, plan.feed_last)
         mark = clock.add("draft", mark)
         log_p, features = score_levels(target, target_cache, levels, prompts if first else None,
                                        source.wants_features)
@@ -285,10 +320,8 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
             clock.add("draft", mark)
             features = features[:, -log_p.shape[1]:]  # at the nodes
         front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, features)
-        for name, value in outcome.counters.items():
-            getattr(stats, name)[users] += value.cpu().float()
-        draft_calls = drafted - (first and root_log_q is not None and drafted > 0) + (feed_last and bool(source.caches))
-        stats.add_round(users, own_drafted, draft_calls, sum(level.width for level in levels[first:]))
+        stats.add_round(users, own_drafted, outcome.counters, plan.draft_calls(first, root_drafted, bool(source.caches)),
+                        sum(level.width for level in levels[first:]))
         first = False
         finished = verifier.finished(front)
         if bool(finished.any()):
@@ -297,10 +330,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
                 break
             front = select_users(front, (~finished).nonzero()[:, 0], caches)
         front = compact_frontier(verifier.carry(front), caches)
-    total = clock.now() - started
-    for phase in ("prefill", "draft", "verify"):
-        getattr(stats, f"{phase}_s")[:] += clock.seconds[phase] / len(prompts.lengths)
-    stats.overhead_s += (total - sum(clock.seconds.values())) / len(prompts.lengths)
+    clock.charge(stats, started, len(prompts.lengths))
 
 
 def run_chain(target, draft: ChainDraft, prompts: Prompts, drafter: ChainDrafting, lenience: float, limit: int,

@@ -19,9 +19,9 @@ the cache, and the last output, the guessed feature after the text, drafts the t
   (EAGLE-2's reranking), best first. A node is never more probable than its parent and ties keep
   the parent first, so the selection is a tree whose parents precede their children.
 
-A round costs ``depth`` head calls: the first over the newly accepted inputs, the others over at
-most ``width`` nodes each. Drafts only choose what the target verifies, so with greedy verification the text is the
-greedy decoding's whatever the head's quality.
+A round costs at most ``depth`` head calls: the first over the newly accepted inputs, the others
+over at most ``width`` nodes each. Drafts only choose what the target verifies, so with greedy
+verification the text is the greedy decoding's whatever the head's quality.
 
 **Node budget from the cost model.** With a round's cost ``C(n) = F + r (n + 1)`` (the target's
 call over the root and ``n`` nodes, ``F`` including the head's drafting, :func:`round_cost`) and
@@ -31,12 +31,21 @@ head's confidence tracks the acceptance rate), a round emits ``1 + sum_{i <= n} 
 expectation, so :func:`node_budget` keeps the ``n <= nodes`` best candidates that maximise
 ``(1 + sum_{i <= n} c_i) / C(n)``: per round, from that round's own confidences. A prefix of the
 ranking is still a tree (parents rank before their children).
+
+**Pruning.** A node never scores above its ancestors, so once a node's score is at or below
+:func:`expansion_floor` none of its descendants can be kept: the ``nodes``-th best score drafted
+so far, and with a cost model the least path probability a kept node can have (every node the
+budget keeps past the first, which is on level 1 and never pruned, has ``c >= r * R*``, ``R*``
+the best expected rate, and ``R*`` is at least the best rate of the candidates drafted so far).
+Such nodes are not expanded and a level with none left ends the tree: the same tree as full
+growth, with fewer and smaller head calls.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,20 +62,28 @@ class HeadTreeConfig:
     ``depth`` levels at most, ``nodes`` nodes proposed at most; ``sized``: under greedy verification
     (where the tree cannot change the text) each round verifies only the :func:`node_budget` best
     of them, from the measured cost model (relaxed verification always verifies ``nodes``: its text
-    depends on the tree, which must not depend on the machine)."""
+    depends on the tree, which must not depend on the machine); ``prune``: expand only nodes whose
+    descendants can be kept (module doc; ``False`` grows the same tree at full cost, to measure
+    what pruning saves); ``gate``: in hybrid drafting, the head drafts only in rounds whose
+    retrieved tree is less than ``gate`` tokens deep (None: every round)."""
 
     width: int = 4
     depth: int = 5
     nodes: int = 16
     sized: bool = True
+    prune: bool = True
+    gate: int | None = None
 
     def shape(self) -> dict[str, int]:
-        """What a relaxed store records: the tree's shape."""
-        return {"width": self.width, "depth": self.depth, "nodes": self.nodes}
+        """What a relaxed store records: the tree's shape (and the hybrid's gate, when set)."""
+        shape = {"width": self.width, "depth": self.depth, "nodes": self.nodes}
+        return shape if self.gate is None else {**shape, "gate": self.gate}
 
     def __post_init__(self) -> None:
         if min(self.width, self.depth, self.nodes) < 1:
             raise RecspecError(f"a head's draft tree needs width, depth and nodes >= 1, got {self}")
+        if self.gate is not None and self.gate < 1:
+            raise RecspecError(f"a hybrid's gate is a retrieved depth of at least 1 token, got {self.gate}")
 
 
 class HeadDrafter:
@@ -87,14 +104,15 @@ class HeadDrafter:
     @torch.inference_mode()
     def round_seconds(self, context: int, repeats: int = 10) -> float:
         """Median seconds of the head's part of one round after a text of ``context`` tokens: reading
-        two accepted inputs, then growing a full tree (random features and tokens: the cost does not
-        depend on them)."""
+        two accepted inputs, then growing a full tree, every level expanded (random features and
+        tokens: the cost does not depend on them; pruning makes real rounds cheaper, so the cost
+        model errs towards larger trees)."""
         head, device = self.head, self.head.ids.device
         generator = torch.Generator().manual_seed(0)
         hidden = head.head.config.hidden
         features = torch.randn(context + 2, hidden, generator=generator).to(device)
         text = head.ids[torch.randint(0, len(head.ids), (context + 3,), generator=generator).to(device)].tolist()
-        session = HeadSession(head, self.config)
+        session = HeadSession(head, replace(self.config, prune=False))
         session.observe(features[:context], 0)
         guessed = session.read(text[:context + 1])
         cache, length = session.cache, session.length
@@ -113,14 +131,32 @@ def round_cost(target: CallCost, head_s: float) -> CallCost:
     return CallCost(target.fixed_s + head_s, target.per_token_s)
 
 
-def node_budget(log_scores: torch.Tensor, cost: CallCost) -> int:
-    """How many of the ranked candidates to verify: ``log_scores`` float ``[T]`` (their cumulative
-    draft log-probabilities, best first, ``T >= 1``); the ``n`` in ``1 .. T`` that maximises the
-    expected tokens per second ``(1 + sum_{i <= n} exp(log_scores_i)) / cost.call_s(n + 1)`` (module
-    doc)."""
+def expected_rates(log_scores: torch.Tensor, cost: CallCost) -> torch.Tensor:
+    """Expected tokens per second of a round verifying the first ``n`` ranked candidates, for ``n``
+    in ``1 .. T``: ``log_scores`` float ``[T]`` (their cumulative draft log-probabilities, best
+    first); float64 ``[T]``, ``(1 + sum_{i <= n} exp(log_scores_i)) / cost.call_s(n + 1)``."""
     count = torch.arange(1, len(log_scores) + 1, dtype=torch.float64, device=log_scores.device)
     emitted = 1 + log_scores.double().exp().cumsum(0)
-    return int(torch.argmax(emitted / (cost.fixed_s + cost.per_token_s * (count + 1)))) + 1
+    return emitted / (cost.fixed_s + cost.per_token_s * (count + 1))
+
+
+def node_budget(log_scores: torch.Tensor, cost: CallCost) -> int:
+    """How many of the ranked candidates to verify: ``log_scores`` float ``[T]`` (best first,
+    ``T >= 1``); the ``n`` in ``1 .. T`` with the highest :func:`expected_rates` (module doc)."""
+    return int(torch.argmax(expected_rates(log_scores, cost))) + 1
+
+
+def expansion_floor(collected: torch.Tensor, nodes: int, cost: CallCost | None) -> float:
+    """The cumulative log-score at or below which no descendant of a node can be in the tree that
+    :func:`select` keeps (``nodes``, ``cost``) from any candidates that include ``collected``
+    (float ``[T]``, ``T >= 1``: the scores drafted so far). Descendants score at most their
+    ancestor (module doc: *pruning*)."""
+    ranked = collected.topk(min(nodes, len(collected))).values
+    floor = float(ranked[-1]) if len(collected) >= nodes else -math.inf
+    if cost is not None and cost.per_token_s > 0:
+        least = cost.per_token_s * float(expected_rates(ranked, cost).max())
+        floor = max(floor, math.log(least) - 1e-6)  # the margin absorbs rounding: a node at the floor is kept
+    return floor
 
 
 class HeadSession:
@@ -135,10 +171,13 @@ class HeadSession:
 
     def observe(self, features: torch.Tensor, start: int) -> None:
         """The target's features ``[n, H]`` at text positions ``start .. start + n - 1``, which must
-        follow the inputs read so far."""
-        if start != self.length or self.pending is not None:
-            raise RuntimeError(f"head session out of step: features from position {start}, {self.length} read")
-        self.pending = features
+        follow the inputs read and the features pending so far (rounds without a proposal, in a
+        hybrid, leave theirs to the next :meth:`read`)."""
+        pending = 0 if self.pending is None else len(self.pending)
+        if start != self.length + pending:
+            raise RuntimeError(f"head session out of step: features from position {start}, "
+                               f"{self.length} read and {pending} pending")
+        self.pending = features if self.pending is None else torch.cat((self.pending, features))
 
     def propose(self, text: list[int], max_depth: int) -> DraftTree:
         """Read the pending features, then draft a tree (at most ``max_depth`` deep) after ``text``."""
@@ -177,7 +216,11 @@ class HeadSession:
         first, tree_keys, tree_values = 0, self.cache[0][:, :, :0], self.cache[1][:, :, :0]
         for level in range(1, depth):
             chosen = scores.topk(min(width, len(scores))).indices  # [c]: the level's nodes to expand
+            if self.config.prune:
+                chosen = chosen[scores[chosen] > expansion_floor(torch.cat(all_scores), self.config.nodes, self.cost)]
             count = len(chosen)
+            if count == 0:
+                break
             rows = torch.cat((ancestors[chosen], torch.eye(count, dtype=torch.bool, device=device)), dim=1)
             visible = torch.cat((torch.ones(count, self.length, dtype=torch.bool, device=device), rows), dim=1)
             positions = torch.full((1, count), self.length - 1 + level, device=device)
@@ -246,7 +289,8 @@ class HybridDrafter:
 
 class HybridSession:
     """A request's retrieval session and head session side by side: the head observes the
-    target's features, both propose, the trees are merged."""
+    target's features; retrieval proposes, and the head too unless the head's ``gate`` says the
+    retrieved tree is deep enough; the trees are merged."""
 
     def __init__(self, retrieval: DraftSession, head: HeadSession) -> None:
         self.retrieval, self.head = retrieval, head
@@ -255,4 +299,7 @@ class HybridSession:
         self.head.observe(features, start)
 
     def propose(self, text: list[int], max_depth: int) -> DraftTree:
-        return merge_trees(self.retrieval.propose(text, max_depth), self.head.propose(text, max_depth))
+        retrieved, gate = self.retrieval.propose(text, max_depth), self.head.config.gate
+        if gate is not None and retrieved.longest_branch() >= gate:
+            return retrieved
+        return merge_trees(retrieved, self.head.propose(text, max_depth))
