@@ -947,6 +947,27 @@ def bench_ray(
     typer.echo(run(_results_dir(out), target, model, decoder, k, batch_size, items, max_new_tokens, repeats, name))
 
 
+@bench_app.command("rows")
+def bench_rows(
+    out: ResultsOpt = Path("benchmarks/results"),
+    model: Annotated[str, typer.Option(help="Causal LM: an asset name or a HF model folder.")] = "smollm2",
+    past: Annotated[int, typer.Option(help="Cached tokens before the call (a user prompt: 356).")] = 356,
+    repeats: Annotated[int, typer.Option(help="Timed calls per size and setting (median).")] = 5,
+    rounds: Annotated[int, typer.Option(help="Alternating rounds per size (median over them).")] = 3,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = 2,
+    name: ResultNameOpt = "rows",
+) -> None:
+    """One call by the tree nodes it feeds, the small-row products padded to fast row counts and not."""
+    import torch
+
+    from recspec.bench.rows import run
+
+    if min(past, repeats, rounds, threads) < 1:
+        raise RecspecError("--past, --repeats, --rounds and --threads must be positive")
+    torch.set_num_threads(threads)
+    typer.echo(run(_results_dir(out), model, past, repeats=repeats, rounds=rounds, name=name))
+
+
 @bench_app.command("cost")
 def bench_cost(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],

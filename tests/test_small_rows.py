@@ -8,12 +8,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.small_rows import MAX_SMALL_ROWS, use_small_row_products
+from recspec.models.small_rows import MAX_SMALL_ROWS, padded_rows, use_small_row_products
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 5, 48), (1, MAX_SMALL_ROWS, 48), (MAX_SMALL_ROWS + 1, 48),
-                                   (0, 48)])
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 5, 48), (1, 14, 48), (2, 7, 48), (23, 48), (1, 50, 48),
+                                   (1, MAX_SMALL_ROWS, 48), (MAX_SMALL_ROWS + 1, 48), (0, 48)])
 def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
@@ -25,11 +25,28 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_flow_through_the_small_row_forward() -> None:
+def test_padded_row_counts_cover_the_rows() -> None:
+    """Every count keeps its rows and stays within the small-row range; a padded count lands on a
+    multiple of 8 at most 7 rows up."""
+    for rows in range(2, MAX_SMALL_ROWS + 1):
+        padded = padded_rows(rows)
+        assert rows <= padded <= min(rows + 7, MAX_SMALL_ROWS)
+        assert padded == rows or padded % 8 == 0
+    assert [padded_rows(n) for n in (9, 10, 15, 16, 20, 21, 25, 32, 33)] == [9, 16, 16, 16, 20, 24, 32, 32, 33]
+
+
+@pytest.mark.parametrize("rows", [4, 14])
+def test_gradients_flow_through_the_small_row_forward(rows: int) -> None:
+    """The gradient of a padded product is the plain one."""
     torch.manual_seed(0)
-    layer = use_small_row_products(nn.Linear(16, 8))
-    layer(torch.randn(4, 16)).sum().backward()
+    layer, plain = nn.Linear(16, 8), nn.Linear(16, 8)
+    plain.load_state_dict(layer.state_dict())
+    use_small_row_products(layer)
+    x = torch.randn(rows, 16)
+    layer(x).square().sum().backward()
+    plain(x).square().sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:

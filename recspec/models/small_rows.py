@@ -9,7 +9,8 @@ path taxes every speculative method and no baseline step.
 
 :func:`use_small_row_products` gives every ``nn.Linear`` of a model a forward that computes
 2..128 rows on the CPU as ``(W @ x.T).T``: the same product with another summation order (float
-noise of order 1e-6), the fast path for everything else.
+noise of order 1e-6), the fast path for everything else. Row counts the matrix kernels handle
+slowly are padded with zero rows to one they handle fast (:func:`padded_rows`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,33 @@ from torch.nn import functional as F
 MAX_SMALL_ROWS = 128
 
 
-def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def padded_rows(rows: int) -> int:
+    """The row count to compute ``rows`` (2..128) rows with. ``W @ x.T`` over ``n`` columns is fast
+    when ``n`` is a multiple of 8, fastest at 16, and up to twice as slow in between (SmolLM2's
+    1536 x 576 product: 0.25 ms for 16 rows, 0.49 ms for 14, 0.63 ms for 15). Whole calls gain
+    from padding only where the gap is wide: 10..15 rows are computed as 16 and 21..31 as the next
+    multiple of 8; measured on this project's CPU, where padding fewer rows or more cost up to 12%
+    (`recspec bench rows`, BENCHMARKS.md "Row counts")."""
+    if 10 <= rows <= 15:
+        return 16
+    if 21 <= rows <= 31:
+        return -(-rows // 8) * 8
+    return rows
+
+
+def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     pad: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of shape ``[..., in]`` and ``weight`` ``[out, in]``;
-    2..128 rows on the CPU as ``(W @ x.T).T`` (shape ``[..., out]``)."""
+    2..128 rows on the CPU as ``(W @ x.T).T``, over :func:`padded_rows` rows with ``pad`` (zero
+    rows added, their outputs dropped; shape ``[..., out]``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 2 <= rows <= MAX_SMALL_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1])
+    padded = padded_rows(rows) if pad else rows
+    if padded > rows:
+        flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
+    out = torch.mm(weight, flat.T)[:, :rows].T.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -38,9 +59,16 @@ def _small_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return small_row_linear(x, self.weight, self.bias)
 
 
-def use_small_row_products(model: nn.Module) -> nn.Module:
-    """Give every ``nn.Linear`` of ``model`` the small-row forward (in place); returns ``model``."""
+def _unpadded_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """:func:`small_row_linear` with the layer's weight and bias, rows not padded."""
+    return small_row_linear(x, self.weight, self.bias, pad=False)
+
+
+def use_small_row_products(model: nn.Module, pad: bool = True) -> nn.Module:
+    """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``pad=False``: without
+    :func:`padded_rows`, what `recspec bench rows` compares against); returns ``model``."""
+    forward = _small_row_forward if pad else _unpadded_forward
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = MethodType(_small_row_forward, module)
+            module.forward = MethodType(forward, module)
     return model
