@@ -1056,7 +1056,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                       max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
                       draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
                       batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
-                      head_nodes: int = 16, fixed_tree: bool = False, head_gate: Optional[int] = None):
+                      head_nodes: int = 16, fixed_tree: bool = False, head_gate: int = 2):
     from recspec.knowledge.head_draft import HeadTreeConfig
     from recspec.knowledge.job import KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
@@ -1070,7 +1070,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                            max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
                            draft=str(draft) if draft is not None else None,
                            head_tree=HeadTreeConfig(head_width, head_depth, head_nodes, sized=not fixed_tree,
-                                                    gate=head_gate))
+                                                    gate=head_gate or None))
 
 
 @knowledge_app.command("generate")
@@ -1103,9 +1103,9 @@ def knowledge_generate(
                                                  "verifies as many as the cost model says pay).")] = 16,
     fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
                                                   "sizing each tree from the cost model.")] = False,
-    head_gate: Annotated[Optional[int], typer.Option(help="--draft with resd / laser: the head drafts only in rounds "
-                                                          "whose retrieved tree is less than this many tokens deep "
-                                                          "(default: every round).")] = None,
+    head_gate: Annotated[int, typer.Option(help="--draft with resd / laser: the head drafts only in rounds whose "
+                                                "retrieved tree is less than this many tokens deep (0: every "
+                                                "round).")] = 2,
     model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,

@@ -65,9 +65,9 @@ def test_greedy_with_a_head_and_hybrid_trees_equal_greedy(task, old_store, head,
     tree = HeadTreeConfig(width=3, depth=3, nodes=8)
     for name, config, pool in (
             ("head", replace(new, draft=str(head), head_tree=tree), None),
-            ("laser", replace(new, method="laser", grouping="attribute", draft=str(head), head_tree=tree), old_store),
-            ("gated", replace(new, method="laser", grouping="attribute", draft=str(head),
-                              head_tree=replace(tree, gate=2)), old_store),
+            ("laser", replace(new, method="laser", grouping="attribute", draft=str(head),
+                              head_tree=replace(tree, gate=None)), old_store),
+            ("gated", replace(new, method="laser", grouping="attribute", draft=str(head), head_tree=tree), old_store),
             ("resd", replace(new, method="resd", draft=str(head), head_tree=tree), old_store)):
         summary = run_job(task, config, tmp_path / f"{name}.db", pool=pool, limit=3, progress=False)
         rows = list(read_rows(tmp_path / f"{name}.db"))
@@ -97,7 +97,7 @@ def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_stor
     summary = run_job(task, laser, tmp_path / "relaxed.db", pool=old_store, limit=2, progress=False)
     settings = read_settings(tmp_path / "relaxed.db")
     assert summary.requests == 2 and len(settings["head_sha256"]) == 64
-    assert settings["head_tree"] == {"width": 2, "depth": 2, "nodes": 4}
+    assert settings["head_tree"] == {"width": 2, "depth": 2, "nodes": 4, "gate": 2}
     with pytest.raises(RecspecError, match="method hf does not draft with one"):
         KnowledgeConfig(method="hf", verification=GREEDY, draft=str(head))
     with pytest.raises(RecspecError, match="width, depth and nodes >= 1"):
@@ -126,5 +126,5 @@ def test_bench_knowledge_runs_the_head_variants(task, head, tmp_path) -> None:  
     with pytest.raises(RecspecError, match="drafts with a text head: pass --draft"):
         bench_knowledge(tmp_path, {"item": None}, variants=("hf", "head"), model=str(task.model_dir))
     with pytest.raises(RecspecError, match="gates the head by retrieval's depth: pass --head-gate"):
-        bench_knowledge(tmp_path, {"item": None}, variants=("hf", "laser+head-gated"), base=base,
-                        model=str(task.model_dir))
+        bench_knowledge(tmp_path, {"item": None}, variants=("hf", "laser+head-gated"),
+                        base=replace(base, head_tree=replace(base.head_tree, gate=None)), model=str(task.model_dir))
