@@ -60,3 +60,17 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
     ids = torch.arange(100, 116)[None]
     with torch.inference_mode():
         torch.testing.assert_close(patched(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_rows_times_both_settings(smollm2_dir, tmp_path) -> None:
+    """`recspec bench rows` on the real SmolLM2: a cell per size with both settings timed every
+    round, the rows each setting computes, and its JSON, Markdown and plot written."""
+    import json
+
+    from recspec.bench.rows import run
+
+    markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 14), repeats=1, rounds=2, name="rows")
+    cells = json.loads((tmp_path / "rows.json").read_text())["cells"]
+    assert [(c["nodes"], c["rows_computed"]) for c in cells] == [(1, 1), (14, 16)]
+    assert all(len(c["plain_runs_ms"]) == len(c["padded_runs_ms"]) == 2 and c["padded_ms"] > 0 for c in cells)
+    assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 | 16 |" in markdown

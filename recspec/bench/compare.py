@@ -2,10 +2,10 @@
 `make demo` prints.
 
 On the first ``users`` test users each decoder decodes all of them once untimed, then
-``repeats`` timed times, the decoders taking turns run by run and each run starting with the next
-one in a balanced order (:func:`~recspec.bench.report.turn_order`: none always follows the same
-one; a decoder run right after a wide speculative one was measured up to 15% slower). Reported per decoder: users/s of the median run,
-its speed-up over the first decoder, whether its items are the first decoder's (same items and
+``repeats`` timed times, the decoders taking turns run by run in a balanced order
+(:func:`~recspec.bench.report.turn_order`: none always follows the same one; a decoder run right
+after a wide speculative one was measured up to 15% slower). Reported per decoder: users/s of the
+median run, its speed-up over the first decoder, whether its items are the first decoder's (same items and
 scores, order free only among tied scores), and for ``auto`` what it chose and why (chosen once
 before timing). ``spec-strict`` runs with ``N = 2K`` draft beams. The ceiling of the table is the
 fastest decoder of the run: ``auto`` is measured against it.
@@ -34,8 +34,9 @@ EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 
 
 def take_turns(runs: dict[str, Callable[[], Decoded]], repeats: int) -> tuple[dict[str, list[float]], dict[str, Decoded]]:
-    """Each of ``runs`` once untimed, then ``repeats`` timed rounds in which every run goes once,
-    in the balanced order of :func:`turn_order`; the seconds of each run's timed calls and its last output."""
+    """Each of ``runs`` once untimed, then ``repeats`` timed rounds in which every run goes once, in
+    the balanced order of :func:`turn_order`; the seconds of each run's timed calls and its last
+    output."""
     for run in runs.values():  # warm-up
         run()
     seconds: dict[str, list[float]] = {name: [] for name in runs}

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, turn_order, write_results
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.hf import load_causal_lm
 from recspec.models.small_rows import padded_rows, use_small_row_products
@@ -36,14 +36,13 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
     for n in sizes:
         runs: dict[bool, list[float]] = {True: [], False: []}
         for r in range(rounds):
-            for pad in ((True, False) if r % 2 == 0 else (False, True)):
+            for pad in turn_order((True, False), r):
                 use_small_row_products(lm, pad=pad)
                 runs[pad].append(measure_call_cost(lm, 1, n, repeats, past_len=past))
         plain, padded = statistics.median(runs[False]), statistics.median(runs[True])
-        cells.append({"nodes": n, "rows_computed": padded_rows(n) if 2 <= n else n, "plain_ms": 1e3 * plain,
+        cells.append({"nodes": n, "rows_computed": padded_rows(n), "plain_ms": 1e3 * plain,
                       "padded_ms": 1e3 * padded, "speedup": plain / padded,
                       "plain_runs_ms": [1e3 * s for s in runs[False]], "padded_runs_ms": [1e3 * s for s in runs[True]]})
-    use_small_row_products(lm)
     one = cells[0]["padded_ms"] if sizes[0] == 1 else None
     table = markdown_table(["nodes", "rows computed", "unpadded ms", "padded ms", "padding speed-up"]
                            + (["padded x one node"] if one else []),
