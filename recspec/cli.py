@@ -1056,7 +1056,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                       max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
                       draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
                       batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
-                      head_nodes: int = 16, fixed_tree: bool = False, head_gate: int = 2):
+                      head_nodes: int = 15, fixed_tree: bool = False, head_gate: int = 2):
     from recspec.knowledge.head_draft import HeadTreeConfig
     from recspec.knowledge.job import KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
@@ -1100,7 +1100,7 @@ def knowledge_generate(
                                                  "level.")] = 4,
     head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
     head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree (greedy: at most; each round "
-                                                 "verifies as many as the cost model says pay).")] = 16,
+                                                 "verifies as many as the cost model says pay).")] = 15,
     fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
                                                   "sizing each tree from the cost model.")] = False,
     head_gate: Annotated[int, typer.Option(help="--draft with resd / laser: the head drafts only in rounds whose "
@@ -1172,7 +1172,7 @@ def bench_knowledge(
     head_width: Annotated[int, typer.Option(help="--draft: children per expanded node.")] = 4,
     head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
     head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree (greedy: at most; each round "
-                                                 "verifies as many as the cost model says pay).")] = 16,
+                                                 "verifies as many as the cost model says pay).")] = 15,
     fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
                                                   "sizing each tree from the cost model.")] = False,
     head_gate: Annotated[int, typer.Option(help="The *+head-gated variants: the head drafts only in rounds whose "

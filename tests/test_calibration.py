@@ -24,6 +24,10 @@ def test_fit_recovers_a_line_and_stays_non_negative() -> None:
     steep = fit_call_cost([10, 20], [0.001, 0.004])  # an intercept below zero: through the origin
     assert steep.fixed_s == 0 and steep.per_token_s == pytest.approx((10 * 0.001 + 20 * 0.004) / (10**2 + 20**2))
     assert CallCost.from_json(cost.to_json()) == cost
+    padded = CallCost(0.05, 0.002, padded=True)
+    assert CallCost.from_json(padded.to_json()) == padded
+    assert [padded.free_tokens(n) for n in (1, 9, 10, 15, 16, 17, 21)] == [1, 9, 16, 16, 16, 17, 24]
+    assert [cost.free_tokens(n) for n in (1, 10, 21)] == [1, 10, 21]
     with pytest.raises(RecspecError, match="two or more token counts"):
         fit_call_cost([4, 4], [0.1, 0.2])
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.small_rows import MAX_SMALL_ROWS, padded_rows, use_small_row_products
+from recspec.models.small_rows import MAX_SMALL_ROWS, padded_rows, pads_rows, small_row_linear, use_small_row_products
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -23,6 +23,9 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     out = layer(x)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    one_row = small_row_linear(x, layer.weight, layer.bias, one_row=True)  # one row computed as two
+    assert one_row.shape == expected.shape
+    torch.testing.assert_close(one_row, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_padded_row_counts_cover_the_rows() -> None:
@@ -57,6 +60,7 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
     patched = load_causal_lm(smollm2_dir)
     plain = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert patched.lm_head.forward.__func__.__name__ == "_small_row_forward"
+    assert pads_rows(patched) and not pads_rows(plain) and not pads_rows(use_small_row_products(plain, pad=False))
     ids = torch.arange(100, 116)[None]
     with torch.inference_mode():
         torch.testing.assert_close(patched(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)

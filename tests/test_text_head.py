@@ -318,6 +318,30 @@ def test_node_budget_maximises_expected_tokens_per_second() -> None:
         assert sized.tokens == whole.tokens[:n] and sized.parents == whole.parents[:n]
 
 
+def test_padded_calls_verify_their_free_nodes() -> None:
+    """Where the target computes 10..15 rows as 16, a budget of 9..14 nodes is filled up to 15 with
+    the next-ranked candidates (a prefix of the ranking, so a tree); other budgets are kept."""
+    generator = torch.Generator().manual_seed(1)
+    grown = 0
+    for _ in range(200):
+        count = int(torch.randint(1, 30, (1,), generator=generator))
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, count)])
+        steps, scores = -torch.rand(count, generator=generator) * 2, torch.zeros(count)
+        for i in range(count):  # each path's log-probability: the parent's plus a negative step
+            scores[i] = steps[i] + (scores[parents[i]] if parents[i] >= 0 else 0)
+        fixed = float(torch.rand(1, generator=generator)) * 0.1
+        plain = CallCost(fixed, float(torch.rand(1, generator=generator)) * 0.005)
+        padded = replace(plain, padded=True)
+        whole = select(scores, torch.arange(count), parents, 15)
+        budget = len(select(scores, torch.arange(count), parents, 15, plain).tokens)
+        filled = select(scores, torch.arange(count), parents, 15, padded)
+        expected = min(15, count) if 9 <= budget <= 14 else budget
+        assert len(filled.tokens) == expected
+        assert filled.tokens == whole.tokens[:expected] and filled.parents == whole.parents[:expected]
+        grown += expected > budget
+    assert grown >= 20
+
+
 def test_round_seconds_times_the_heads_drafting(lm) -> None:
     """The head's part of a round is timed positive, and more for a deeper, wider tree."""
     model = lm[0]

@@ -24,6 +24,7 @@ from recspec.decoding.cache import gather_positions
 from recspec.errors import RecspecError
 from recspec.hub import keep_last_logits
 from recspec.models.head import HeadDraft
+from recspec.models.small_rows import padded_rows
 
 #: Tokens fed per timed call of :func:`measure_cost_model` (one row over a cached prompt).
 COST_SIZES = (1, 4, 16, 64)
@@ -33,15 +34,22 @@ COST_SIZES = (1, 4, 16, 64)
 class CallCost:
     """``fixed_s`` + ``per_token_s`` * tokens: the seconds of one call feeding that many tokens
     (summed over the rows of a batch) over a cached prompt; ``samples``: the measured
-    ``(tokens, seconds)`` pairs the fit came from."""
+    ``(tokens, seconds)`` pairs the fit came from; ``padded``: the model computes a call over
+    :func:`~recspec.models.small_rows.padded_rows` rows (recspec's CPU products), so a call may
+    feed up to that many tokens at the cost of the tokens it feeds (:meth:`free_tokens`)."""
 
     fixed_s: float
     per_token_s: float
     samples: tuple[tuple[int, float], ...] = ()
+    padded: bool = False
 
     def call_s(self, tokens: int) -> float:
         """Predicted seconds of one call that feeds ``tokens`` tokens."""
         return self.fixed_s + self.per_token_s * tokens
+
+    def free_tokens(self, tokens: int) -> int:
+        """The most tokens (at least ``tokens``) a call may feed for the computation of ``tokens``."""
+        return padded_rows(tokens) if self.padded else tokens
 
     def to_json(self) -> dict:
         return {**asdict(self), "samples": [list(pair) for pair in self.samples]}
@@ -49,7 +57,7 @@ class CallCost:
     @classmethod
     def from_json(cls, values: dict) -> CallCost:
         return cls(float(values["fixed_s"]), float(values["per_token_s"]),
-                   tuple((int(n), float(s)) for n, s in values["samples"]))
+                   tuple((int(n), float(s)) for n, s in values["samples"]), bool(values.get("padded", False)))
 
 
 def fit_call_cost(tokens: Sequence[int], seconds: Sequence[float]) -> CallCost:

@@ -30,7 +30,11 @@ acceptance probabilities (EAGLE-2's premise: a node is accepted only with its wh
 head's confidence tracks the acceptance rate), a round emits ``1 + sum_{i <= n} c_i`` tokens in
 expectation, so :func:`node_budget` keeps the ``n <= nodes`` best candidates that maximise
 ``(1 + sum_{i <= n} c_i) / C(n)``: per round, from that round's own confidences. A prefix of the
-ranking is still a tree (parents rank before their children).
+ranking is still a tree (parents rank before their children). **Free nodes**: where the target
+computes a call over padded rows (:attr:`~recspec.decoding.cost.CallCost.padded`: recspec's CPU
+products compute 10..15 rows as 16, :func:`~recspec.models.small_rows.padded_rows`), a budget of
+9..14 nodes is filled with the next-ranked candidates up to 15, the nodes that call computes
+anyway: more expected tokens at the same cost (still a prefix of the ranking).
 
 **Pruning.** A node never scores above its ancestors, so once a node's score is at or below
 :func:`expansion_floor` none of its descendants can be kept: the ``nodes``-th best score drafted
@@ -38,7 +42,9 @@ so far, and with a cost model the least path probability a kept node can have (e
 budget keeps past the first, which is on level 1 and never pruned, has ``c >= r * R*``, ``R*``
 the best expected rate, and ``R*`` is at least the best rate of the candidates drafted so far).
 Such nodes are not expanded and a level with none left ends the tree: the same tree as full
-growth, with fewer and smaller head calls.
+growth, with fewer and smaller head calls; free nodes come from the candidates drafted, which
+under pruning may lack a low-ranked one full growth would have drafted (the budgeted nodes are
+the same).
 """
 
 from __future__ import annotations
@@ -59,18 +65,19 @@ from recspec.models.text_head import TextHeadDraft
 @dataclass(frozen=True)
 class HeadTreeConfig:
     """A head's draft tree: ``width`` children per expanded node and nodes expanded per level,
-    ``depth`` levels at most, ``nodes`` nodes proposed at most; ``sized``: under greedy verification
-    (where the tree cannot change the text) each round verifies only the :func:`node_budget` best
-    of them, from the measured cost model (relaxed verification always verifies ``nodes``: its text
-    depends on the tree, which must not depend on the machine); ``prune``: expand only nodes whose
-    descendants can be kept (module doc; ``False`` grows the same tree at full cost, to measure
-    what pruning saves); ``gate``: in hybrid drafting, the head drafts only in rounds whose
+    ``depth`` levels at most, ``nodes`` nodes proposed at most (15: with the root, 16 rows, the
+    cheapest call past 9 rows on this project's CPU, where 17 cost 14% more); ``sized``: under
+    greedy verification (where the tree cannot change the text) each round verifies only the
+    :func:`node_budget` best of them and its free nodes, from the measured cost model (relaxed
+    verification always verifies ``nodes``: its text depends on the tree, which must not depend
+    on the machine); ``prune``: expand only nodes whose descendants can be kept (module doc;
+    ``False`` grows the same tree at full cost, to measure what pruning saves); ``gate``: in hybrid drafting, the head drafts only in rounds whose
     retrieved tree is less than ``gate`` tokens deep (None: every round; 2, the default, measured
     level with or above retrieval alone where drafting every round is 0.67-0.92x of it)."""
 
     width: int = 4
     depth: int = 5
-    nodes: int = 16
+    nodes: int = 15
     sized: bool = True
     prune: bool = True
     gate: int | None = 2
@@ -126,10 +133,12 @@ class HeadDrafter:
         return median_seconds(one_round, guessed.device, repeats)
 
 
-def round_cost(target: CallCost, head_s: float) -> CallCost:
+def round_cost(target: CallCost, head_s: float, padded: bool) -> CallCost:
     """A head round's cost by verified nodes: the target's call (fed the root and the nodes) and the
-    head's drafting (``head_s`` seconds, :meth:`HeadDrafter.round_seconds`) folded into the fixed part."""
-    return CallCost(target.fixed_s + head_s, target.per_token_s)
+    head's drafting (``head_s`` seconds, :meth:`HeadDrafter.round_seconds`) folded into the fixed
+    part; ``padded``: the target computes its calls over padded rows
+    (:func:`~recspec.models.small_rows.pads_rows`)."""
+    return CallCost(target.fixed_s + head_s, target.per_token_s, padded=padded)
 
 
 def expected_rates(log_scores: torch.Tensor, cost: CallCost) -> torch.Tensor:
@@ -248,10 +257,10 @@ def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, no
     """The ``nodes`` candidates with the highest ``scores`` (float ``[T]``; never above the
     parent's), best first, ties in candidate order, as a :class:`DraftTree`: ``tokens`` int64
     ``[T]``, ``parents`` int64 ``[T]`` (a smaller candidate index, or -1). With ``cost``, only the
-    :func:`node_budget` best of those."""
+    :func:`node_budget` best of those and the free nodes after them (module doc)."""
     order = torch.argsort(-scores, stable=True)[:nodes]
     if cost is not None:
-        order = order[:node_budget(scores[order], cost)]
+        order = order[:cost.free_tokens(node_budget(scores[order], cost) + 1) - 1]
     index = torch.full_like(parents, -1)
     index[order] = torch.arange(len(order), device=order.device)
     kept = parents[order]
