@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.beams import Beams, select_top_k
 from recspec.decoding.prompts import left_pad
-from recspec.decoding.cache import gather_positions, require_full_attention, select_rows
+from recspec.decoding.cache import drop_tail, gather_positions, require_full_attention, select_rows
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import (
     additive_mask,
@@ -444,8 +444,8 @@ def test_score_tree_over_cached_beams_equals_path_forwards() -> None:
 
 
 def test_select_rows_and_gather_positions() -> None:
-    """select_rows copies whole rows; gather_positions drops cached positions exactly: after
-    dropping appended junk, the next token's logits equal a plain forward of the prompt + token."""
+    """select_rows copies whole rows; gather_positions and drop_tail drop cached positions exactly:
+    after dropping appended junk, the next token's logits equal a plain forward of the text."""
     setup = make_setup(5, [6, 6, 6], 100, kv_heads=2, users=2)
     model = setup.model
     prompt = torch.tensor([[5, 9, 7, 11]])
@@ -462,7 +462,15 @@ def test_select_rows_and_gather_positions() -> None:
         logits = model(input_ids=torch.tensor([[16]] * 3), past_key_values=cache, use_cache=True,
                        position_ids=torch.tensor([[4]] * 3)).logits[:, -1]
         plain = model(input_ids=torch.tensor([[5, 9, 7, 11, 16]])).logits[0, -1]
+        model(input_ids=torch.tensor([[17, 18, 19]] * 3), use_cache=True, past_key_values=cache,
+              position_ids=torch.tensor([[5, 6, 7]] * 3))  # junk at positions 5..7, then cut off
+        drop_tail(cache, 3)
+        assert cache.get_seq_length() == 5
+        after = model(input_ids=torch.tensor([[20]] * 3), past_key_values=cache, use_cache=True,
+                      position_ids=torch.tensor([[5]] * 3)).logits[:, -1]
+        longer = model(input_ids=torch.tensor([[5, 9, 7, 11, 16, 20]])).logits[0, -1]
     torch.testing.assert_close(logits, plain.expand(3, -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(after, longer.expand(3, -1), atol=1e-4, rtol=0)
 
 
 def test_tree_attention_refuses_sliding_window_layers() -> None:

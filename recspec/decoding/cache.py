@@ -65,6 +65,14 @@ def gather_positions(cache, positions: torch.Tensor) -> None:
         layer.values = _gather_sequence(layer.values, positions)
 
 
+def drop_tail(cache, count: int) -> None:
+    """Drop the last ``count`` cached positions of every row and layer (``count`` >= 1): each
+    layer's keys and values become a view of the rest, nothing is copied."""
+    for layer in _kv_layers(cache):
+        layer.keys = layer.keys[:, :, :-count]
+        layer.values = layer.values[:, :, :-count]
+
+
 def compact_tail(cache, kept: int, positions: torch.Tensor) -> None:
     """Keep the first ``kept`` cached positions of every row, then the positions ``positions``.
 

@@ -1,8 +1,9 @@
 """A chain of text per row: one model's KV cache over ``B`` rows of text of different lengths,
 as the chain decoders (speculative sampling, TopK-ImpSpecDec) keep it.
 
-What a row has accepted so far is tracked as the cached positions it may attend to; rejected
-positions are compacted away after every round, and rows leave the batch when they finish.
+What a row has accepted so far is tracked as the cached positions it may attend to; after every
+round the rejected tail that no row keeps is cut off without a copy (the whole rejection for a
+single row), the rest compacted away, and rows leave the batch when they finish.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from recspec.decoding.cache import compact, select_rows
+from recspec.decoding.cache import compact, drop_tail, select_rows
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import forward_features, forward_visible, next_log_probs, prefill, prefill_features
 from recspec.decoding.tree import tree_rows
@@ -74,9 +75,12 @@ class Chain:
 
     def keep(self, kept: torch.Tensor) -> None:
         """Of the tokens fed since the last keep, keep the first ``kept[b]`` (int64 ``[B]``) in row
-        ``b``; the others leave the cache."""
-        width = self.visible.shape[1]
-        fresh = torch.arange(self.fed, device=kept.device)[None, :] < kept[:, None]
+        ``b``; the others leave the cache: the tail no row keeps is cut off without a copy (all a
+        single row ever needs), and only rows that keep fewer than the longest are compacted."""
+        width, longest = self.visible.shape[1], int(kept.max()) if len(kept) else 0
+        if self.fed > longest:
+            drop_tail(self.cache, self.fed - longest)
+        fresh = torch.arange(longest, device=kept.device)[None, :] < kept[:, None]
         self.visible = torch.cat((self.visible[:, :width - self.fed], fresh), dim=1)
         self.count, self.fed = self.count + kept, 0
         if not bool(fresh.all()):
