@@ -1,4 +1,4 @@
-"""The order in which benchmarks take turns between the things they compare."""
+"""Shared benchmark plumbing: the order in which benchmarks take turns, and their plots."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from recspec.bench.report import turn_order
+from recspec.bench.report import new_figure, save_figure, turn_order
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
@@ -20,3 +20,12 @@ def test_turn_order_is_balanced(n: int) -> None:
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
     firsts = Counter(order[0] for order in rounds)
     assert len(firsts) == n and len(set(firsts.values())) == 1
+
+
+def test_save_figure_writes_a_png_atomically(tmp_path) -> None:
+    """A plot lands as a whole PNG under its name, with no temporary file left beside it."""
+    figure, axis = new_figure(figsize=(3, 2))
+    axis.plot([1, 2, 3], [3, 1, 2])
+    save_figure(figure, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [path.name for path in tmp_path.iterdir()] == ["plot.png"]

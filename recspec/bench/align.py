@@ -24,7 +24,7 @@ import torch
 
 from recspec.align.task import METHODS
 from recspec.align.train import align_fit
-from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.report import markdown_table, new_figure, reuse_freed_memory, save_figure, write_results
 from recspec.eval.metrics import recall_ndcg
 from recspec.models.train import TrainConfig
 from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
@@ -72,12 +72,7 @@ def _recall(recommender: Recommender, draft, name: str, k: int, temperature: flo
 
 
 def _plot(path: Path, rows: list[dict[str, Any]], ks: Sequence[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    figure, axes = new_figure(nrows=1, ncols=2, figsize=(9, 3.4), sharey=True)
     for axis, verify in zip(axes, ("strict", "relaxed")):
         for method in METHODS:
             values = [next(r["as"] for r in rows if r["method"] == method and r["verify"] == verify and r["k"] == k)
@@ -88,9 +83,7 @@ def _plot(path: Path, rows: list[dict[str, Any]], ks: Sequence[int]) -> None:
         axis.set_xticks(list(ks))
     axes[0].set_ylabel("AS@K (accepted steps per user)")
     axes[1].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1, 3, 5, 10, 20), users: int = 64,

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: repeated timing (median), machine description, atomic JSON + Markdown output."""
+"""Shared benchmark plumbing: repeated timing (median), machine description, atomic JSON + Markdown
+output and plots."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from recspec.errors import RecspecError
-from recspec.fileio import write_json_atomic, write_text_atomic
+from recspec.fileio import atomic_path, write_json_atomic, write_text_atomic
 
 
 def reuse_freed_memory() -> None:
@@ -86,3 +87,23 @@ def write_results(out_dir: Path, name: str, results: dict[str, Any], markdown: s
     write_json_atomic(json_path, results)
     write_text_atomic(md_path, markdown.rstrip() + "\n")
     return json_path, md_path
+
+
+def new_figure(**subplots: Any) -> tuple[Any, Any]:
+    """An off-screen matplotlib figure and its axes (the Agg backend): ``plt.subplots(**subplots)``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(**subplots)
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    """Lay out ``figure``, write it to ``path`` as a PNG atomically, and close it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, dpi=110, format="png")
+    plt.close(figure)

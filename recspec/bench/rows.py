@@ -12,13 +12,13 @@ side speed-up of padding. Writes JSON, Markdown and a plot.
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recspec.bench.report import markdown_table, reuse_freed_memory, turn_order, write_results
+from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory, save_figure, turn_order,
+                                  write_results)
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.hf import load_causal_lm
 from recspec.models.small_rows import padded_rows, use_small_row_products
@@ -58,12 +58,7 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
 
 
 def _plot(path: Path, cells: list[dict[str, Any]], model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, axis = new_figure(figsize=(7, 4))
     nodes = [c["nodes"] for c in cells]
     axis.plot(nodes, [c["plain_ms"] for c in cells], "--s", label="unpadded")
     axis.plot(nodes, [c["padded_ms"] for c in cells], "-o", label="padded (recspec)")
@@ -71,8 +66,4 @@ def _plot(path: Path, cells: list[dict[str, Any]], model: str) -> None:
     axis.set_ylabel("ms per call")
     axis.set_title(f"{model}: one call by rows fed")
     axis.legend()
-    figure.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    figure.savefig(tmp, dpi=110)
-    plt.close(figure)
-    os.replace(tmp, path)
+    save_figure(figure, path)

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from recspec.bench.report import markdown_table, write_results
+from recspec.bench.report import markdown_table, new_figure, save_figure, write_results
 from recspec.errors import RecspecError
 from recspec.recommend import Recommender
 
@@ -302,12 +302,7 @@ def _markdown(results: dict[str, Any]) -> str:
 
 
 def _plot(path: Path, cells: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = new_figure(figsize=(7, 4.5))
     for decoder in sorted({c["decoder"] for c in cells}):
         for batching, style in (("on", "-o"), ("off", "--s")):
             points = sorted((c["concurrency"], c["rps"], c["p50_ms"]) for c in cells if c["mode"] == "closed"
@@ -321,8 +316,4 @@ def _plot(path: Path, cells: list[dict]) -> None:
     axis.set_yscale("log")
     axis.set_title("recspec serve: latency vs throughput (labels: concurrent clients)")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    figure.savefig(tmp, dpi=110)
-    plt.close(figure)
-    os.replace(tmp, path)
+    save_figure(figure, path)
