@@ -4,8 +4,8 @@ head, and a draft's acceptance per round level and width (:func:`acceptance_tabl
 :class:`CountingVerifier`), that draft trees and ``--decoder auto`` are sized from.
 
 The record lives in the model folder as ``calibration-<device>.json``: the cost, what it was
-measured for (the sha256 of the weights, the device, torch's thread count, the prompt length) and
-the sha256 of the record itself. It is used only when all of that matches and the digest checks
+measured for (the sha256 of the weights, the device, torch's thread count, the prompt length and,
+for a call cost, whether the model pads its rows) and the sha256 of the record itself. It is used only when all of that matches and the digest checks
 out; otherwise the cost is measured again and the record rewritten (atomically). A folder that
 cannot be written to still works: the cost is then measured in every process.
 """
@@ -16,7 +16,7 @@ import hashlib
 import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
+from recspec.models.small_rows import pads_rows
 
 
 def calibration_path(model_dir: Path, device: torch.device) -> Path:
@@ -77,13 +78,17 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
               remeasure: bool = False) -> CallCost:
     """The call cost of ``model`` (loaded from ``model_dir``) on its device for prompts of about
     ``prompt_len`` tokens: the kept record where it matches (see the module doc), else measured
-    now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept."""
+    now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept. Whether the model computes
+    its calls over padded rows (:func:`~recspec.models.small_rows.pads_rows`) is part of the key:
+    it changes the cost, and the cost records it (:attr:`CallCost.padded`)."""
     model_dir = Path(model_dir)
     device = next(model.parameters()).device
+    padded = pads_rows(model)
     key = {"weights_sha256": weights_fingerprint(model_dir), "device": str(device),
-           "threads": torch.get_num_threads(), "prompt_len": int(prompt_len)}
+           "threads": torch.get_num_threads(), "prompt_len": int(prompt_len), "padded_rows": padded}
     value = kept_record(calibration_path(model_dir, device), key,
-                        lambda: measure_cost_model(model, prompt_len, repeats).to_json(), remeasure)
+                        lambda: replace(measure_cost_model(model, prompt_len, repeats), padded=padded).to_json(),
+                        remeasure)
     return CallCost.from_json(value)
 
 

@@ -13,6 +13,7 @@ from recspec.calibration import calibration_path, call_cost
 from recspec.decoding.cost import CallCost, fit_call_cost
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
+from recspec.models.small_rows import use_small_row_products
 
 
 def test_fit_recovers_a_line_and_stays_non_negative() -> None:
@@ -60,6 +61,9 @@ def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny) -> No
     path.write_text("{damaged")
     assert call_cost(model, folder, prompt_len=16, repeats=2).fixed_s >= 0
     assert read_json(path)["prompt_len"] == 16
+    assert read_json(path)["padded_rows"] is False and not other.padded
+    padded = call_cost(use_small_row_products(model), folder, prompt_len=16, repeats=2)  # padded rows: measured again
+    assert padded.padded and read_json(path)["padded_rows"] is True and padded.samples != other.samples
 
 
 def test_weights_change_invalidates_the_record(tiny) -> None:

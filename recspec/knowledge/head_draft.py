@@ -71,9 +71,10 @@ class HeadTreeConfig:
     :func:`node_budget` best of them and its free nodes, from the measured cost model (relaxed
     verification always verifies ``nodes``: its text depends on the tree, which must not depend
     on the machine); ``prune``: expand only nodes whose descendants can be kept (module doc;
-    ``False`` grows the same tree at full cost, to measure what pruning saves); ``gate``: in hybrid drafting, the head drafts only in rounds whose
-    retrieved tree is less than ``gate`` tokens deep (None: every round; 2, the default, measured
-    level with or above retrieval alone where drafting every round is 0.67-0.92x of it)."""
+    ``False`` grows the same tree at full cost, to measure what pruning saves); ``gate``: in hybrid
+    drafting, the head drafts only in rounds whose retrieved tree is less than ``gate`` tokens deep
+    (None: every round; 2, the default, measured level with or above retrieval alone where drafting
+    every round is 0.67-0.92x of it)."""
 
     width: int = 4
     depth: int = 5
@@ -133,12 +134,11 @@ class HeadDrafter:
         return median_seconds(one_round, guessed.device, repeats)
 
 
-def round_cost(target: CallCost, head_s: float, padded: bool) -> CallCost:
-    """A head round's cost by verified nodes: the target's call (fed the root and the nodes) and the
-    head's drafting (``head_s`` seconds, :meth:`HeadDrafter.round_seconds`) folded into the fixed
-    part; ``padded``: the target computes its calls over padded rows
-    (:func:`~recspec.models.small_rows.pads_rows`)."""
-    return CallCost(target.fixed_s + head_s, target.per_token_s, padded=padded)
+def round_cost(target: CallCost, head_s: float) -> CallCost:
+    """A head round's cost by verified nodes: the target's call (fed the root and the nodes; padded
+    as the target's) and the head's drafting (``head_s`` seconds, :meth:`HeadDrafter.round_seconds`)
+    folded into the fixed part."""
+    return CallCost(target.fixed_s + head_s, target.per_token_s, padded=target.padded)
 
 
 def expected_rates(log_scores: torch.Tensor, cost: CallCost) -> torch.Tensor:

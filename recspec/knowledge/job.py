@@ -60,7 +60,6 @@ from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, head_dir
 from recspec.models.hf import load_causal_lm
-from recspec.models.small_rows import pads_rows
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
 METHODS = ("ar", "hf", "prompt-lookup", "resd", "laser")
@@ -234,8 +233,7 @@ class KnowledgeTask:
         key = (config.draft, tree)
         if key not in self._round_costs:
             target = call_cost(self.model, self.model_dir, COST_CONTEXT)
-            self._round_costs[key] = round_cost(target, HeadDrafter(head, tree).round_seconds(COST_CONTEXT),
-                                                pads_rows(self.model))
+            self._round_costs[key] = round_cost(target, HeadDrafter(head, tree).round_seconds(COST_CONTEXT))
         return HeadDrafter(head, tree, self._round_costs[key])
 
     def pool_texts(self, config: KnowledgeConfig, pool: Path) -> dict[int, list[int]]:
