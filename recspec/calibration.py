@@ -4,8 +4,9 @@ head, and a draft's acceptance per round level and width (:func:`acceptance_tabl
 :class:`CountingVerifier`), that draft trees and ``--decoder auto`` are sized from.
 
 The record lives in the model folder as ``calibration-<device>.json``: the cost, what it was
-measured for (the sha256 of the weights, the device, torch's thread count, the prompt length and,
-for a call cost, whether the model pads its rows) and the sha256 of the record itself. It is used only when all of that matches and the digest checks
+measured for (the sha256 of the weights, the device, torch's thread count, the version of the
+small-row products, the prompt length and, for a call cost, whether the model pads its rows) and
+the sha256 of the record itself. It is used only when all of that matches and the digest checks
 out; otherwise the cost is measured again and the record rewritten (atomically). A folder that
 cannot be written to still works: the cost is then measured in every process.
 """
@@ -35,7 +36,7 @@ from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
-from recspec.models.small_rows import pads_rows
+from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 
 def calibration_path(model_dir: Path, device: torch.device) -> Path:
@@ -45,6 +46,12 @@ def calibration_path(model_dir: Path, device: torch.device) -> Path:
 def _digest(record: dict[str, Any]) -> str:
     body = {key: value for key, value in record.items() if key != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def timing_key(device: torch.device | str) -> dict[str, Any]:
+    """What any timing on this machine depends on besides the models: the device, torch's thread
+    count and the version of recspec's small-row products."""
+    return {"device": str(device), "threads": torch.get_num_threads(), "products": PRODUCTS_VERSION}
 
 
 def median_prompt_length(recommender) -> int:
@@ -84,8 +91,8 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
     model_dir = Path(model_dir)
     device = next(model.parameters()).device
     padded = pads_rows(model)
-    key = {"weights_sha256": weights_fingerprint(model_dir), "device": str(device),
-           "threads": torch.get_num_threads(), "prompt_len": int(prompt_len), "padded_rows": padded}
+    key = {"weights_sha256": weights_fingerprint(model_dir), **timing_key(device), "prompt_len": int(prompt_len),
+           "padded_rows": padded}
     value = kept_record(calibration_path(model_dir, device), key,
                         lambda: replace(measure_cost_model(model, prompt_len, repeats), padded=padded).to_json(),
                         remeasure)
@@ -169,10 +176,10 @@ def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, 
 
 
 def decoding_key(recommender) -> dict[str, Any]:
-    """What a timing of the loaded models depends on: the target's and the draft's weights, the
-    device and torch's thread count."""
+    """What a timing of the loaded models depends on: the target's and the draft's weights and
+    :func:`timing_key`."""
     return {"target_sha256": weights_fingerprint(recommender.folder), **draft_identity(recommender.draft_dirs),
-            "device": str(next(recommender.model.parameters()).device), "threads": torch.get_num_threads()}
+            **timing_key(next(recommender.model.parameters()).device)}
 
 
 def draft_identity(folders: Sequence[Path]) -> dict[str, str]:
@@ -201,8 +208,7 @@ def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int 
 
 def head_cost(head: HeadDraft, folder: Path, repeats: int = 10, remeasure: bool = False) -> CallCost:
     """One drafting step of ``head`` (saved in ``folder``) on its device, kept beside it."""
-    key = {"head_sha256": weights_fingerprint(folder, HEAD_WEIGHTS), "device": str(head.device),
-           "threads": torch.get_num_threads()}
+    key = {"head_sha256": weights_fingerprint(folder, HEAD_WEIGHTS), **timing_key(head.device)}
     value = kept_record(calibration_path(folder, head.device), key,
                         lambda: measure_head_cost(head, repeats).to_json(), remeasure)
     return CallCost.from_json(value)

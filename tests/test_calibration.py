@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from recspec import calibration
 from recspec.calibration import calibration_path, call_cost
 from recspec.decoding.cost import CallCost, fit_call_cost
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
-from recspec.models.small_rows import use_small_row_products
+from recspec.models.small_rows import PRODUCTS_VERSION, use_small_row_products
 
 
 def test_fit_recovers_a_line_and_stays_non_negative() -> None:
@@ -42,7 +43,7 @@ def tiny(tmp_path: Path):
     return model, tmp_path / "m"
 
 
-def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny) -> None:
+def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny, monkeypatch) -> None:
     model, folder = tiny
     first = call_cost(model, folder, prompt_len=8, repeats=2)
     path = calibration_path(folder, torch.device("cpu"))
@@ -64,6 +65,10 @@ def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny) -> No
     assert read_json(path)["padded_rows"] is False and not other.padded
     padded = call_cost(use_small_row_products(model), folder, prompt_len=16, repeats=2)  # padded rows: measured again
     assert padded.padded and read_json(path)["padded_rows"] is True and padded.samples != other.samples
+    # a newer small-row forward computes the calls another way: the record is measured again
+    monkeypatch.setattr(calibration, "PRODUCTS_VERSION", PRODUCTS_VERSION + 1)
+    remeasured = call_cost(model, folder, prompt_len=16, repeats=2)
+    assert read_json(path)["products"] == PRODUCTS_VERSION + 1 and remeasured.samples != padded.samples
 
 
 def test_weights_change_invalidates_the_record(tiny) -> None:

@@ -21,11 +21,12 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     expected = F.linear(x, layer.weight, layer.bias)
     use_small_row_products(layer)
     out = layer(x)
-    assert out.shape == expected.shape
+    assert out.shape == expected.shape and out.is_contiguous()  # row-major, as F.linear's result
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    one_row = small_row_linear(x, layer.weight, layer.bias, one_row=True)  # one row computed as two
-    assert one_row.shape == expected.shape
-    torch.testing.assert_close(one_row, expected, rtol=1e-5, atol=1e-5)
+    column_major = x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() > 1 else x
+    unpadded = small_row_linear(column_major, layer.weight, layer.bias, pad=False)
+    assert unpadded.shape == expected.shape and unpadded.is_contiguous()
+    torch.testing.assert_close(unpadded, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_padded_row_counts_cover_the_rows() -> None:
@@ -38,7 +39,7 @@ def test_padded_row_counts_cover_the_rows() -> None:
     assert [padded_rows(n) for n in (9, 10, 15, 16, 20, 21, 25, 32, 33)] == [9, 16, 16, 16, 20, 24, 32, 32, 33]
 
 
-@pytest.mark.parametrize("rows", [4, 14])
+@pytest.mark.parametrize("rows", [1, 4, 14])
 def test_gradients_flow_through_the_small_row_forward(rows: int) -> None:
     """The gradient of a padded product is the plain one."""
     torch.manual_seed(0)

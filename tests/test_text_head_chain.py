@@ -283,7 +283,7 @@ def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, targ
         return front
 
     monkeypatch.setattr(rounds, "compact_frontier", checking)
-    options = TextOptions(max_new_tokens=8, gamma=2, beams=2, draft_width=3, one_cache=one_cache, seed=5)
+    options = TextOptions(max_new_tokens=8, gamma=2, beams=2, draft_width=3, one_cache=one_cache, seed=6)
     result = generate("dsbd", target, head, PROMPTS * 2, options, pad_token_id=0, eos=None)
     assert len(checked) > 20 and max(checked) > len(PROMPTS[2]) + 4
     assert result.stats is not None and float(result.stats.accepted_steps.sum()) > 0

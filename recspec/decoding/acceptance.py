@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from recspec.decoding.beams import Beams, candidates, draw
+from recspec.decoding.categorical import categorical
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -278,9 +279,8 @@ def verify_layer(p: torch.Tensor, q: torch.Tensor, choice: torch.Tensor, survive
         state = torch.where(ok, 0, torch.where(live, state + 1, state))
     residual = (p - shift.gather(1, state[:, None]) * q).clamp_(min=0)
     target = torch.where(p.sum(1, keepdim=True) > 0, p, 1.0)  # rows already out of the round draw anything
-    redraw = torch.multinomial(torch.where(residual.sum(1, keepdim=True) > 0, residual, target), 1,
-                               generator=generator)
-    fresh = torch.multinomial(target, out_width, replacement=True, generator=generator)
+    redraw = categorical(torch.where(residual.sum(1, keepdim=True) > 0, residual, target), 1, generator)
+    fresh = categorical(target, out_width, generator)
     columns = torch.arange(out_width, device=p.device)[None, :]
     slot = slot[:, :out_width].masked_fill(columns >= accepted[:, None], -1)
     from_drafts = choice.gather(1, slot.clamp(min=0)) if slots else torch.zeros_like(slot)
@@ -328,7 +328,7 @@ def verify_chain(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generat
     # rows whose residual is empty (p == l q up to rounding: a rejection there has probability 0,
     # rounding aside) redraw from p itself
     redraw = torch.where((accepted < gamma)[:, None] & (residual_mass > 0), residual, target_next)
-    token = torch.multinomial(redraw, 1, generator=generator)[:, 0]
+    token = categorical(redraw, 1, generator)[:, 0]
     alpha = torch.minimum(q, p[:, :gamma] / lenience).sum(dim=2)
     return ChainVerdict(accepted=accepted, token=token, alpha=alpha)
 

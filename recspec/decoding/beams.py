@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from recspec.decoding.categorical import categorical
 from recspec.decoding.warp import Warp
 from recspec.itemids.trie import ItemTrie
 
@@ -222,7 +223,7 @@ def draw(log_weights: torch.Tensor, k: int, generator: torch.Generator, replacem
     if replacement:
         some = log_weights.isfinite().any(dim=1, keepdim=True)  # rows without any: arbitrary (dead) slots
         weights = torch.where(some, torch.softmax(log_weights, dim=1), 1.0)
-        return torch.multinomial(weights, k, replacement=True, generator=generator)
+        return categorical(weights, k, generator)
     uniform = torch.rand(log_weights.shape, generator=generator, device=log_weights.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)))
     return (log_weights + gumbel).topk(k, dim=1).indices

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from recspec.decoding.beams import Beams, Ends, candidates, draw, select_top_k
+from recspec.decoding.categorical import categorical
 from recspec.decoding.chain import Chain
 from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_tree import Level, child_level
@@ -151,7 +152,7 @@ class ChainDrafter:
                 proposal = importance_proposal(q[-1], p[-1], self.importance)
             else:
                 proposal = q[-1]
-            drafts.append(torch.multinomial(proposal, 1, generator=self.generator))
+            drafts.append(categorical(proposal, 1, self.generator))
             previous = drafts[-1]
         drafted = torch.cat(drafts, dim=1)
         if self.importance is not None:
