@@ -1003,6 +1003,8 @@ def bench_sampling(
     temperature: float = 1.0,
     candidates: Annotated[int, typer.Option(help="TopK-ImpSpecDec: K.")] = 10,
     text: Annotated[bool, typer.Option(help="Run the text half.")] = True,
+    method: Annotated[Optional[list[str]], typer.Option(help="Text methods to run (repeatable; each with its "
+                                                            "baseline; default: all).")] = None,
     rec_target: Annotated[Optional[Path], typer.Option(help="Trained recommender target (recommendation "
                                                             "half).")] = None,
     rec_draft: Annotated[Optional[Path], typer.Option(help="Its draft.")] = None,
@@ -1023,7 +1025,7 @@ def bench_sampling(
     torch.set_num_threads(threads)
     typer.echo(run(_results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
                    draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
-                   text, name))
+                   text, name, method or None))
 
 
 @bench_app.command("align")

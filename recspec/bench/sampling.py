@@ -43,6 +43,7 @@ from recspec.decoding.cost import median_seconds
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text import TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
+from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
 from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.hf import load_causal_lm
@@ -160,9 +161,23 @@ def _draft_probe(model, draft, ids: list[torch.Tensor], probe: TextOptions, pad:
             "predicted_speedup": expected_speedup(alpha, probe.gamma, draft_seconds / seconds)}
 
 
+def text_methods(chosen: Sequence[str] | None) -> dict[str, tuple[str, dict[str, Any], str]]:
+    """The rows of :data:`TEXT_METHODS` to run: ``chosen`` (all for None) and each one's baseline."""
+    if chosen is None:
+        return dict(TEXT_METHODS)
+    unknown = sorted(set(chosen) - set(TEXT_METHODS))
+    if unknown:
+        raise RecspecError(f"unknown sampling method {unknown[0]!r}; choose from {', '.join(TEXT_METHODS)}")
+    wanted = set(chosen) | {TEXT_METHODS[label][2] for label in chosen}
+    return {label: row for label, row in TEXT_METHODS.items() if label in wanted}
+
+
 def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], prompts: int, base: TextOptions,
-               threshold: float, repeats: int, draft_spec: str | None = None) -> dict[str, Any]:
-    """The text half of the benchmark (see the module doc)."""
+               threshold: float, repeats: int, draft_spec: str | None = None,
+               methods: Sequence[str] | None = None) -> dict[str, Any]:
+    """The text half of the benchmark (see the module doc): ``methods`` (labels of
+    :data:`TEXT_METHODS`, None for all) with their baselines."""
+    table = text_methods(methods)
     from recspec.data import load_dataset
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
 
@@ -180,7 +195,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     target_s, draft_s = call_cost(model, draft, ids[0])
     cost = draft_s / target_s
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
-            TEXT_METHODS.items()}
+            table.items()}
     calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
              for label, (method, options) in runs.items()}
     times, outputs = time_per_user(calls, ids, repeats)
@@ -188,7 +203,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
                                                            list(runs.values()), pad, eos))))
     rows = []
-    for label, (method, _, baseline) in TEXT_METHODS.items():
+    for label, (method, _, baseline) in table.items():
         texts = [tokens for result in outputs[label] for tokens in result.tokens]
         generated = sum(len(tokens) for tokens in texts)
         per_token = statistics.median(times[label]) / generated
@@ -249,7 +264,7 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_
         max_new_tokens: int = 48, repeats: int = 3, gamma: int = 4, beams: int = 2, draft_width: int = 4,
         threshold: float = 0.7, temperature: float = 1.0, candidates: int = 10, rec_target: Path | None = None,
         rec_draft: Path | None = None, ks: Sequence[int] = (10,), users: int = 32, quality_users: int = 500,
-        text: bool = True, name: str = "sampling") -> str:
+        text: bool = True, name: str = "sampling", methods: Sequence[str] | None = None) -> str:
     """Run the benchmark; write ``{name}.json`` / ``{name}.md``; return the Markdown."""
     reuse_freed_memory()
     base = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature), gamma=gamma, candidates=candidates,
@@ -260,7 +275,7 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_
     parts = ["# Sampling decoders: speculative sampling, TopK-ImpSpecDec, DSBD"]
     if text:
         results["text"] = bench_text(target, draft_layers, candidate_layers, prompts, base, threshold, repeats,
-                                     draft_spec)
+                                     draft_spec, methods)
         t = results["text"]
         parts += [
             f"## Text: {len(t['prompts'])} MovieLens user-profile prompts, {target}, up to {max_new_tokens} new tokens",
