@@ -165,6 +165,7 @@ def test_theorem_3_8() -> None:
     assert expected_tokens_per_call(0.0, 4) == 1.0 and expected_tokens_per_call(1.0, 4) == 5.0
     assert math.isclose(expected_tokens_per_call(0.5, 2), 1.75)
     assert math.isclose(expected_speedup(0.8, 3, 0.05), (1 - 0.8 ** 4) / (0.2 * 1.15))
+    assert math.isclose(expected_speedup(0.8, 3, 0.05, verify_ratio=1.4), (1 - 0.8 ** 4) / (0.2 * 1.55))
 
 
 def test_warp_top_k_top_p() -> None:

@@ -343,6 +343,7 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     assert [row["method"] for row in result["rows"]][:4] == ["sample", "spec-sample", "topk-imp", "beam-sample"]
     assert {row["method"] for row in result["rows"]} >= {"dsbd", "dsbd-dynamic", "dsbd-one-cache"}
     assert 0 < result["c"] < 0.5 and result["drafts"][-1]["layers"] == f"distilled: {tmp_path / 'head'}"
+    assert 0.5 < result["verify_ratio"] < 5  # the 3-token verifying call, in one-token calls
     chosen = bench_text(str(smollm2_dir), "0,29", ("0,29",), 2, base, 0.7, 1, str(tmp_path / "head"),
                         methods=["dsbd-dynamic"])  # a method comes with its baseline
     assert [row["method"] for row in chosen["rows"]] == ["beam-sample", "dsbd-dynamic"]

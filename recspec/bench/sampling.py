@@ -12,8 +12,9 @@ another distribution, against ``sample``), the acceptance (Leviathan's ``alpha``
 the average accepted length (drafted tokens or layers accepted per round), the quality (the
 target's mean log-likelihood per generated token), the peak memory of one prompt (measured in a
 separate process, :mod:`recspec.bench.memory`), and the speed-up predicted from the measured
-acceptance and cost ratio ``c`` (speculative_decoding.txt Theorem 3.8; for DSBD the steps per
-iteration of dsbd.txt Theorem 3.2 over ``1 + gamma c``) next to the measured one. A first table
+acceptance and cost ratio ``c`` (speculative_decoding.txt Theorem 3.8, its denominator's 1 replaced
+by the measured cost of the verifying call over ``gamma + 1`` tokens in one-token calls; for DSBD
+the steps per iteration of dsbd.txt Theorem 3.2 over ``1 + gamma c``) next to the measured one. A first table
 justifies the draft: acceptance, ``c`` and predicted speed-up of several layer subsets.
 
 **Recommendation** (with ``--rec-target`` / ``--rec-draft``): trie-constrained beam sampling of
@@ -39,6 +40,7 @@ import torch
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.bench.spec import time_per_user
 from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call
+from recspec.decoding.cache import drop_tail
 from recspec.decoding.cost import median_seconds
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text import TextOptions, generate, log_likelihood
@@ -67,9 +69,11 @@ def _options(base: TextOptions, overrides: dict[str, Any], threshold: float) -> 
     return replace(base, **{key: threshold if value == "t" else value for key, value in overrides.items()})
 
 
-def call_cost(target, draft, prompt: torch.Tensor, repeats: int = 20) -> tuple[float, float]:
-    """Median seconds of one single-token call after the prompt's cache, target and draft (a draft
-    model, or a text head's step and draft distribution): the ``T`` and ``c T`` of Theorem 3.8."""
+def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20) -> tuple[float, float, float]:
+    """Median seconds of one call after the prompt's cache: the target over one token and over
+    ``gamma + 1`` tokens (a chain's verifying call), and the draft over one token (a draft model,
+    or a text head's step and draft distribution): the ``T``, the verifying call and the ``c T``
+    of Theorem 3.8."""
     from transformers import DynamicCache
 
     seconds = []
@@ -77,22 +81,22 @@ def call_cost(target, draft, prompt: torch.Tensor, repeats: int = 20) -> tuple[f
         cache = DynamicCache(config=target.config)
         out = target(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache, output_hidden_states=True)
         features = out.hidden_states[-1]  # [1, P - 1, H]: what a text head reads
-        for model in (target, draft):
+        for model, fed in ((target, 1), (target, gamma + 1), (draft, 1)):
             if isinstance(model, TextHeadDraft):
                 seconds.append(_head_step_seconds(model, features, prompt, repeats))
                 continue
             if model is not target:
                 cache = DynamicCache(config=model.config)
                 model(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache)
+            tokens = prompt[-1:].repeat(fed)[None]
             runs = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                model(input_ids=prompt[None, -1:], past_key_values=cache, use_cache=True)
+                model(input_ids=tokens, past_key_values=cache, use_cache=True)
                 runs.append(time.perf_counter() - start)
-                for layer in cache.layers:  # back to the prompt: the next call sees the same cache
-                    layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
+                drop_tail(cache, fed)  # back to the prompt: the next call sees the same cache
             seconds.append(statistics.median(runs))
-    return seconds[0], seconds[1]
+    return seconds[0], seconds[1], seconds[2]
 
 
 def _head_step_seconds(head: TextHeadDraft, features: torch.Tensor, prompt: torch.Tensor, repeats: int) -> float:
@@ -110,8 +114,10 @@ def _head_step_seconds(head: TextHeadDraft, features: torch.Tensor, prompt: torc
     return median_seconds(step, features.device, repeats, warmup=0)
 
 
-def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost: float) -> dict[str, Any]:
-    """Acceptance figures of one method over all prompts, and the speed-up the theorems predict."""
+def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost: float,
+                verify_ratio: float) -> dict[str, Any]:
+    """Acceptance figures of one method over all prompts, and the speed-up the theorems predict
+    (``spec-sample``'s with its verifying call's measured cost, ``verify_ratio`` one-token calls)."""
     if stats is None:
         return {}
     total = {name: float(value.sum()) for name, value in vars(stats).items()}
@@ -130,7 +136,7 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
         alpha = total["alpha_sum"] / max(total["tried"], 1e-9)
         row.update(alpha=alpha, tokens_per_target_call=total["tokens"] / max(total["target_calls"], 1e-9))
         if method == "spec-sample":
-            row["predicted_speedup"] = expected_speedup(alpha, gamma, cost)
+            row["predicted_speedup"] = expected_speedup(alpha, gamma, cost, verify_ratio)
     return row
 
 
@@ -154,11 +160,12 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
 
 def _draft_probe(model, draft, ids: list[torch.Tensor], probe: TextOptions, pad: int, eos: int) -> dict[str, Any]:
     """Acceptance, cost ratio and predicted speed-up of ``draft`` (spec-sample on 3 prompts)."""
-    seconds, draft_seconds = call_cost(model, draft, ids[0])
+    seconds, verify_seconds, draft_seconds = call_cost(model, draft, ids[0], probe.gamma)
     stats = generate("spec-sample", model, draft, ids[:3], probe, pad, eos).stats
     alpha = float(stats.alpha_sum.sum() / stats.tried.sum())
     return {"alpha": alpha, "c": draft_seconds / seconds, "target_ms": 1e3 * seconds,
-            "predicted_speedup": expected_speedup(alpha, probe.gamma, draft_seconds / seconds)}
+            "predicted_speedup": expected_speedup(alpha, probe.gamma, draft_seconds / seconds,
+                                                  verify_seconds / seconds)}
 
 
 def text_methods(chosen: Sequence[str] | None) -> dict[str, tuple[str, dict[str, Any], str]]:
@@ -192,8 +199,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     draft = text_draft_model(model, draft_spec, draft_layers, resolve_model_dir(target))
     if draft_spec is not None:
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos)})
-    target_s, draft_s = call_cost(model, draft, ids[0])
-    cost = draft_s / target_s
+    target_s, verify_s, draft_s = call_cost(model, draft, ids[0], base.gamma)
+    cost, verify_ratio = draft_s / target_s, verify_s / target_s
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
             table.items()}
     calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
@@ -211,11 +218,13 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         quality = log_likelihood(model, ids, texts, pad)
         rows.append({"method": label, "runs_s": times[label], "tokens": generated, "ms_per_token": 1e3 * per_token,
                      "baseline": baseline, "quality": float(quality.nanmean()), "peak_mib": peaks[label] / 2**20,
-                     **_acceptance(method, type(stats[0]).cat(stats) if stats else None, runs[label][1], cost)})
+                     **_acceptance(method, type(stats[0]).cat(stats) if stats else None, runs[label][1], cost,
+                                     verify_ratio)})
     by_label = {row["method"]: row for row in rows}
     for row in rows:
         row["speed_ratio"] = by_label[row["baseline"]]["ms_per_token"] / row["ms_per_token"]
     return {"prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost, "target_ms": 1e3 * target_s,
+            "verify_ratio": verify_ratio,
             "drafts": drafts, "rows": rows}
 
 
@@ -282,7 +291,8 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_
             f"Batch 1, median of {repeats} runs (methods alternate run by run), T = {temperature}, gamma = {gamma}, "
             f"W = {beams}, W_S = {draft_width}, dynamic width t = {threshold} with W_min = 1, TopK K = {candidates}. "
             f"Draft: {t['draft']} (c = {t['c']:.3f}; a target call "
-            f"{t['target_ms']:.1f} ms).",
+            f"{t['target_ms']:.1f} ms; its call over gamma + 1 tokens {t['verify_ratio']:.2f} of it, which "
+            f"spec-sample's predicted speed-up divides by instead of Theorem 3.8's 1; DSBD's prediction keeps 1).",
             "### Draft choice (spec-sample on 3 prompts, 32 tokens)",
             markdown_table(["draft (target layers)", "alpha", "c", "predicted speed-up (Thm 3.8)"],
                            [[d["layers"], d["alpha"], d["c"], f"{d['predicted_speedup']:.2f}x"] for d in t["drafts"]]),
