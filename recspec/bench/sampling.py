@@ -223,9 +223,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     by_label = {row["method"]: row for row in rows}
     for row in rows:
         row["speed_ratio"] = by_label[row["baseline"]]["ms_per_token"] / row["ms_per_token"]
-    return {"prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost, "target_ms": 1e3 * target_s,
-            "verify_ratio": verify_ratio,
-            "drafts": drafts, "rows": rows}
+    return {"prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost,
+            "target_ms": 1e3 * target_s, "verify_ratio": verify_ratio, "drafts": drafts, "rows": rows}
 
 
 def _recall(recommender: Recommender, name: str, k: int, options: DecodeOptions, users: int) -> dict[str, float]:

@@ -3,8 +3,8 @@
 ``torch.multinomial`` draws from a categorical distribution by an exponential race on the CPU:
 an exponential variate for every entry, 1.0 ms a draw over SmolLM2's 49,152-token vocabulary on
 this project's CPU, 4-6% of a speculative sampling round that draws 4 times. Inverse transform
-sampling needs one uniform per draw and a cumulative sum of the weights: 0.1 ms for the same draw
-(BENCHMARKS.md "Categorical draws"). The sum is taken in float64, so the probability of every
+sampling needs one uniform per draw and a cumulative sum of the weights: 0.15 ms for the same draw
+(BENCHMARKS.md "Row-major products"). The sum is taken in float64, so the probability of every
 entry is its weight's share up to float64 rounding.
 """
 

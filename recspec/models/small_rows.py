@@ -35,11 +35,12 @@ PRODUCTS_VERSION = 2
 
 def padded_rows(rows: int) -> int:
     """The row count to compute ``rows`` (1..128) rows with (one row is computed as two in any
-    case). ``W @ x.T`` over ``n`` columns is fast when ``n`` is a multiple of 8, fastest at 16, and up to twice as slow in between (SmolLM2's
-    1536 x 576 product: 0.25 ms for 16 rows, 0.49 ms for 14, 0.63 ms for 15). Whole calls gain
-    from padding only where the gap is wide: 10..15 rows are computed as 16 and 21..31 as the next
-    multiple of 8; measured on this project's CPU, where padding fewer rows or more cost up to 12%
-    (`recspec bench rows`, BENCHMARKS.md "Row counts")."""
+    case). ``W @ x.T`` over ``n`` columns is fast when ``n`` is a multiple of 8, fastest at 16,
+    and up to twice as slow in between (SmolLM2's 1536 x 576 product: 0.25 ms for 16 rows, 0.49
+    ms for 14, 0.63 ms for 15). Whole calls gain from padding only where the gap is wide: 10..15
+    rows are computed as 16 and 21..31 as the next multiple of 8; measured on this project's CPU,
+    where padding fewer rows or more cost up to 12% (`recspec bench rows`, BENCHMARKS.md "Row
+    counts")."""
     if 10 <= rows <= 15:
         return 16
     if 21 <= rows <= 31:
@@ -64,10 +65,9 @@ def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 1 <= rows <= MAX_SMALL_ROWS:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1]).contiguous()
-    padded = max(padded_rows(rows) if pad else rows, 2)
-    if padded > rows:
-        flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1])))
+    flat = x.reshape(rows, x.shape[-1])
+    padded = max(padded_rows(rows) if pad else rows, 2)  # the concatenation is row-major too: one copy at most
+    flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1]))) if padded > rows else flat.contiguous()
     out = torch.mm(weight, flat.T)[:, :rows].T.contiguous().view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
