@@ -957,7 +957,7 @@ def bench_rows(
     threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = 2,
     name: ResultNameOpt = "rows",
 ) -> None:
-    """One call by the tree nodes it feeds, the small-row products padded to fast row counts and not."""
+    """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not) against oneDNN from 7 rows."""
     import torch
 
     from recspec.bench.rows import run

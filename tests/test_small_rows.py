@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.small_rows import MAX_SMALL_ROWS, padded_rows, pads_rows, small_row_linear, use_small_row_products
+from recspec.models.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, SmallRowForward, onednn_computes, padded_rows,
+                                       pads_rows, small_row_linear, use_small_row_products)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -24,9 +25,24 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     assert out.shape == expected.shape and out.is_contiguous()  # row-major, as F.linear's result
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     column_major = x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() > 1 else x
-    unpadded = small_row_linear(column_major, layer.weight, layer.bias, pad=False)
-    assert unpadded.shape == expected.shape and unpadded.is_contiguous()
-    torch.testing.assert_close(unpadded, expected, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # no gradient: oneDNN's linear from 7 rows on
+        for pad in (True, False):
+            for onednn in (True, False):
+                out = small_row_linear(column_major, layer.weight, layer.bias, pad=pad, onednn=onednn)
+                assert out.shape == expected.shape and out.is_contiguous()
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_computes_five_to_128_float32_rows_without_gradient() -> None:
+    weight = torch.randn(8, 4)
+    x = torch.randn(ONEDNN_ROWS, 4)
+    with torch.no_grad():
+        assert [onednn_computes(x, weight, None, n) for n in (1, ONEDNN_ROWS - 1, ONEDNN_ROWS, MAX_SMALL_ROWS,
+                                                               MAX_SMALL_ROWS + 1)] == [False, False, True, True, False]
+        assert not onednn_computes(x.double(), weight.double(), None, ONEDNN_ROWS)
+    assert onednn_computes(x, weight, None, ONEDNN_ROWS)  # grad mode on, but nothing requires a gradient
+    assert not onednn_computes(x.requires_grad_(), weight, None, ONEDNN_ROWS)
+    assert not onednn_computes(x.detach(), weight, torch.zeros(8, requires_grad=True), ONEDNN_ROWS)
 
 
 def test_padded_row_counts_cover_the_rows() -> None:
@@ -60,22 +76,30 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
 
     patched = load_causal_lm(smollm2_dir)
     plain = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    assert patched.lm_head.forward.__func__.__name__ == "_small_row_forward"
-    assert pads_rows(patched) and not pads_rows(plain) and not pads_rows(use_small_row_products(plain, pad=False))
+    assert isinstance(patched.lm_head.forward, SmallRowForward) and patched.lm_head.forward.layer is patched.lm_head
+    assert not pads_rows(patched) and not pads_rows(plain)  # with oneDNN no row count is padded
     ids = torch.arange(100, 116)[None]
     with torch.inference_mode():
-        torch.testing.assert_close(patched(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+        expected = plain(ids).logits
+        torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        for pad in (True, False):  # MKL's products for all rows, padded or not
+            use_small_row_products(patched, pad=pad, onednn=False)
+            assert pads_rows(patched) == pad
+            torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_bench_rows_times_both_settings(smollm2_dir, tmp_path) -> None:
-    """`recspec bench rows` on the real SmolLM2: a cell per size with both settings timed every
-    round, the rows each setting computes, and its JSON, Markdown and plot written."""
+def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
+    """`recspec bench rows` on the real SmolLM2: a cell per size with every setting timed every
+    round, the rows each setting computes, and its JSON, Markdown and plot written; the model is
+    left with the default products."""
     import json
 
-    from recspec.bench.rows import run
+    from recspec.bench.rows import SETTINGS, run
 
     markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 14), repeats=1, rounds=2, name="rows")
     cells = json.loads((tmp_path / "rows.json").read_text())["cells"]
-    assert [(c["nodes"], c["rows_computed"]) for c in cells] == [(1, 1), (14, 16)]
-    assert all(len(c["plain_runs_ms"]) == len(c["padded_runs_ms"]) == 2 and c["padded_ms"] > 0 for c in cells)
-    assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 | 16 |" in markdown
+    assert [(c["nodes"], c["rows_computed"]) for c in cells] == [
+        (1, {"mkl": 2, "mkl_padded": 2, "recspec": 2}), (14, {"mkl": 14, "mkl_padded": 16, "recspec": 14})]
+    assert all(set(c["runs_ms"]) == set(SETTINGS) and all(len(t) == 2 for t in c["runs_ms"].values())
+               and min(c["ms"].values()) > 0 for c in cells)
+    assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 |" in markdown

@@ -1,13 +1,14 @@
-"""`recspec bench rows`: one target call by the number of rows (tree nodes) it feeds, with the
-small-row products padded (:func:`~recspec.models.small_rows.padded_rows`) and without.
+"""`recspec bench rows`: one target call by the number of rows (tree nodes) it feeds, under each
+setting of the small-row products (:mod:`recspec.models.small_rows`): MKL's product for every row
+count, unpadded and over :func:`~recspec.models.small_rows.padded_rows` rows, and recspec's
+default, oneDNN's linear from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on.
 
-The matrix products of a call over ``n`` rows cost a step function of ``n`` on this CPU's MKL
-(multiples of 8 fast, 16 fastest, counts in between up to twice as slow), so a tree call's cost is
-not ``F + r n``: a 14-node call was measured slower than a 16-node one. Padding computes the
-products over a fast row count. For each ``n`` both settings are timed alternately
-(:func:`~recspec.decoding.cost.measure_call_cost` over a cache of ``past`` tokens, median of
-``repeats`` calls), ``rounds`` times, each figure the median over rounds; the ratio is the side-by-
-side speed-up of padding. Writes JSON, Markdown and a plot.
+MKL's products cost a step function of ``n`` on this CPU (multiples of 8 fast, 16 fastest, counts
+in between up to twice as slow), so a tree call's cost is not ``F + r n``; padding computes them
+over a fast row count, and oneDNN's linear grows smoothly and is faster from 7 rows on. For each
+``n`` the settings are timed in turn (:func:`~recspec.decoding.cost.measure_call_cost` over a
+cache of ``past`` tokens, median of ``repeats`` calls), ``rounds`` times, each figure the median
+over rounds; the ratios are side-by-side speed-ups of the default. Writes JSON, Markdown and a plot.
 """
 
 from __future__ import annotations
@@ -21,37 +22,52 @@ from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory
                                   write_results)
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.hf import load_causal_lm
-from recspec.models.small_rows import padded_rows, use_small_row_products
+from recspec.models.small_rows import ONEDNN_ROWS, padded_rows, use_small_row_products
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
+#: Name -> (pad, onednn) of :func:`~recspec.models.small_rows.use_small_row_products`; the last is the default.
+SETTINGS = {"mkl": (False, False), "mkl_padded": (True, False), "recspec": (True, True)}
+
+
+def rows_computed(n: int) -> dict[str, int]:
+    """The rows each setting computes a call over ``n`` nodes with (MKL computes one row as two)."""
+    return {"mkl": max(n, 2), "mkl_padded": max(padded_rows(n), 2),
+            "recspec": n if n >= ONEDNN_ROWS else max(padded_rows(n), 2)}
 
 
 def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, repeats: int = 5,
         rounds: int = 3, name: str = "rows") -> str:
-    """Time one call of every size in ``sizes`` padded and unpadded; write ``name.{json,md,png}``
+    """Time one call of every size in ``sizes`` under every setting; write ``name.{json,md,png}``
     into ``out`` and return the Markdown."""
     reuse_freed_memory()
     lm = load_causal_lm(model)
     cells = []
     for n in sizes:
-        runs: dict[bool, list[float]] = {True: [], False: []}
+        runs: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
         for r in range(rounds):
-            for pad in turn_order((True, False), r):
-                use_small_row_products(lm, pad=pad)
-                runs[pad].append(measure_call_cost(lm, 1, n, repeats, past_len=past))
-        plain, padded = statistics.median(runs[False]), statistics.median(runs[True])
-        cells.append({"nodes": n, "rows_computed": padded_rows(n), "plain_ms": 1e3 * plain,
-                      "padded_ms": 1e3 * padded, "speedup": plain / padded,
-                      "plain_runs_ms": [1e3 * s for s in runs[False]], "padded_runs_ms": [1e3 * s for s in runs[True]]})
-    one = cells[0]["padded_ms"] if sizes[0] == 1 else None
-    table = markdown_table(["nodes", "rows computed", "unpadded ms", "padded ms", "padding speed-up"]
-                           + (["padded x one node"] if one else []),
-                           [[c["nodes"], c["rows_computed"], round(c["plain_ms"], 1), round(c["padded_ms"], 1),
-                             f"{c['speedup']:.2f}x"] + ([f"{c['padded_ms'] / one:.2f}"] if one else []) for c in cells])
-    markdown = (f"# One call of {model} by rows fed, small-row products padded and not\n\n"
+            for setting in turn_order(tuple(SETTINGS), r):
+                use_small_row_products(lm, *SETTINGS[setting])
+                runs[setting].append(1e3 * measure_call_cost(lm, 1, n, repeats, past_len=past))
+        ms = {setting: statistics.median(times) for setting, times in runs.items()}
+        cells.append({"nodes": n, "rows_computed": rows_computed(n), "ms": ms, "runs_ms": runs,
+                      "speedup_over_mkl": ms["mkl"] / ms["recspec"],
+                      "speedup_over_mkl_padded": ms["mkl_padded"] / ms["recspec"]})
+    use_small_row_products(lm)
+    one = cells[0]["ms"]["recspec"] if sizes[0] == 1 else None
+    table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "recspec ms", "x MKL", "x MKL padded"]
+                           + (["recspec x one node"] if one else []),
+                           [[c["nodes"], round(c["ms"]["mkl"], 1),
+                             f"{c['ms']['mkl_padded']:.1f} ({c['rows_computed']['mkl_padded']})",
+                             round(c["ms"]["recspec"], 1), f"{c['speedup_over_mkl']:.2f}x",
+                             f"{c['speedup_over_mkl_padded']:.2f}x"]
+                            + ([f"{c['ms']['recspec'] / one:.2f}"] if one else []) for c in cells])
+    markdown = (f"# One call of {model} by rows fed, under each setting of the small-row products\n\n"
                 f"One row of {past} cached tokens, n new tree nodes; median of {repeats} calls, median over "
-                f"{rounds} alternating rounds.\n\n{table}\n")
-    results: dict[str, Any] = {"model": model, "past": past, "repeats": repeats, "rounds": rounds, "cells": cells}
+                f"{rounds} rounds, settings in turn. MKL: `W @ x.T` for every row count (one row as two), "
+                f"padded: over `padded_rows` rows; recspec: oneDNN's linear from {ONEDNN_ROWS} rows on, MKL "
+                f"below.\n\n{table}\n")
+    results: dict[str, Any] = {"model": model, "past": past, "repeats": repeats, "rounds": rounds,
+                               "onednn_rows": ONEDNN_ROWS, "cells": cells}
     write_results(out, name, results, markdown)
     _plot(out / f"{name}.png", cells, model)
     return markdown
@@ -60,8 +76,9 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
 def _plot(path: Path, cells: list[dict[str, Any]], model: str) -> None:
     figure, axis = new_figure(figsize=(7, 4))
     nodes = [c["nodes"] for c in cells]
-    axis.plot(nodes, [c["plain_ms"] for c in cells], "--s", label="unpadded")
-    axis.plot(nodes, [c["padded_ms"] for c in cells], "-o", label="padded (recspec)")
+    for setting, style, label in (("mkl", ":^", "MKL"), ("mkl_padded", "--s", "MKL, padded rows"),
+                                  ("recspec", "-o", f"recspec (oneDNN from {ONEDNN_ROWS} rows)")):
+        axis.plot(nodes, [c["ms"][setting] for c in cells], style, label=label)
     axis.set_xlabel("tree nodes fed in one call")
     axis.set_ylabel("ms per call")
     axis.set_title(f"{model}: one call by rows fed")

@@ -1,25 +1,32 @@
-"""Linear layers over a few rows on the CPU, computed as ``W @ x.T`` over row-major rows.
+"""Linear layers over a few rows on the CPU: matrix products chosen by the number of rows.
 
-On the CPUs this project runs on (MKL, AVX2, fp32), ``torch.nn.functional.linear`` with 2 to
-128 input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 10 ms for
-one row and 3.7 ms for the same product written ``W @ x.T`` (BENCHMARKS.md, knowledge section).
-One row is no better: a matrix-vector product streams the weights at a third of the speed of the
-same product over two rows (the output layer: 10 ms against 3.7 ms), so one row is computed as two.
-The product is fast only while ``x`` is row-major (``x.T`` a transposed view); over a column-major
-``x`` the kernel is 2-4x slower, and so is the SDPA attention over queries in that layout (it
-falls back from the flash kernel to the math one). ``(W @ x.T).T`` itself is column-major, so the
-result is made row-major again: a copy of ``rows x out`` floats, against a 1.2-1.7x slower call
-without it (BENCHMARKS.md "Row-major products").
+On the CPUs this project runs on (fp32, 2 threads), ``torch.nn.functional.linear`` with 2 to 128
+input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 3.7 ms for the
+same product written ``W @ x.T`` (BENCHMARKS.md, knowledge section). Two kernels do better, each
+over its own range of rows (BENCHMARKS.md "Row-major products" and "oneDNN products"):
 
-:func:`use_small_row_products` gives every ``nn.Linear`` of a model a forward that computes
-1..128 rows on the CPU that way: the same product with another summation order (float noise of
-order 1e-6), the fast path for everything else. Row counts the matrix kernels handle slowly are
-padded with zero rows to one they handle fast (:func:`padded_rows`).
+* **1..6 rows: MKL's** ``W @ x.T`` over row-major rows. One row is computed as two: a matrix-
+  vector product streams the weights at a third of the speed of the same product over two rows
+  (the output layer: 10 ms against 3.7 ms). The product is fast only while ``x`` is row-major
+  (``x.T`` a transposed view); over a column-major ``x`` it is 2-4x slower, and so is the SDPA
+  attention over queries in that layout (it falls back from the flash kernel to the math one).
+  ``(W @ x.T).T`` itself is column-major, so the result is made row-major again.
+* **7..128 rows: oneDNN's** linear (``torch.ops.mkldnn._linear_pointwise``, the kernel
+  ``torch.compile`` lowers linear layers to on the CPU). From 8 rows on it beats the MKL product
+  on every SmolLM2 shape, by 1.1-1.9x (the output layer over 16 rows: 10.5 ms against 17.6 ms),
+  and its cost grows smoothly with the rows, where MKL's is a step function (multiples of 8 fast,
+  counts in between up to twice as slow). Whole SmolLM2 calls, side by side: 5 rows 0.84x, 6
+  rows 0.98x, 7 rows 1.11x, 9-64 rows 1.06-1.31x over padded MKL products. It has no
+  gradient, so a product that needs one, and any dtype other than float32 or a build without
+  oneDNN, keeps the MKL product, over :func:`padded_rows` rows (zero rows added, their outputs
+  dropped) where that count is faster.
+
+:func:`use_small_row_products` gives every ``nn.Linear`` of a model this forward: the same
+product with another summation order (float noise of order 1e-6), the fast path for everything
+else.
 """
 
 from __future__ import annotations
-
-from types import MethodType
 
 import torch
 from torch import nn
@@ -27,20 +34,24 @@ from torch.nn import functional as F
 
 MAX_SMALL_ROWS = 128
 
+#: The fewest rows computed with oneDNN's linear (fewer: MKL's product; measured per shape and
+#: per whole call on this project's CPU, `recspec bench rows`).
+ONEDNN_ROWS = 7
+
 #: The version of the small-row forward. Kept timing records (:mod:`recspec.calibration`) carry it,
 #: so a change to how calls are computed has them measured again: 2 made products row-major and one
-#: row two (1.2-1.7x faster calls of 1-5 rows than 1).
-PRODUCTS_VERSION = 2
+#: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN.
+PRODUCTS_VERSION = 3
 
 
 def padded_rows(rows: int) -> int:
-    """The row count to compute ``rows`` (1..128) rows with (one row is computed as two in any
-    case). ``W @ x.T`` over ``n`` columns is fast when ``n`` is a multiple of 8, fastest at 16,
-    and up to twice as slow in between (SmolLM2's 1536 x 576 product: 0.25 ms for 16 rows, 0.49
-    ms for 14, 0.63 ms for 15). Whole calls gain from padding only where the gap is wide: 10..15
-    rows are computed as 16 and 21..31 as the next multiple of 8; measured on this project's CPU,
-    where padding fewer rows or more cost up to 12% (`recspec bench rows`, BENCHMARKS.md "Row
-    counts")."""
+    """The row count the MKL product computes ``rows`` (1..128) rows with (one row is computed as
+    two in any case). ``W @ x.T`` over ``n`` columns is fast when ``n`` is a multiple of 8, fastest
+    at 16, and up to twice as slow in between (SmolLM2's 1536 x 576 product: 0.25 ms for 16 rows,
+    0.49 ms for 14, 0.63 ms for 15). Whole calls gain from padding only where the gap is wide:
+    10..15 rows are computed as 16 and 21..31 as the next multiple of 8; measured on this
+    project's CPU, where padding fewer rows or more cost up to 12% (`recspec bench rows`,
+    BENCHMARKS.md "Row counts")."""
     if 10 <= rows <= 15:
         return 16
     if 21 <= rows <= 31:
@@ -48,45 +59,64 @@ def padded_rows(rows: int) -> int:
     return rows
 
 
-def pads_rows(model: nn.Module) -> bool:
-    """Whether calls of ``model`` compute :func:`padded_rows` rows: it sits on the CPU and its
-    linear layers have the padded small-row forward (:func:`use_small_row_products`)."""
-    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
-    return bool(linears) and all(getattr(module.forward, "__func__", None) is _small_row_forward
-                                 and module.weight.device.type == "cpu" for module in linears)
+def has_onednn(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear computes products of ``dtype`` here: float32 on a build with oneDNN."""
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def onednn_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+    """Whether :func:`small_row_linear` computes ``rows`` rows of ``x`` with oneDNN: 7..128 rows
+    (:func:`has_onednn`), no gradient asked for."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad))
+    return ONEDNN_ROWS <= rows <= MAX_SMALL_ROWS and x.dtype == weight.dtype and has_onednn(x.dtype) and not needs_grad
 
 
 def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     pad: bool = True) -> torch.Tensor:
+                     pad: bool = True, onednn: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of shape ``[..., in]`` and ``weight`` ``[out, in]``;
-    1..128 rows on the CPU as ``(W @ x.T).T`` over row-major rows (one row as two), over
-    :func:`padded_rows` rows with ``pad`` (zero rows added, their outputs dropped); the result
+    1..128 rows on the CPU with the kernel the module doc gives them (``onednn=False``: MKL's for
+    all, as before version 3), MKL's over :func:`padded_rows` rows with ``pad``; the result
     row-major, shape ``[..., out]``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 1 <= rows <= MAX_SMALL_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
+    if onednn and onednn_computes(x, weight, bias, rows):
+        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), weight, bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
     padded = max(padded_rows(rows) if pad else rows, 2)  # the concatenation is row-major too: one copy at most
     flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1]))) if padded > rows else flat.contiguous()
     out = torch.mm(weight, flat.T)[:, :rows].T.contiguous().view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
-def _small_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """:func:`small_row_linear` with the layer's weight and bias."""
-    return small_row_linear(x, self.weight, self.bias)
+class SmallRowForward:
+    """The forward :func:`use_small_row_products` gives a linear layer: :func:`small_row_linear`
+    with the layer's weight and bias and the chosen kernels (``pad``, ``onednn``)."""
+
+    def __init__(self, layer: nn.Linear, pad: bool, onednn: bool) -> None:
+        self.layer, self.pad, self.onednn = layer, pad, onednn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return small_row_linear(x, self.layer.weight, self.layer.bias, self.pad, self.onednn)
 
 
-def _unpadded_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """:func:`small_row_linear` with the layer's weight and bias, rows not padded."""
-    return small_row_linear(x, self.weight, self.bias, pad=False)
+def pads_rows(model: nn.Module) -> bool:
+    """Whether calls of ``model`` compute :func:`padded_rows` rows: it sits on the CPU and its
+    linear layers have the padded small-row forward (:func:`use_small_row_products`) with MKL's
+    product over every row count (with oneDNN, no row count it computes is ever padded)."""
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    return bool(linears) and all(isinstance(module.forward, SmallRowForward) and module.forward.pad
+                                 and not (module.forward.onednn and has_onednn(module.weight.dtype))
+                                 and module.weight.device.type == "cpu" for module in linears)
 
 
-def use_small_row_products(model: nn.Module, pad: bool = True) -> nn.Module:
-    """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``pad=False``: without
-    :func:`padded_rows`, what `recspec bench rows` compares against); returns ``model``."""
-    forward = _small_row_forward if pad else _unpadded_forward
+def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True) -> nn.Module:
+    """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``onednn=False``: MKL's
+    product for every row count, ``pad=False``: without :func:`padded_rows`, the settings `recspec
+    bench rows` compares); returns ``model``."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = MethodType(forward, module)
+            module.forward = SmallRowForward(module, pad, onednn)
     return model
