@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory, save_figure, turn_order,
                                   write_results)
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.hf import load_causal_lm
-from recspec.models.small_rows import ONEDNN_ROWS, padded_rows, use_small_row_products
+from recspec.models.small_rows import ONEDNN_ROWS, has_onednn, padded_rows, use_small_row_products
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
 #: Name -> (pad, onednn) of :func:`~recspec.models.small_rows.use_small_row_products`; the last is the default.
@@ -30,9 +32,10 @@ SETTINGS = {"mkl": (False, False), "mkl_padded": (True, False), "recspec": (True
 
 
 def rows_computed(n: int) -> dict[str, int]:
-    """The rows each setting computes a call over ``n`` nodes with (MKL computes one row as two)."""
-    return {"mkl": max(n, 2), "mkl_padded": max(padded_rows(n), 2),
-            "recspec": n if n >= ONEDNN_ROWS else max(padded_rows(n), 2)}
+    """The rows each setting computes a float32 call over ``n`` nodes with (MKL computes one row as
+    two; without oneDNN the default computes what padded MKL does)."""
+    onednn = ONEDNN_ROWS <= n and has_onednn(torch.float32)
+    return {"mkl": max(n, 2), "mkl_padded": max(padded_rows(n), 2), "recspec": n if onednn else max(padded_rows(n), 2)}
 
 
 def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, repeats: int = 5,
