@@ -3,7 +3,7 @@
 On the CPUs this project runs on (fp32, 2 threads), ``torch.nn.functional.linear`` with 2 to 128
 input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 3.7 ms for the
 same product written ``W @ x.T`` (BENCHMARKS.md, knowledge section). Two kernels do better, each
-over its own range of rows (BENCHMARKS.md "Row-major products" and "oneDNN products"):
+over its own range of rows (BENCHMARKS.md "Row-major products" and "oneDNN products from 7 rows"):
 
 * **1..6 rows: MKL's** ``W @ x.T`` over row-major rows. One row is computed as two: a matrix-
   vector product streams the weights at a third of the speed of the same product over two rows
@@ -16,10 +16,11 @@ over its own range of rows (BENCHMARKS.md "Row-major products" and "oneDNN produ
   on every SmolLM2 shape, by 1.1-1.9x (the output layer over 16 rows: 10.5 ms against 17.6 ms),
   and its cost grows smoothly with the rows, where MKL's is a step function (multiples of 8 fast,
   counts in between up to twice as slow). Whole SmolLM2 calls, side by side: 5 rows 0.84x, 6
-  rows 0.98x, 7 rows 1.11x, 9-64 rows 1.06-1.31x over padded MKL products. It has no
-  gradient, so a product that needs one, and any dtype other than float32 or a build without
-  oneDNN, keeps the MKL product, over :func:`padded_rows` rows (zero rows added, their outputs
-  dropped) where that count is faster.
+  rows 0.98x, 7 rows 1.11x, and from 9 rows 1.14-1.16x over padded MKL products (the median
+  over sizes of two `recspec bench rows` runs). The op has no autograd kernel (backpropagating
+  through it silently yields no gradient), so a product that needs a gradient, and any dtype
+  other than float32 or a build without oneDNN, keeps the MKL product, over :func:`padded_rows`
+  rows (zero rows added, their outputs dropped) where that count is faster.
 
 :func:`use_small_row_products` gives every ``nn.Linear`` of a model this forward: the same
 product with another summation order (float noise of order 1e-6), the fast path for everything
