@@ -33,7 +33,7 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
                 torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_onednn_computes_five_to_128_float32_rows_without_gradient() -> None:
+def test_onednn_computes_7_to_128_float32_rows_without_gradient() -> None:
     weight = torch.randn(8, 4)
     x = torch.randn(ONEDNN_ROWS, 4)
     with torch.no_grad():

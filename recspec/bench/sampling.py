@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import multiprocessing
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -89,13 +88,12 @@ def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20
                 cache = DynamicCache(config=model.config)
                 model(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache)
             tokens = prompt[-1:].repeat(fed)[None]
-            runs = []
-            for _ in range(repeats):
-                start = time.perf_counter()
+
+            def call() -> None:  # timed at once, in this iteration
                 model(input_ids=tokens, past_key_values=cache, use_cache=True)
-                runs.append(time.perf_counter() - start)
-                drop_tail(cache, fed)  # back to the prompt: the next call sees the same cache
-            seconds.append(statistics.median(runs))
+                drop_tail(cache, fed)  # back to the prompt (a view): the next call sees the same cache
+
+            seconds.append(median_seconds(call, prompt.device, repeats, warmup=0))
     return seconds[0], seconds[1], seconds[2]
 
 
@@ -158,9 +156,11 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
     return peaks
 
 
-def _draft_probe(model, draft, ids: list[torch.Tensor], probe: TextOptions, pad: int, eos: int) -> dict[str, Any]:
-    """Acceptance, cost ratio and predicted speed-up of ``draft`` (spec-sample on 3 prompts)."""
-    seconds, verify_seconds, draft_seconds = call_cost(model, draft, ids[0], probe.gamma)
+def _draft_probe(model, draft, ids: list[torch.Tensor], probe: TextOptions, pad: int, eos: int,
+                 costs: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """Acceptance, cost ratio and predicted speed-up of ``draft`` (spec-sample on 3 prompts);
+    ``costs``: its :func:`call_cost` on ``ids[0]`` at ``probe.gamma`` where already measured."""
+    seconds, verify_seconds, draft_seconds = costs or call_cost(model, draft, ids[0], probe.gamma)
     stats = generate("spec-sample", model, draft, ids[:3], probe, pad, eos).stats
     alpha = float(stats.alpha_sum.sum() / stats.tried.sum())
     return {"alpha": alpha, "c": draft_seconds / seconds, "target_ms": 1e3 * seconds,
@@ -197,9 +197,10 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     drafts = [{"layers": layers, **_draft_probe(model, text_draft_model(model, None, layers), ids, probe, pad, eos)}
               for layers in candidate_layers]
     draft = text_draft_model(model, draft_spec, draft_layers, resolve_model_dir(target))
+    costs = call_cost(model, draft, ids[0], base.gamma)  # probe.gamma is base.gamma
     if draft_spec is not None:
-        drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos)})
-    target_s, verify_s, draft_s = call_cost(model, draft, ids[0], base.gamma)
+        drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos, costs)})
+    target_s, verify_s, draft_s = costs
     cost, verify_ratio = draft_s / target_s, verify_s / target_s
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
             table.items()}
