@@ -947,6 +947,25 @@ def bench_ray(
     typer.echo(run(_results_dir(out), target, model, decoder, k, batch_size, items, max_new_tokens, repeats, name))
 
 
+@bench_app.command("curve")
+def bench_curve(
+    run: Annotated[list[Path], typer.Option(help="Training folders with a train_log.jsonl (repeatable).")],
+    label: Annotated[list[str], typer.Option(help="A name for each --run, in the same order.")],
+    threads: Annotated[list[int], typer.Option(help="The torch threads each --run trained with.")],
+    metric: Annotated[str, typer.Option(help="The logged metric to plot.")] = "valid_acceptance",
+    column: Annotated[Optional[list[str]], typer.Option(help="Further logged values to tabulate.")] = None,
+    budget: Annotated[float, typer.Option(help="CPU-minutes within which the best value is reported.")] = 60.0,
+    target: Annotated[Optional[float], typer.Option(help="A target value, drawn as a dashed line.")] = None,
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "curve",
+) -> None:
+    """Validation curves of training runs side by side against CPU-minutes (from their train_log.jsonl)."""
+    from recspec.bench.curve import run as write_curves
+
+    _positive(threads=min(threads), budget=budget)
+    typer.echo(write_curves(_results_dir(out), run, label, threads, metric, column or [], budget, target, name))
+
+
 @bench_app.command("rows")
 def bench_rows(
     out: ResultsOpt = Path("benchmarks/results"),

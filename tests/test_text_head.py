@@ -17,6 +17,7 @@ from recspec.align.distill import CHECKPOINT, corpus_split
 from recspec.align.head import HeadStore
 from recspec.align.text_head import (ACCEPTANCE, ACCEPTANCE_2, FEATURES, HeadDistillConfig, TextHeadTask,
                                      corpus_features, distill_head, draft_vocabulary)
+from recspec.bench.curve import run as write_curves
 from recspec.decoding.scorer import score_tree_features
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
@@ -165,6 +166,34 @@ def test_resume_is_exact_and_the_log_complete(runs) -> None:
     assert all(torch.equal(left[k], right[k]) for k in left), "resumed weights differ from the uninterrupted run's"
     with pytest.raises(RecspecError, match="other settings"):
         distill_head("smollm2", resumed, HeadDistillConfig(prompts=16, max_new_tokens=6), progress=False)
+
+
+def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
+    """`recspec bench curve` over the two runs' real logs: CPU-minutes are the running sum of
+    training and evaluation seconds times the threads, the partial epoch is labelled, the best
+    value respects the budget, and bad input is refused before anything is written."""
+    import json
+
+    resumed, whole, history = runs
+    markdown = write_curves(tmp_path, [resumed, whole], ["resumed", "whole"], [2, 1], ACCEPTANCE,
+                            [ACCEPTANCE_2, "train_loss"], budget=1e9, target=0.6, name="c")
+    saved = json.loads((tmp_path / "c.json").read_text())
+    curve = saved["runs"][0]["curve"]
+    seconds = [row.get("train_seconds", 0.0) + row["eval_seconds"] for row in history]
+    assert [p["cpu_minutes"] for p in curve] == pytest.approx([2 * sum(seconds[:i + 1]) / 60 for i in range(3)])
+    assert [p["label"] for p in curve] == ["0", f"1 ({history[1]['batches']}/{history[1]['of_batches']})", "1"]
+    assert saved["runs"][0]["best"][ACCEPTANCE] == max(row[ACCEPTANCE] for row in history)
+    assert "| resumed |" in markdown and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    first = curve[0]["cpu_minutes"]
+    write_curves(tmp_path, [resumed], ["r"], [2], ACCEPTANCE, [], budget=first, target=None, name="d")
+    assert json.loads((tmp_path / "d.json").read_text())["runs"][0]["best"]["label"] == "0"
+    with pytest.raises(RecspecError, match="logs no 'recall'"):
+        write_curves(tmp_path, [resumed], ["r"], [2], "recall", [], budget=60, target=None, name="e")
+    with pytest.raises(RecspecError, match="missing"):
+        write_curves(tmp_path, [tmp_path], ["r"], [2], ACCEPTANCE, [], budget=60, target=None, name="e")
+    with pytest.raises(RecspecError, match="one --label"):
+        write_curves(tmp_path, [resumed, whole], ["r"], [2], ACCEPTANCE, [], budget=60, target=None, name="e")
+    assert not (tmp_path / "e.json").exists()
 
 
 def test_features_cache_is_checked(runs, lm, tmp_path: Path) -> None:
