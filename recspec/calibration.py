@@ -36,6 +36,7 @@ from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
+from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 
@@ -50,8 +51,9 @@ def _digest(record: dict[str, Any]) -> str:
 
 def timing_key(device: torch.device | str) -> dict[str, Any]:
     """What any timing on this machine depends on besides the models: the device, torch's thread
-    count and the version of recspec's small-row products."""
-    return {"device": str(device), "threads": torch.get_num_threads(), "products": PRODUCTS_VERSION}
+    count and the versions of recspec's small-row products and attention."""
+    return {"device": str(device), "threads": torch.get_num_threads(), "products": PRODUCTS_VERSION,
+            "attention": ATTENTION_VERSION}
 
 
 def median_prompt_length(recommender) -> int:

@@ -974,17 +974,21 @@ def bench_rows(
     repeats: Annotated[int, typer.Option(help="Timed calls per size and setting (median).")] = 5,
     rounds: Annotated[int, typer.Option(help="Alternating rounds per size (median over them).")] = 3,
     threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = 2,
+    size: Annotated[Optional[list[int]], typer.Option(help="Tree nodes of a call (repeatable; default: 26 sizes "
+                                                           "from 1 to 64).")] = None,
     name: ResultNameOpt = "rows",
 ) -> None:
-    """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not) against oneDNN from 7 rows."""
+    """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not) against oneDNN from 7
+    rows, and packed grouped-query attention against transformers' own."""
     import torch
 
-    from recspec.bench.rows import run
+    from recspec.bench.rows import SIZES, run
 
-    if min(past, repeats, rounds, threads) < 1:
-        raise RecspecError("--past, --repeats, --rounds and --threads must be positive")
+    if min(past, repeats, rounds, threads, *(size or [1])) < 1:
+        raise RecspecError("--past, --repeats, --rounds, --threads and --size must be positive")
     torch.set_num_threads(threads)
-    typer.echo(run(_results_dir(out), model, past, repeats=repeats, rounds=rounds, name=name))
+    typer.echo(run(_results_dir(out), model, past, sizes=tuple(size or SIZES), repeats=repeats, rounds=rounds,
+                   name=name))
 
 
 @bench_app.command("cost")

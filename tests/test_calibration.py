@@ -14,6 +14,7 @@ from recspec.calibration import calibration_path, call_cost
 from recspec.decoding.cost import CallCost, fit_call_cost
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
+from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.small_rows import PRODUCTS_VERSION, use_small_row_products
 
 
@@ -69,6 +70,9 @@ def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny, monke
     monkeypatch.setattr(calibration, "PRODUCTS_VERSION", PRODUCTS_VERSION + 1)
     remeasured = call_cost(model, folder, prompt_len=16, repeats=2)
     assert read_json(path)["products"] == PRODUCTS_VERSION + 1 and remeasured.samples != padded.samples
+    monkeypatch.setattr(calibration, "ATTENTION_VERSION", ATTENTION_VERSION + 1)  # so does a newer attention
+    again = call_cost(model, folder, prompt_len=16, repeats=2)
+    assert read_json(path)["attention"] == ATTENTION_VERSION + 1 and again.samples != remeasured.samples
 
 
 def test_weights_change_invalidates_the_record(tiny) -> None:

@@ -91,7 +91,7 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
 def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
     """`recspec bench rows` on the real SmolLM2: a cell per size with every setting timed every
     round, the rows each setting computes, and its JSON, Markdown and plot written; the model is
-    left with the default products."""
+    left with the default products and attention."""
     import json
 
     from recspec.bench.rows import SETTINGS, run
@@ -99,7 +99,8 @@ def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
     markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 14), repeats=1, rounds=2, name="rows")
     cells = json.loads((tmp_path / "rows.json").read_text())["cells"]
     assert [(c["nodes"], c["rows_computed"]) for c in cells] == [
-        (1, {"mkl": 2, "mkl_padded": 2, "recspec": 2}), (14, {"mkl": 14, "mkl_padded": 16, "recspec": 14})]
+        (1, {"mkl": 2, "mkl_padded": 2, "unpacked": 2, "recspec": 2}),
+        (14, {"mkl": 14, "mkl_padded": 16, "unpacked": 14, "recspec": 14})]
     assert all(set(c["runs_ms"]) == set(SETTINGS) and all(len(t) == 2 for t in c["runs_ms"].values())
                and min(c["ms"].values()) > 0 for c in cells)
     assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 |" in markdown

@@ -18,6 +18,7 @@ from recspec.errors import RecspecError
 from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, sha256_file, verify_checksums, write_json_atomic
 from recspec.hub import check_finite_weights, loading_errors
 from recspec.itemids.index import ItemIndex
+from recspec.models.attention import use_packed_attention
 from recspec.models.examples import PromptEncoder
 from recspec.models.tokenizer import (check_index, identifier_token_ids, load_tokenizer_dir, read_metadata,
                                       save_tokenizer)
@@ -187,11 +188,12 @@ def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu
 def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
     """The causal LM of a model folder on the CPU, in eval mode: weights from safetensors only
     (a pickle is never opened), no code from the folder (no ``trust_remote_code``), every weight
-    checked finite. ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
+    checked finite, grouped-query attention over several rows packed (:mod:`recspec.models.attention`).
+    ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
     from transformers import AutoModelForCausalLM
 
     with loading_errors(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=False)
     check_finite_weights(model, folder)
-    return model.eval()
+    return use_packed_attention(model.eval())
