@@ -12,8 +12,8 @@ module does the same for any number of query rows:
 key/value head ``h // g``, as ``repeat_kv`` pairs them), the mask ``[b, 1, q, k] -> [b, 1, g q,
 k]`` (one copy of the mask per group member, which is q x k, not the cache), one SDPA call over
 the unrepeated keys and values, and the output unpacked to ``[b, q, H, d]``. The same sums in
-the same order per query row and head, so the logits agree with transformers' own path (to
-float noise; bit for bit in the calls tested).
+the same order per query row and head, so the logits agree with transformers' own path to float
+noise (SmolLM2's logits over a 356-token cache: identical for 4 and 8 rows, within 2e-5 for 2).
 
 Measured on this project's CPU (SmolLM2, 356 cached tokens, whole calls side by side; `recspec
 bench rows`): 2-8 rows 1.06-1.10x faster, 12-32 rows 1.02-1.05x, a 2-row call then costing what
