@@ -349,17 +349,27 @@ def test_duplicate_keys_in_item_index_are_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- 8. Ctrl-C says what was kept
 
 def _interrupt_when(command: list[str], ready: str, timeout: float = 120.0) -> tuple[int, str]:
-    """Run ``recspec command``, send SIGINT once ``ready`` appears on its stderr; (exit code, stderr)."""
+    """Run ``recspec command``, send SIGINT once ``ready`` appears on its stderr; (exit code, stderr).
+    The thread reading stderr sends the signal itself, the moment the marker arrives (on a loaded
+    machine a polling loop can wake up after a short command has already finished)."""
     process = subprocess.Popen([sys.executable, "-m", "recspec.cli", *command], stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL)
     chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: process.stderr.read1(4096), b"")))
+    sent = threading.Event()
+
+    def read() -> None:
+        for chunk in iter(lambda: process.stderr.read1(4096), b""):
+            chunks.append(chunk)
+            if not sent.is_set() and ready.encode() in b"".join(chunks):
+                process.send_signal(signal.SIGINT)
+                sent.set()
+
+    reader = threading.Thread(target=read)
     reader.start()
     deadline = time.monotonic() + timeout
-    while ready.encode() not in b"".join(chunks) and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    assert ready.encode() in b"".join(chunks), b"".join(chunks).decode(errors="replace")
-    process.send_signal(signal.SIGINT)
+    while not sent.wait(0.05) and reader.is_alive() and time.monotonic() < deadline:
+        pass  # until the signal is sent, or the command ends (or hangs) without the marker
+    assert sent.is_set(), b"".join(chunks).decode(errors="replace")
     process.wait(60)
     reader.join(10)
     return process.returncode, b"".join(chunks).decode(errors="replace")
