@@ -350,10 +350,13 @@ def test_duplicate_keys_in_item_index_are_refused(tmp_path: Path) -> None:
 
 def _interrupt_when(command: list[str], ready: str, timeout: float = 120.0) -> tuple[int, str]:
     """Run ``recspec command``, send SIGINT once ``ready`` appears on its stderr; (exit code, stderr).
-    The thread reading stderr sends the signal itself, the moment the marker arrives (on a loaded
-    machine a polling loop can wake up after a short command has already finished)."""
+    The thread reading stderr sends the signal itself, the moment the marker arrives. The command
+    starts with SIGINT at its default disposition, as from a shell: an ignored SIGINT is inherited
+    across exec, and Python then installs no KeyboardInterrupt handler, so a test worker whose
+    SIGINT an earlier test left ignored would see every command run to its end (CI did)."""
     process = subprocess.Popen([sys.executable, "-m", "recspec.cli", *command], stderr=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chunks: list[bytes] = []
     sent = threading.Event()
 
