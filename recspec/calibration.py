@@ -34,9 +34,9 @@ from recspec.decoding.tree_plan import Acceptance
 from recspec.decoding.verifiers import StepVerifier
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
+from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
-from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 
