@@ -212,6 +212,42 @@ def test_features_cache_is_checked(runs, lm, tmp_path: Path) -> None:
         corpus_features(None, pairs, tmp_path, 7, 2, fingerprint, False)
 
 
+def test_features_pass_resumes_from_its_parts(runs, lm, tmp_path: Path, monkeypatch) -> None:
+    """An interrupted features pass keeps its finished parts; the next call computes only the rest,
+    and the whole equals the uninterrupted pass's (the same batches), its parts then removed."""
+    from recspec.align import text_head
+
+    resumed, _, _ = runs
+    model, tokenizer, _ = lm
+    pairs = [pair for part in corpus_split(model, tokenizer, resumed, CONFIG, False) for pair in part]
+    whole = load_state(resumed, FEATURES, "")
+    monkeypatch.setattr(text_head, "PART_BATCHES", 1)
+    compute, calls = text_head.compute_features, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(text_head, "compute_features", interrupted)
+    args = (CONFIG.batch_size, tokenizer.pad_token_id, whole["made_from"]["target"], False)
+    with pytest.raises(KeyboardInterrupt):
+        corpus_features(model, pairs, tmp_path, *args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{FEATURES}-part-00000.json",
+                                                          f"{FEATURES}-part-00000.safetensors"]
+    with pytest.raises(RecspecError, match="another corpus or target"):
+        corpus_features(model, pairs[1:], tmp_path, *args)
+    calls.clear()
+    monkeypatch.setattr(text_head, "compute_features", lambda *a, **k: calls.append(a[1]) or compute(*a, **k))
+    corpus = corpus_features(model, pairs, tmp_path, *args)
+    size = CONFIG.batch_size
+    assert calls == [pairs[start:start + size] for start in range(size, len(pairs), size)]  # part 0 read back
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{FEATURES}.json", f"{FEATURES}.safetensors"]
+    for key, value in whole["corpus"].items():
+        assert torch.equal(getattr(corpus, key), value), key
+
+
 def test_validation_acceptance_is_the_decoding_paths(runs, lm, smollm2_dir) -> None:
     """``valid_acceptance`` (one step ahead) and ``valid_acceptance_2`` (two) of the batched
     training path equal ``sum min(p, q)`` computed the slow way: the target's full forward for p,

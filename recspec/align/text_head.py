@@ -12,7 +12,9 @@ features (`recspec distill --head`), on the corpus, metric and trainer of
   They are kept in ``features.{safetensors,json}`` (float32, :mod:`recspec.statefile`: the JSON
   records the tensors' sha256, checked whenever they are read, and the corpus and target they
   came from), so an epoch costs the head alone. A cache that is damaged or made from another corpus
-  or target is refused with one line.
+  or target is refused with one line. The pass is resumable: it writes its features in parts of
+  :data:`PART_BATCHES` batches, which an interrupted run's next call reads back instead of
+  computing them again.
 * **Loss** (EAGLE-1, teacher features): input ``t`` is ``(f_t, x_{t+1})``, the head's output
   ``h_t`` is compared with ``f_{t+1}`` at every position whose next token is a response token:
   ``p(D) KL(p_D || q) + feature_weight * SmoothL1(h_t, f_{t+1})``, where ``q`` is the head's
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,10 @@ from recspec.errors import RecspecError
 from recspec.hub import resolve_model_dir
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, new_text_head, text_head_config, text_head_fingerprint
 from recspec.models.train import Trainer, autocast
-from recspec.statefile import has_state, load_state, save_state
+from recspec.statefile import has_state, load_state, save_state, state_files
 
 FEATURES = "features"
+PART_BATCHES = 32  # batches per resumable part of the features pass (about 4 minutes of SmolLM2 here)
 ACCEPTANCE_2 = "valid_acceptance_2"
 
 
@@ -113,7 +116,8 @@ def right_aligned(flat: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) 
     return torch.where(real, flat[index.clamp(min=0)], 0.0)
 
 
-def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, progress: bool) -> CorpusFeatures:
+def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, progress: bool,
+                     desc: str = "target features") -> CorpusFeatures:
     """:class:`CorpusFeatures` of ``pairs``: one target forward per ``batch_size`` pairs. The first
     batch also checks that the logits are the output layer applied to the features (no soft-capping,
     bias or scale between them), which the head relies on."""
@@ -122,8 +126,7 @@ def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, p
     features, lse = [], []
     output = target.get_output_embeddings().weight
     with torch.no_grad():
-        for start in tqdm(range(0, len(pairs), batch_size), desc="target features", unit="batch",
-                          disable=not progress):
+        for start in tqdm(range(0, len(pairs), batch_size), desc=desc, unit="batch", disable=not progress):
             batch = pair_batch(pairs[start:start + batch_size], pad_token_id)
             logits, real, hidden = response_outputs(target, batch, features=True)
             assert hidden is not None
@@ -135,24 +138,55 @@ def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, p
             lse.append(torch.logsumexp(logits, dim=-1)[real])
     lengths = torch.tensor([len(p) + len(r) for p, r in pairs])
     responses = torch.tensor([len(r) for _, r in pairs])
-    return CorpusFeatures(torch.cat(features), torch.cat(lse), torch.cat((torch.zeros(1, dtype=torch.int64),
-                          lengths.cumsum(0))), torch.cat((torch.zeros(1, dtype=torch.int64), responses.cumsum(0))))
+    return CorpusFeatures(torch.cat(features), torch.cat(lse), offsets(lengths), offsets(responses))
+
+
+def offsets(counts: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n + 1]``: where each of ``n`` consecutive runs of ``counts`` (int ``[n]``) begins, and the end."""
+    return torch.cat((torch.zeros(1, dtype=torch.int64), counts.long().cumsum(0)))
+
+
+def joined(parts: Sequence[CorpusFeatures]) -> CorpusFeatures:
+    """The :class:`CorpusFeatures` of consecutive pieces of one corpus, as one."""
+    return CorpusFeatures(torch.cat([p.features for p in parts]), torch.cat([p.lse for p in parts]),
+                          offsets(torch.cat([p.starts.diff() for p in parts])),
+                          offsets(torch.cat([p.response_starts.diff() for p in parts])))
 
 
 def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_token_id: int,
                     fingerprint: dict[str, str], progress: bool) -> CorpusFeatures:
     """The :class:`CorpusFeatures` of ``pairs`` kept in ``out_dir/features.{safetensors,json}``
     (computed and written the first time); a damaged cache, or one made from another corpus or
-    target, is refused with one line."""
+    target, is refused with one line. The pass is resumable: every :data:`PART_BATCHES` batches are
+    written as ``features-part-NNNNN`` (checked like the whole) and read back by a later call, and
+    removed once the whole is written."""
     made_from = {"target": fingerprint, "lengths": [[len(p), len(r)] for p, r in pairs]}
-    remedy = f"delete {Path(out_dir) / FEATURES}.* to compute them again"
+    remedy = f"delete {Path(out_dir) / FEATURES}* to compute them again"
     if has_state(out_dir, FEATURES):
         saved = load_state(out_dir, FEATURES, remedy)
         if saved.get("made_from") != made_from:
             raise RecspecError(f"{Path(out_dir) / FEATURES}.json: features of another corpus or target; {remedy}")
         return CorpusFeatures(**saved["corpus"])
-    corpus = compute_features(target, pairs, batch_size, pad_token_id, progress)
+    size = batch_size * PART_BATCHES
+    starts = range(0, len(pairs), size)
+    parts = []
+    for number, start in enumerate(starts):
+        name, piece = f"{FEATURES}-part-{number:05d}", pairs[start:start + size]
+        part_from = {"target": fingerprint, "start": start, "lengths": made_from["lengths"][start:start + size]}
+        if has_state(out_dir, name):
+            saved = load_state(out_dir, name, remedy)
+            if saved.get("made_from") != part_from:
+                raise RecspecError(f"{Path(out_dir) / name}.json: features of another corpus or target; {remedy}")
+            parts.append(CorpusFeatures(**saved["corpus"]))
+            continue
+        parts.append(compute_features(target, piece, batch_size, pad_token_id, progress,
+                                      desc=f"target features, part {number + 1}/{len(starts)}"))
+        save_state(out_dir, name, {"made_from": part_from, "corpus": asdict(parts[-1])})
+    corpus = joined(parts)
     save_state(out_dir, FEATURES, {"made_from": made_from, "corpus": asdict(corpus)})
+    for number in range(len(starts)):
+        for path in state_files(out_dir, f"{FEATURES}-part-{number:05d}"):
+            path.unlink(missing_ok=True)
     return corpus
 
 
