@@ -351,9 +351,10 @@ def test_duplicate_keys_in_item_index_are_refused(tmp_path: Path) -> None:
 def _interrupt_when(command: list[str], ready: str, timeout: float = 120.0) -> tuple[int, str]:
     """Run ``recspec command``, send SIGINT once ``ready`` appears on its stderr; (exit code, stderr).
     The thread reading stderr sends the signal itself, the moment the marker arrives. The command
-    starts with SIGINT at its default disposition, as from a shell: an ignored SIGINT is inherited
-    across exec, and Python then installs no KeyboardInterrupt handler, so a test worker whose
-    SIGINT an earlier test left ignored would see every command run to its end (CI did)."""
+    starts with SIGINT at its default disposition, as from an interactive shell: an ignored SIGINT
+    is inherited across exec, and Python then installs no KeyboardInterrupt handler. A test run
+    started in the background of a non-interactive shell (``make test &``, ``nohup``) ignores
+    SIGINT, and every command would then run to its end (two local CI runs did)."""
     process = subprocess.Popen([sys.executable, "-m", "recspec.cli", *command], stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
