@@ -153,6 +153,22 @@ def joined(parts: Sequence[CorpusFeatures]) -> CorpusFeatures:
                           offsets(torch.cat([p.response_starts.diff() for p in parts])))
 
 
+def feature_part(number: int) -> str:
+    """The state name of part ``number`` of a resumable features pass."""
+    return f"{FEATURES}-part-{number:05d}"
+
+
+def _kept_features(out_dir: Path, name: str, made_from: dict[str, Any], remedy: str) -> CorpusFeatures | None:
+    """The features kept as state ``name`` in ``out_dir`` (checked), or None where there are none;
+    ones made from anything but ``made_from`` are refused with one line ending in ``remedy``."""
+    if not has_state(out_dir, name):
+        return None
+    saved = load_state(out_dir, name, remedy)
+    if saved.get("made_from") != made_from:
+        raise RecspecError(f"{Path(out_dir) / name}.json: features of another corpus or target; {remedy}")
+    return CorpusFeatures(**saved["corpus"])
+
+
 def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_token_id: int,
                     fingerprint: dict[str, str], progress: bool) -> CorpusFeatures:
     """The :class:`CorpusFeatures` of ``pairs`` kept in ``out_dir/features.{safetensors,json}``
@@ -162,30 +178,24 @@ def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_to
     removed once the whole is written."""
     made_from = {"target": fingerprint, "lengths": [[len(p), len(r)] for p, r in pairs]}
     remedy = f"delete {Path(out_dir) / FEATURES}* to compute them again"
-    if has_state(out_dir, FEATURES):
-        saved = load_state(out_dir, FEATURES, remedy)
-        if saved.get("made_from") != made_from:
-            raise RecspecError(f"{Path(out_dir) / FEATURES}.json: features of another corpus or target; {remedy}")
-        return CorpusFeatures(**saved["corpus"])
+    kept = _kept_features(out_dir, FEATURES, made_from, remedy)
+    if kept is not None:
+        return kept
     size = batch_size * PART_BATCHES
     starts = range(0, len(pairs), size)
     parts = []
     for number, start in enumerate(starts):
-        name, piece = f"{FEATURES}-part-{number:05d}", pairs[start:start + size]
         part_from = {"target": fingerprint, "start": start, "lengths": made_from["lengths"][start:start + size]}
-        if has_state(out_dir, name):
-            saved = load_state(out_dir, name, remedy)
-            if saved.get("made_from") != part_from:
-                raise RecspecError(f"{Path(out_dir) / name}.json: features of another corpus or target; {remedy}")
-            parts.append(CorpusFeatures(**saved["corpus"]))
-            continue
-        parts.append(compute_features(target, piece, batch_size, pad_token_id, progress,
-                                      desc=f"target features, part {number + 1}/{len(starts)}"))
-        save_state(out_dir, name, {"made_from": part_from, "corpus": asdict(parts[-1])})
+        part = _kept_features(out_dir, feature_part(number), part_from, remedy)
+        if part is None:
+            part = compute_features(target, pairs[start:start + size], batch_size, pad_token_id, progress,
+                                    desc=f"target features, part {number + 1}/{len(starts)}")
+            save_state(out_dir, feature_part(number), {"made_from": part_from, "corpus": asdict(part)})
+        parts.append(part)
     corpus = joined(parts)
     save_state(out_dir, FEATURES, {"made_from": made_from, "corpus": asdict(corpus)})
     for number in range(len(starts)):
-        for path in state_files(out_dir, f"{FEATURES}-part-{number:05d}"):
+        for path in state_files(out_dir, feature_part(number)):
             path.unlink(missing_ok=True)
     return corpus
 
