@@ -645,6 +645,8 @@ def distill_command(
                                                                "(default 0).")] = None,
     noise: Annotated[Optional[float], typer.Option(help="--head: uniform noise on input features (default 0).")
                      ] = None,
+    tv_weight: Annotated[Optional[float], typer.Option(help="--head: weight of the acceptance's shortfall "
+                                                            "p(D) - sum min(p, q) (default 0).")] = None,
     prompts: Annotated[int, typer.Option(help="Knowledge prompts of the corpus (half users, half movies).")] = 384,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens the target samples per prompt.")] = 128,
     epochs: int = 6,
@@ -666,7 +668,8 @@ def distill_command(
     common = dict(prompts=prompts, max_new_tokens=max_new_tokens, epochs=epochs, batch_size=batch_size, lr=lr,
                   warmup_steps=warmup_steps, seed=seed)
     head_options = {name: value for name, value in (("vocab", vocab), ("feature_weight", feature_weight),
-                                                    ("ahead_weight", ahead_weight), ("noise", noise))
+                                                    ("ahead_weight", ahead_weight), ("noise", noise),
+                                                    ("tv_weight", tv_weight))
                     if value is not None}
     if head and layers is not None:
         raise RecspecError("--layers picks the target layers of a layer draft; a --head has its own layer")

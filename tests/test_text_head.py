@@ -168,6 +168,58 @@ def test_resume_is_exact_and_the_log_complete(runs) -> None:
         distill_head("smollm2", resumed, HeadDistillConfig(prompts=16, max_new_tokens=6), progress=False)
 
 
+def trained_task(runs, lm, smollm2_dir, config: HeadDistillConfig) -> tuple[TextHeadTask, list, list]:
+    """The head of the resumed run bound to SmolLM2, as a :class:`TextHeadTask` over its corpus with
+    ``config``, and the corpus's training and validation pairs."""
+    resumed, _, _ = runs
+    model, tokenizer, _ = lm
+    train, valid = corpus_split(model, tokenizer, resumed, CONFIG, False)
+    pairs = train + valid
+    fingerprint = text_head_fingerprint(smollm2_dir)
+    corpus = corpus_features(model, pairs, resumed, CONFIG.batch_size, tokenizer.pad_token_id, fingerprint, False)
+    bound = TextHeadDraft(load_text_head(resumed, smollm2_dir), model)
+    valid_rows = torch.arange(len(train), len(pairs)).numpy()
+    task = TextHeadTask(bound, pairs, corpus, torch.arange(len(train)).numpy(), valid_rows, config,
+                        tokenizer.pad_token_id, HeadStore(resumed, fingerprint, {}, TEXT_HEAD))
+    return task, train, valid
+
+
+def test_tv_term_is_the_acceptance_shortfall(runs, lm, smollm2_dir) -> None:
+    """``tv_weight`` adds ``tv_weight * (p(D) - sum min(p, q))`` to the loss: over the validation
+    rows, the loss with the term minus the loss without it is the logged ``valid_vocab_mass``
+    minus ``valid_acceptance``, and the term's gradient reaches the head."""
+    plain, with_tv = (replace(CONFIG, noise=0.0, ahead_weight=0.0, tv_weight=w) for w in (0.0, 3.0))
+    task = trained_task(runs, lm, smollm2_dir, plain)[0]
+    tasks = [task, TextHeadTask(task.bound, task.pairs, task.corpus, task.train, task.valid, with_tv, task.pad_token_id,
+                                task.head_store)]
+    rows, bound = task.valid, task.bound
+    assert len(rows) <= CONFIG.batch_size  # one validation batch: its means are the logged ones
+    scores = tasks[0].validation_scores(bound.head)
+    batch = tasks[0].pair_rows(rows)
+    losses = [task.loss(bound.head, batch, None) for task in tasks]
+    shortfall = scores["valid_vocab_mass"] - scores[ACCEPTANCE]
+    assert 0 < shortfall < 1
+    assert float((losses[1] - losses[0]).detach()) == pytest.approx(3.0 * shortfall, rel=1e-4, abs=1e-5)
+    weight = bound.head.mlp.down.weight
+    grads = [torch.autograd.grad(loss, weight)[0] for loss in losses]
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_runs_recorded_before_an_option_existed_resume(runs, smollm2_dir, tmp_path: Path) -> None:
+    """A run whose settings predate ``tv_weight`` resumes with the value it trained with (0) and
+    refuses any other."""
+    import json
+
+    _, whole, _ = runs
+    shutil.copytree(whole, tmp_path / "run", dirs_exist_ok=True)
+    settings = json.loads((tmp_path / "run" / "distill.json").read_text())
+    del settings["tv_weight"]
+    write_json_atomic(tmp_path / "run" / "distill.json", settings)
+    assert distill_head(str(smollm2_dir), tmp_path / "run", CONFIG, progress=False)["stopped"] == "epochs"
+    with pytest.raises(RecspecError, match="other settings"):
+        distill_head(str(smollm2_dir), tmp_path / "run", replace(CONFIG, tv_weight=1.0), progress=False)
+
+
 def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
     """`recspec bench curve` over the two runs' real logs: CPU-minutes are the running sum of
     training and evaluation seconds times the threads, the partial epoch is labelled, the best
@@ -252,16 +304,9 @@ def test_validation_acceptance_is_the_decoding_paths(runs, lm, smollm2_dir) -> N
     """``valid_acceptance`` (one step ahead) and ``valid_acceptance_2`` (two) of the batched
     training path equal ``sum min(p, q)`` computed the slow way: the target's full forward for p,
     the head fed one input at a time over its own cache as decoding feeds it for q."""
-    resumed, _, _ = runs
-    model, tokenizer, _ = lm
-    train, valid = corpus_split(model, tokenizer, resumed, CONFIG, False)
-    pairs = train + valid
-    fingerprint = text_head_fingerprint(smollm2_dir)
-    corpus = corpus_features(model, pairs, resumed, CONFIG.batch_size, tokenizer.pad_token_id, fingerprint, False)
-    bound = TextHeadDraft(load_text_head(resumed, smollm2_dir), model)
-    task = TextHeadTask(bound, pairs, corpus, torch.arange(len(train)).numpy(),
-                        torch.arange(len(train), len(pairs)).numpy(), CONFIG, tokenizer.pad_token_id,
-                        HeadStore(resumed, fingerprint, {}, TEXT_HEAD))
+    model = lm[0]
+    task, _, valid = trained_task(runs, lm, smollm2_dir, CONFIG)
+    bound = task.bound
     scores = task.validation_scores(bound.head)
     one, two = [], []
     with torch.inference_mode():

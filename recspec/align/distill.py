@@ -308,9 +308,11 @@ class DistillTask:
         return DraftStore(out_dir, self.tokenizer, self.info)
 
 
-def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any]):
+def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: dict[str, Any] | None = None):
     """Check ``out_dir`` (no serialized objects, writable; a run already there must have had the
-    same ``settings``), record ``settings`` in it, and load the target (frozen) and its tokenizer."""
+    same ``settings``, where a setting of ``added``, options newer than the run, counts as its
+    value there when the run does not record it), record ``settings`` in it, and load the target
+    (frozen) and its tokenizer."""
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
 
@@ -319,7 +321,7 @@ def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any]):
         refuse_object_files(out_dir, REMEDY)
     check_writable_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / SETTINGS).is_file() and read_json(out_dir / SETTINGS) != settings:
+    if (out_dir / SETTINGS).is_file() and {**(added or {}), **read_json(out_dir / SETTINGS)} != settings:
         raise RecspecError(f"{out_dir}: holds a distillation with other settings; choose another --out")
     write_json_atomic(out_dir / SETTINGS, settings)
     target, tokenizer = load_causal_lm(target_spec), load_tokenizer(target_spec)

@@ -26,7 +26,10 @@ features (`recspec distill --head`), on the corpus, metric and trainer of
   ``D`` is the whole vocabulary. ``feature_weight`` defaults to 1 (EAGLE weights the regression
   10:1 over its classification term; here the distribution term, which is what acceptance
   measures, comes first and the regression helps it). ``noise`` adds ``U(-noise, noise)`` to the
-  input features in training (EAGLE: 0.1; default off). ``ahead_weight`` adds that loss two
+  input features in training (EAGLE: 0.1; default off). ``tv_weight`` adds ``tv_weight * (p(D) -
+  sum_{v in D} min(p_v, q_v))``, the acceptance's shortfall from its ceiling (the total variation
+  on ``D``): the metric itself, which a head too small to reach ``p_D`` trades against the KL
+  otherwise (the TVD of AtSpeed's TVDKD baseline; default 0). ``ahead_weight`` adds that loss two
   steps ahead, the head fed its own guess as a draft tree's second level feeds it (the
   training-time test of HASS and EAGLE-3; default 0: EAGLE-1).
 * **Selection**: the validation acceptance ``sum_{v in D} min(p, q)`` at ``T = 1``
@@ -70,17 +73,23 @@ ACCEPTANCE_2 = "valid_acceptance_2"
 class HeadDistillConfig(CorpusConfig):
     """``vocab``: draft vocabulary size (0: all tokens); ``feature_weight``: weight of the
     feature regression; ``noise``: half-width of the uniform noise on the input features in
-    training; ``ahead_weight``: weight of the loss two steps ahead; the rest as
-    :class:`~recspec.align.distill.CorpusConfig`."""
+    training; ``ahead_weight``: weight of the loss two steps ahead; ``tv_weight``: weight of the
+    acceptance's shortfall; the rest as :class:`~recspec.align.distill.CorpusConfig`."""
 
     vocab: int = 8192
     feature_weight: float = 1.0
     noise: float = 0.0
     ahead_weight: float = 0.0
+    tv_weight: float = 0.0
 
     def checks(self) -> dict[str, bool]:
         return {**super().checks(), "vocab": self.vocab >= 0, "feature_weight": 0 <= self.feature_weight < math.inf,
-                "noise": 0 <= self.noise < math.inf, "ahead_weight": 0 <= self.ahead_weight < math.inf}
+                "noise": 0 <= self.noise < math.inf, "ahead_weight": 0 <= self.ahead_weight < math.inf,
+                "tv_weight": 0 <= self.tv_weight < math.inf}
+
+
+#: Options added after runs were recorded, with the value such a run trained with.
+ADDED_OPTIONS = {"tv_weight": 0.0}
 
 
 def draft_vocabulary(pairs: Pairs, size: int, always: Iterable[int]) -> torch.Tensor:
@@ -245,11 +254,19 @@ class TextHeadTask:
         return loss
 
     def guess_loss(self, guessed: torch.Tensor, target: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
-        """``p(D) KL(p_D || q)`` plus ``feature_weight`` times the smooth-L1 regression, means over
-        ``n`` rows: the head's guesses ``[n, H]``, the target's features ``[n, H]`` and its
-        log-probs on the draft vocabulary ``[n, D]``."""
-        regression = torch.nn.functional.smooth_l1_loss(guessed.float(), target)
-        return support_kl(log_p, self.bound.log_probs(guessed)).mean() + self.config.feature_weight * regression
+        """``p(D) KL(p_D || q)`` plus ``feature_weight`` times the smooth-L1 regression plus
+        ``tv_weight`` times the acceptance's shortfall ``p(D) - sum min(p, q)``, means over ``n``
+        rows: the head's guesses ``[n, H]``, the target's features ``[n, H]`` and its log-probs on
+        the draft vocabulary ``[n, D]``."""
+        config = self.config
+        log_q = self.bound.log_probs(guessed)
+        loss = support_kl(log_p, log_q).mean()
+        if config.feature_weight:
+            loss = loss + config.feature_weight * torch.nn.functional.smooth_l1_loss(guessed.float(), target)
+        if config.tv_weight:
+            every = torch.ones(len(log_p), dtype=torch.bool, device=log_p.device)
+            loss = loss + config.tv_weight * (log_p.exp().sum(dim=-1) - acceptance(log_p, log_q, every)).mean()
+        return loss
 
     def validation_scores(self, model) -> dict[str, float]:
         """Mean per-token acceptance one step ahead (``valid_acceptance``, the selection metric)
@@ -337,7 +354,8 @@ def distill_head(target_spec: str, out_dir: Path, config: HeadDistillConfig = He
     head; returns the run's summary (as :func:`~recspec.align.distill.distill`)."""
     from recspec.knowledge.decode import eos_ids
 
-    target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), "head": True, **asdict(config)})
+    target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), "head": True, **asdict(config)},
+                                 ADDED_OPTIONS)
     text_head_config(target, 0)  # an unsupported target fails before sampling
     fingerprint = text_head_fingerprint(resolve_model_dir(target_spec))
     train, valid = corpus_split(target, tokenizer, out_dir, config, progress)
