@@ -168,9 +168,9 @@ def test_resume_is_exact_and_the_log_complete(runs) -> None:
         distill_head("smollm2", resumed, HeadDistillConfig(prompts=16, max_new_tokens=6), progress=False)
 
 
-def trained_task(runs, lm, smollm2_dir, config: HeadDistillConfig) -> tuple[TextHeadTask, list, list]:
+def trained_task(runs, lm, smollm2_dir, config: HeadDistillConfig) -> tuple[TextHeadTask, list]:
     """The head of the resumed run bound to SmolLM2, as a :class:`TextHeadTask` over its corpus with
-    ``config``, and the corpus's training and validation pairs."""
+    ``config``, and the corpus's validation pairs."""
     resumed, _, _ = runs
     model, tokenizer, _ = lm
     train, valid = corpus_split(model, tokenizer, resumed, CONFIG, False)
@@ -181,7 +181,7 @@ def trained_task(runs, lm, smollm2_dir, config: HeadDistillConfig) -> tuple[Text
     valid_rows = torch.arange(len(train), len(pairs)).numpy()
     task = TextHeadTask(bound, pairs, corpus, torch.arange(len(train)).numpy(), valid_rows, config,
                         tokenizer.pad_token_id, HeadStore(resumed, fingerprint, {}, TEXT_HEAD))
-    return task, train, valid
+    return task, valid
 
 
 def test_tv_term_is_the_acceptance_shortfall(runs, lm, smollm2_dir) -> None:
@@ -190,13 +190,13 @@ def test_tv_term_is_the_acceptance_shortfall(runs, lm, smollm2_dir) -> None:
     minus ``valid_acceptance``, and the term's gradient reaches the head."""
     plain, with_tv = (replace(CONFIG, noise=0.0, ahead_weight=0.0, tv_weight=w) for w in (0.0, 3.0))
     task = trained_task(runs, lm, smollm2_dir, plain)[0]
-    tasks = [task, TextHeadTask(task.bound, task.pairs, task.corpus, task.train, task.valid, with_tv, task.pad_token_id,
-                                task.head_store)]
-    rows, bound = task.valid, task.bound
-    assert len(rows) <= CONFIG.batch_size  # one validation batch: its means are the logged ones
-    scores = tasks[0].validation_scores(bound.head)
-    batch = tasks[0].pair_rows(rows)
-    losses = [task.loss(bound.head, batch, None) for task in tasks]
+    tv_task = TextHeadTask(task.bound, task.pairs, task.corpus, task.train, task.valid, with_tv, task.pad_token_id,
+                           task.head_store)
+    bound = task.bound
+    assert len(task.valid) <= CONFIG.batch_size  # one validation batch: its means are the logged ones
+    scores = task.validation_scores(bound.head)
+    batch = task.pair_rows(task.valid)
+    losses = [each.loss(bound.head, batch, None) for each in (task, tv_task)]
     shortfall = scores["valid_vocab_mass"] - scores[ACCEPTANCE]
     assert 0 < shortfall < 1
     assert float((losses[1] - losses[0]).detach()) == pytest.approx(3.0 * shortfall, rel=1e-4, abs=1e-5)
@@ -305,7 +305,7 @@ def test_validation_acceptance_is_the_decoding_paths(runs, lm, smollm2_dir) -> N
     training path equal ``sum min(p, q)`` computed the slow way: the target's full forward for p,
     the head fed one input at a time over its own cache as decoding feeds it for q."""
     model = lm[0]
-    task, _, valid = trained_task(runs, lm, smollm2_dir, CONFIG)
+    task, valid = trained_task(runs, lm, smollm2_dir, CONFIG)
     bound = task.bound
     scores = task.validation_scores(bound.head)
     one, two = [], []
