@@ -312,3 +312,13 @@ def test_trie_over_some_items_reports_their_rows(ml100k) -> None:
     found = part.items(part.walk(ids))
     assert torch.equal(found[kept], torch.as_tensor(keep)) and (found[~kept] == -1).all()
     assert part.num_items == 700 and torch.equal(full.items(full.walk(ids)), torch.arange(n))
+
+
+def test_an_auto_server_makes_its_choices_before_it_is_ready(models) -> None:
+    target, draft = models
+    with server(target, "--draft", str(draft), "--decoder", "auto", "--max-batch", "4") as (url, _):
+        described = httpx.get(f"{url}/v1/models").json()["data"][0]["auto"]
+        assert [(row["k"], row["batch"]) for row in described] == [(K, 1), (K, 2), (K, 4)]
+        assert all(row["decoder"] in ("tree-beam", "spec-strict") and row["reason"].startswith("auto: ")
+                   for row in described)
+        assert metric(url, "recspec_batch_size_count") == 0  # nothing decoded for a request yet

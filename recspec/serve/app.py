@@ -36,8 +36,9 @@ from recspec.models.tokenizer import index_fingerprint
 from recspec.recommend import DecodeOptions, Recommender
 from recspec.serve.batcher import DynamicBatcher, Overloaded, Pending
 from recspec.serve.metrics import ServiceMetrics
-from recspec.serve.schemas import (ChatChoice, ChatChoiceMessage, ChatCompletionRequest, ChatCompletionResponse,
-                                   ChatUsage, RecommendRequest, RecommendResponse, RecommendStats)
+from recspec.serve.schemas import (DEFAULT_K, ChatChoice, ChatChoiceMessage, ChatCompletionRequest,
+                                   ChatCompletionResponse, ChatUsage, RecommendRequest, RecommendResponse,
+                                   RecommendStats)
 from recspec.serve.service import Answer, BadRequest, Query, RecommendService
 
 log = logging.getLogger("recspec.serve")
@@ -130,6 +131,9 @@ class State:
             "items": service.num_items, "identifier_length": recommender.trie.depth,
             "decoders": service.decoders, "default_decoder": service.decoder, "chat": service.chat,
             "max_history": service.max_history, "device": config.device, "threads": torch.get_num_threads()}
+        if service.decoder == "auto":  # measured before /health says ready, not in the first requests
+            self.models["auto"] = [{"k": DEFAULT_K, "batch": size, "decoder": choice.decoder, "reason": choice.reason}
+                                   for size, choice in service.prepare(DEFAULT_K).items()]
         self.service = service
 
     async def start(self) -> None:

@@ -1,11 +1,20 @@
 """Dynamic batching on the event loop, decoding off it.
 
 Requests wait in one bounded FIFO queue. A batch forms around the oldest request: the requests
-queued with the same key (``k``, decoder, exclusions) join it, up to ``max_batch``, waiting at
-most ``max_wait_s`` after the oldest arrived for more to come; others keep their place for the
-next batch. The batch decodes in one dedicated thread (``run`` is synchronous; torch releases
+queued with the same key (``k``, decoder, exclusions) join it, up to ``max_batch``; others keep
+their place for the next batch. It waits for more to come only while it is smaller than the last
+batch of its key (the clients just answered are the ones likely to send again; ``max_batch`` for a
+key not batched yet), and at most ``max_wait_s`` after the oldest arrived. So a lone client waits
+once, for its first request, and never again, while under load batches refill to the size the
+load sustains; every batch takes all the queued requests of its key, so the size grows as soon as
+the load does. The batch decodes in one dedicated thread (``run`` is synchronous; torch releases
 the GIL in its kernels), so the event loop keeps accepting requests and answering ``/health``
-and ``/metrics`` meanwhile, and batches never overlap on the cores.
+and ``/metrics`` meanwhile, and batches never overlap on the cores. The two threads share the
+GIL: a decode bound by Python work (on a GPU, whose kernels run asynchronously, the decode thread
+is busy launching them) would keep the event loop waiting up to the interpreter's switch interval
+(5 ms by default) each time it wants to run, which on a GPU cost more per request than the decode
+itself (BENCHMARKS.md, "Serving"); :meth:`DynamicBatcher.start` lowers the interval to
+:data:`SWITCH_INTERVAL_S`.
 
 Backpressure: :meth:`DynamicBatcher.submit` refuses a request when ``max_queue`` wait already
 (:class:`Overloaded`, a 503). A request leaves the queue when its client goes away or its
@@ -16,12 +25,16 @@ cancelled while its batch decodes has its answer dropped.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+#: The interpreter's thread switch interval while a batcher runs (seconds; the default is 0.005).
+SWITCH_INTERVAL_S = 0.0005
 
 Payload = TypeVar("Payload")
 Result = TypeVar("Result")
@@ -59,11 +72,14 @@ class DynamicBatcher(Generic[Payload, Result]):
         self.on_queue, self.on_batch = on_queue, on_batch
         self.queue: deque[Pending[Payload]] = deque()
         self.seconds_per_batch = 0.1  # running estimate, for Retry-After
+        self.last_size: dict[Hashable, int] = {}  # per key, the size of its last batch: how many to wait for
         self._arrival = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recspec-decode")
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        """Start batching on the running event loop (and shorten the process's switch interval, module doc)."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="recspec-batcher")
 
     async def stop(self) -> None:
@@ -102,6 +118,13 @@ class DynamicBatcher(Generic[Payload, Result]):
         if not pending.future.done():
             pending.future.cancel()
 
+    def _remember(self, key: Hashable, size: int) -> None:
+        """Keep ``size`` as ``key``'s last batch size; only the ``max_queue`` keys batched last are kept."""
+        self.last_size.pop(key, None)
+        self.last_size[key] = size
+        if len(self.last_size) > self.max_queue:
+            del self.last_size[next(iter(self.last_size))]
+
     def _same_key(self, key: Hashable) -> int:
         return sum(1 for pending in self.queue if pending.key == key)
 
@@ -113,7 +136,8 @@ class DynamicBatcher(Generic[Payload, Result]):
                 await self._arrival.wait()
             head = self.queue[0]
             fill_by = head.arrived + self.max_wait_s
-            while self._same_key(head.key) < self.max_batch and head in self.queue:
+            expected = self.last_size.get(head.key, self.max_batch)
+            while self._same_key(head.key) < expected and head in self.queue:
                 left = fill_by - time.perf_counter()
                 if left <= 0:
                     break
@@ -130,6 +154,7 @@ class DynamicBatcher(Generic[Payload, Result]):
                 pending.started = time.perf_counter()
             self.on_queue(len(self.queue))
             self.on_batch(len(batch))
+            self._remember(head.key, len(batch))
             started = time.perf_counter()
             try:
                 results: Any = await loop.run_in_executor(self._executor, self.run, [p.payload for p in batch])

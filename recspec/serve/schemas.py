@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 #: The most items a history or an exclusion list may name (a request larger than this is refused).
 MAX_LIST = 10_000
 
+#: Items returned when a request names no ``k``.
+DEFAULT_K = 10
+
 
 class RecommendRequest(BaseModel):
     """``history``: raw item ids, oldest first (the last ``max_history`` of the trained split are
@@ -24,7 +27,7 @@ class RecommendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     history: list[StrictStr] = Field(min_length=1, max_length=MAX_LIST)
-    k: StrictInt = 10
+    k: StrictInt = DEFAULT_K
     decoder: StrictStr | None = None
     exclude: list[StrictStr] = Field(default_factory=list, max_length=MAX_LIST)
     timeout_ms: StrictInt | None = Field(default=None, ge=1)

@@ -178,6 +178,13 @@ class RecommendService:
             self._choices[(k, size)] = choose(self.recommender, k, size)
         return self._choices[(k, size)]
 
+    def prepare(self, k: int) -> dict[int, Choice]:
+        """Make ``auto``'s choices for ``k`` at every batch size it distinguishes (powers of two up
+        to ``max_batch``) now, so that what they measure on a new device (:func:`~recspec.auto.choose`)
+        is not paid by the first requests; returns them by batch size."""
+        sizes = sorted({min(self.max_batch, 1 << n) for n in range(self.max_batch.bit_length() + 1)})
+        return {size: self.choice(k, size) for size in sizes}
+
     def decode(self, queries: list[Query]) -> list[Answer]:
         """Decode ``queries`` (one :attr:`Query.key`) as one batch."""
         first = queries[0]
