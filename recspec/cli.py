@@ -647,6 +647,9 @@ def distill_command(
                      ] = None,
     tv_weight: Annotated[Optional[float], typer.Option(help="--head: weight of the acceptance's shortfall "
                                                             "p(D) - sum min(p, q) (default 0).")] = None,
+    fused_layers: Annotated[Optional[str], typer.Option(help="--head: the target's decoder layers (from 1) the head "
+                                                            "also reads, normalised, beside its top feature, e.g. "
+                                                            "4,14 (EAGLE-3's fused input; default none).")] = None,
     prompts: Annotated[int, typer.Option(help="Knowledge prompts of the corpus (half users, half movies).")] = 384,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens the target samples per prompt.")] = 128,
     epochs: int = 6,
@@ -669,7 +672,8 @@ def distill_command(
                   warmup_steps=warmup_steps, seed=seed)
     head_options = {name: value for name, value in (("vocab", vocab), ("feature_weight", feature_weight),
                                                     ("ahead_weight", ahead_weight), ("noise", noise),
-                                                    ("tv_weight", tv_weight))
+                                                    ("tv_weight", tv_weight),
+                                                    ("fused_layers", _layer_list(fused_layers)))
                     if value is not None}
     if head and layers is not None:
         raise RecspecError("--layers picks the target layers of a layer draft; a --head has its own layer")
@@ -687,6 +691,16 @@ def distill_command(
         f"{row['valid_acceptance']:.3f}" for row in result["history"]) +
         f"; best {result['best_acceptance']:.3f} in {result['best_dir']} ({result['train_pairs']} training and "
         f"{result['valid_pairs']} validation texts, {result['tokens_per_s']:.0f} tokens/s)")
+
+
+def _layer_list(spec: str | None) -> tuple[int, ...] | None:
+    """``"4,14"`` as ``(4, 14)`` (None stays None)."""
+    if spec is None:
+        return None
+    try:
+        return tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        raise RecspecError(f"--fused-layers {spec!r}: give layer numbers separated by commas, like 4,14") from None
 
 
 @app.command("calibrate")

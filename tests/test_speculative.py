@@ -27,9 +27,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KS = (1, 3, 5, 10, 20)
 
 
-def small_llama(vocab: int, seed: int, width: int = 32, init: float = 0.3) -> LlamaForCausalLM:
+def small_llama(vocab: int, seed: int, width: int = 32, init: float = 0.3, layers: int = 1) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=2, initializer_range=init,
                          max_position_embeddings=64)
     return LlamaForCausalLM(config).eval()

@@ -30,9 +30,10 @@ from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
-from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, load_text_head, new_text_head,
+from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, load_text_head, new_text_head,
                                       text_head_fingerprint)
 from recspec.statefile import load_state
+from tests.test_cli import recspec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +102,8 @@ class Recorded(HeadDrafter):
 def teacher_cache(model, head: TextHeadDraft, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's keys and values over ``text`` fed in one call with the target's own features."""
     with torch.inference_mode():
-        features = model(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states[-1]
+        states = model(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states
+        features = head.read(layer_features(model, states, head.fused_layers))
         count = len(text) - 1
         _, keys, values = head.step(features[:, :-1], torch.tensor([text[1:]]), torch.arange(count)[None],
                                     torch.ones(count, count, dtype=torch.bool).tril()[None])
@@ -248,6 +250,64 @@ def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
     assert not (tmp_path / "e.json").exists()
 
 
+def test_fused_input_starts_as_the_plain_head_and_reads_its_layers(runs, lm, smollm2_dir, tmp_path: Path) -> None:
+    """A head with fused layers (EAGLE-3's input): the features pass keeps those layers' outputs
+    normalised by the final norm, as a forward of each text alone gives them; a cache made without
+    them is refused for it; untrained, the fused head's loss is the plain head's of the same seed
+    (W_fuse starts as [0, 0, I]), and its gradient reaches the layers' blocks of W_fuse; its folder
+    keeps the layers and binds to the target."""
+    resumed, _, _ = runs
+    model, tokenizer, _ = lm
+    layers, hidden = (4, 14), model.config.hidden_size
+    shutil.copy(resumed / "corpus.jsonl", tmp_path / "corpus.jsonl")
+    train, valid = corpus_split(model, tokenizer, tmp_path, CONFIG, False)
+    pairs = train + valid
+    fingerprint = text_head_fingerprint(smollm2_dir)
+    corpus = corpus_features(model, pairs, tmp_path, 7, tokenizer.pad_token_id, fingerprint, False, layers)
+    assert corpus.layers.shape == (len(corpus.features), 2 * hidden)
+    for i in (0, len(pairs) - 1):
+        text = torch.tensor([pairs[i][0] + pairs[i][1]])
+        with torch.inference_mode():
+            states = model(input_ids=text, output_hidden_states=True).hidden_states
+        alone = layer_features(model, states, layers)[0]
+        rows = slice(int(corpus.starts[i]), int(corpus.starts[i + 1]))
+        torch.testing.assert_close(corpus.layers[rows], alone[:, :2 * hidden], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(corpus.features[rows], alone[:, 2 * hidden:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(RecspecError, match="another corpus or target"):
+        corpus_features(None, pairs, resumed, 7, tokenizer.pad_token_id, fingerprint, False, layers)
+
+    ids = torch.arange(300)
+    plain, fused = new_text_head(model, ids, 5), new_text_head(model, ids, 5, layers)
+    config = replace(CONFIG, noise=0.0)
+    tasks = [TextHeadTask(TextHeadDraft(head, model), pairs, data, torch.arange(len(train)).numpy(),
+                          torch.arange(len(train), len(pairs)).numpy(), config, tokenizer.pad_token_id,
+                          HeadStore(tmp_path, fingerprint, {}, TEXT_HEAD))
+             for head, data in ((plain, replace(corpus, layers=torch.empty(0))), (fused, corpus))]
+    losses = [task.loss(task.bound.head, task.batch(torch.arange(4).numpy()), None) for task in tasks]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    gradient = torch.autograd.grad(losses[1], fused.fuse.weight)[0]
+    assert gradient[:, :2 * hidden].abs().sum() > 0  # training can move the fused layers' blocks
+
+    save_head(tmp_path / "head", fused, fingerprint, {}, TEXT_HEAD)
+    loaded = load_text_head(tmp_path / "head", smollm2_dir)
+    assert loaded.config.fused_layers == layers and loaded.config == fused.config
+    wide = torch.randn(3, 3 * hidden)
+    torch.testing.assert_close(TextHeadDraft(loaded, model).head.read(wide), wide[:, 2 * hidden:])
+    with pytest.raises(RecspecError, match=r"fused layers must lie in \[1, 29\]"):
+        new_text_head(model, ids, 5, (4, 30))
+
+
+def test_bad_fused_layers_are_refused_and_leave_the_run_folder_usable(smollm2_dir, tmp_path: Path) -> None:
+    """A layer the target lacks is refused before anything is sampled or recorded (so the corrected
+    command can use the same --out); a malformed --fused-layers is one error line."""
+    with pytest.raises(RecspecError, match=r"fused layers must lie in \[1, 29\]"):
+        distill_head(str(smollm2_dir), tmp_path / "run", replace(CONFIG, fused_layers=(4, 30)), progress=False)
+    assert not (tmp_path / "run" / "distill.json").exists() and not (tmp_path / "run" / "corpus.jsonl").exists()
+    result = recspec("distill", "--head", "--target", str(smollm2_dir), "--out", str(tmp_path / "cli"),
+                     "--fused-layers", "4,x")
+    assert result.returncode == 2 and "error: --fused-layers '4,x': give layer numbers" in result.stderr
+
+
 def test_features_cache_is_checked(runs, lm, tmp_path: Path) -> None:
     resumed, _, _ = runs
     model, tokenizer, _ = lm
@@ -334,14 +394,25 @@ def test_validation_acceptance_is_the_decoding_paths(runs, lm, smollm2_dir) -> N
     assert scores[ACCEPTANCE_2] == pytest.approx(float(torch.stack(two).mean()), abs=1e-4)
 
 
-@pytest.mark.parametrize("which", ["untrained", "trained"])
+def fused_head(model, seed: int):
+    """An untrained head reading SmolLM2's layers 4 and 14 beside its top feature, its W_fuse
+    random (so that every block of what the target returns for it matters)."""
+    head = new_text_head(model, None, seed=seed, fused_layers=(4, 14))
+    with torch.no_grad():
+        head.fuse.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed))
+    return head
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained", "fused"])
 def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_dir) -> None:
-    """Token for token the greedy text, with an untrained head over the whole vocabulary and with
-    the briefly trained one over its reduced vocabulary; the drafts stay in the head's vocabulary
-    and are trees within the budget; the head's cache ends as the teacher-forced one."""
+    """Token for token the greedy text, with an untrained head over the whole vocabulary, with
+    the briefly trained one over its reduced vocabulary and with a head reading fused layers; the
+    drafts stay in the head's vocabulary and are trees within the budget; the head's cache ends as
+    the teacher-forced one."""
     model, _, eos = lm
     prompts, references = greedy
-    head = new_text_head(model, None, seed=3) if which == "untrained" else load_text_head(runs[0], smollm2_dir)
+    head = {"untrained": lambda: new_text_head(model, None, seed=3), "fused": lambda: fused_head(model, 3),
+            "trained": lambda: load_text_head(runs[0], smollm2_dir)}[which]()
     bound = TextHeadDraft(head.eval(), model)
     config = HeadTreeConfig(width=3, depth=4, nodes=10)
     drafter = Recorded(bound, config)

@@ -221,6 +221,39 @@ def test_head_cache_holds_the_true_features_of_the_text(monkeypatch, target, hea
     assert torch.equal(stats.target_calls, stats.rounds * calls_per_round + 1)
 
 
+@pytest.fixture(scope="module")
+def fused() -> tuple:
+    """A two-layer random target over the six tokens and a scrambled head reading its layer 1
+    beside its top feature, W_fuse random (EAGLE-3's fused input)."""
+    deep = small_llama(VOCAB, seed=0, width=16, init=0.5, layers=2).requires_grad_(False)
+    head = new_text_head(deep, None, seed=8, fused_layers=(1,))
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for linear in (head.o, head.mlp.down, head.fuse):
+            linear.weight.normal_(0.0, 0.5, generator=generator)
+    return deep, TextHeadDraft(head.eval(), deep)
+
+
+def test_spec_sample_with_a_fused_head_draws_the_target_distribution(fused) -> None:
+    """Theorem A.1 with a head reading fused layers as the draft: the sequences follow the target's."""
+    deep, head = fused
+    table = next_table(deep, LENGTH)
+    exact = sequence_distribution(lambda prefix: Warp(1.0)(table[prefix]).exp())
+    options = TextOptions(max_new_tokens=LENGTH, gamma=2, seed=13)
+    assert goodness_of_fit(sampled("spec-sample", deep, head, options, 6000), exact) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["spec-sample", "topk-imp"])
+def test_a_fused_heads_cache_holds_the_true_features_of_the_text(monkeypatch, fused, method: str) -> None:
+    """The chain decoders hand a fused head the target's layers with its top feature: its cache
+    ends as the teacher-forced one over each row's text, fused input read."""
+    deep, head = fused
+    options = TextOptions(max_new_tokens=12, gamma=2, candidates=3, seed=7)
+    result, recording = run_recorded(monkeypatch, method, deep, head, PROMPTS * 2, options, eos=0)
+    assert_true_inputs(deep, head, PROMPTS * 2, result.tokens, recording)
+    assert result.stats is not None and float(result.stats.accepted_steps.sum()) > 0
+
+
 def test_a_head_only_drafts_for_its_target(target, heads) -> None:
     other = small_llama(VOCAB, seed=0, width=16, init=0.5)
     for method in ("spec-sample", "dsbd"):
@@ -254,15 +287,19 @@ def test_dsbd_with_a_head_samples_the_targets_beam_sampling(vocab) -> None:
     assert float(result.stats.accepted_steps.sum()) > 0 and float(result.stats.drafted_steps.sum()) > 0
 
 
-@pytest.mark.parametrize("one_cache", [False, True], ids=["beams", "one-cache"])
-def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, target, heads, one_cache: bool) -> None:
+@pytest.mark.parametrize(("one_cache", "which"), [(False, "trained"), (True, "trained"), (False, "fused")],
+                         ids=["beams", "one-cache", "fused"])
+def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, target, heads, fused, one_cache: bool,
+                                                                which: str) -> None:
     """After every round, each beam's view of the head's tree cache (the prompt and its ancestors)
     holds exactly the inputs of its text with the target's true features, as one teacher-forced
     call over that text computes them (column 0, the placeholder, aside); rows of different
-    prompt lengths in one batch; the run is DSBD's with the head drafting."""
+    prompt lengths in one batch; the run is DSBD's with the head drafting (also one reading fused
+    layers)."""
     from recspec.decoding import rounds
 
-    head, checked = heads["trained"], []
+    target, head = fused if which == "fused" else (target, heads["trained"])
+    checked: list[int] = []
     compact = rounds.compact_frontier
 
     def checking(front, caches):

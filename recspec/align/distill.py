@@ -38,6 +38,7 @@ import copy
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -190,19 +191,19 @@ def pair_batch(pairs: Pairs, pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 def response_outputs(model, batch: dict[str, torch.Tensor], features: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The model's next-token logits at each response position of a :func:`pair_batch`: float32
     ``[b, R, V]`` (``R`` the longest response, responses right-aligned), the bool mask ``[b, R]`` of
-    real positions, and with ``features`` its last hidden states at every position ``[b, L, H]``
-    (after the final norm: what the output layer reads), else None. Only the last ``R + 1``
-    positions reach the output layer."""
+    real positions, and with ``features`` its hidden states at every position, each ``[b, L, H]``
+    (the embeddings, then every decoder layer's output, the last after the final norm: what the
+    output layer reads), else None. Only the last ``R + 1`` positions reach the output layer."""
     lengths = batch["response_lengths"]
     width = int(lengths.max())
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False, output_hidden_states=features,
                 **keep_last_logits(model, width + 1))
     real = torch.arange(width, device=out.logits.device)[None, :] >= width - lengths[:, None]
-    return out.logits[:, -(width + 1):-1].float(), real, out.hidden_states[-1] if features else None
+    return out.logits[:, -(width + 1):-1].float(), real, out.hidden_states if features else None
 
 
 def response_log_probs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,11 +309,13 @@ class DistillTask:
         return DraftStore(out_dir, self.tokenizer, self.info)
 
 
-def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: dict[str, Any] | None = None):
+def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: dict[str, Any] | None = None,
+             check: Callable[[Any], Any] | None = None):
     """Check ``out_dir`` (no serialized objects, writable; a run already there must have had the
     same ``settings``, where a setting of ``added``, options newer than the run, counts as its
-    value there when the run does not record it), record ``settings`` in it, and load the target
-    (frozen) and its tokenizer."""
+    value there when the run does not record it), load the target (frozen) and its tokenizer,
+    run ``check(target)`` (which raises for settings the target cannot take), and only then record
+    ``settings`` in it, so that a refused call leaves nothing that would refuse the corrected one."""
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
 
@@ -321,12 +324,15 @@ def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: d
         refuse_object_files(out_dir, REMEDY)
     check_writable_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    settings = json.loads(json.dumps(settings))  # as recorded: tuples are lists
     if (out_dir / SETTINGS).is_file() and {**(added or {}), **read_json(out_dir / SETTINGS)} != settings:
         raise RecspecError(f"{out_dir}: holds a distillation with other settings; choose another --out")
-    write_json_atomic(out_dir / SETTINGS, settings)
     target, tokenizer = load_causal_lm(target_spec), load_tokenizer(target_spec)
     for parameter in target.parameters():
         parameter.requires_grad_(False)
+    if check is not None:
+        check(target)
+    write_json_atomic(out_dir / SETTINGS, settings)
     return target, tokenizer
 
 

@@ -15,6 +15,10 @@ features (`recspec distill --head`), on the corpus, metric and trainer of
   or target is refused with one line. The pass is resumable: it writes its features in parts of
   :data:`PART_BATCHES` batches, which an interrupted run's next call reads back instead of
   computing them again.
+* **Fused input** (``fused_layers``, EAGLE-3; default none): the features pass also keeps the
+  target's outputs of those decoder layers, normalised by its final norm (``layers``), and the head
+  reads them with ``f_t`` through its ``W_fuse`` (:mod:`recspec.models.text_head`). A cache made
+  without them is refused for such a run (and kept valid for a run without them).
 * **Loss** (EAGLE-1, teacher features): input ``t`` is ``(f_t, x_{t+1})``, the head's output
   ``h_t`` is compared with ``f_{t+1}`` at every position whose next token is a response token:
   ``p(D) KL(p_D || q) + feature_weight * SmoothL1(h_t, f_{t+1})``, where ``q`` is the head's
@@ -48,7 +52,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +64,8 @@ from recspec.align.distill import (ACCEPTANCE, CorpusConfig, Pairs, acceptance, 
 from recspec.align.head import HeadStore
 from recspec.errors import RecspecError
 from recspec.hub import resolve_model_dir
-from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, new_text_head, text_head_config, text_head_fingerprint
+from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, new_text_head, text_head_config,
+                                      text_head_fingerprint)
 from recspec.models.train import Trainer, autocast
 from recspec.statefile import has_state, load_state, save_state, state_files
 
@@ -74,22 +79,26 @@ class HeadDistillConfig(CorpusConfig):
     """``vocab``: draft vocabulary size (0: all tokens); ``feature_weight``: weight of the
     feature regression; ``noise``: half-width of the uniform noise on the input features in
     training; ``ahead_weight``: weight of the loss two steps ahead; ``tv_weight``: weight of the
-    acceptance's shortfall; the rest as :class:`~recspec.align.distill.CorpusConfig`."""
+    acceptance's shortfall; ``fused_layers``: the target's decoder layers the head reads beside
+    its top feature; the rest as :class:`~recspec.align.distill.CorpusConfig`."""
 
     vocab: int = 8192
     feature_weight: float = 1.0
     noise: float = 0.0
     ahead_weight: float = 0.0
     tv_weight: float = 0.0
+    fused_layers: tuple[int, ...] = ()
 
     def checks(self) -> dict[str, bool]:
         return {**super().checks(), "vocab": self.vocab >= 0, "feature_weight": 0 <= self.feature_weight < math.inf,
                 "noise": 0 <= self.noise < math.inf, "ahead_weight": 0 <= self.ahead_weight < math.inf,
-                "tv_weight": 0 <= self.tv_weight < math.inf}
+                "tv_weight": 0 <= self.tv_weight < math.inf,
+                "fused_layers": list(self.fused_layers) == sorted(set(self.fused_layers))
+                and all(layer >= 1 for layer in self.fused_layers)}
 
 
-#: Options added after runs were recorded, with the value such a run trained with.
-ADDED_OPTIONS = {"tv_weight": 0.0}
+#: Options added after runs were recorded, with the value such a run trained with (as recorded in JSON).
+ADDED_OPTIONS = {"tv_weight": 0.0, "fused_layers": []}
 
 
 def draft_vocabulary(pairs: Pairs, size: int, always: Iterable[int]) -> torch.Tensor:
@@ -106,12 +115,14 @@ class CorpusFeatures:
     """The target's features over a corpus, flat, pair after pair: ``features`` float32 ``[N, H]``
     at every position; ``lse`` float32 ``[M]``, the log-normaliser of its logits at every position
     whose next token is a response token; ``starts`` and ``response_starts`` int64 ``[n + 1]``, where
-    each pair's rows begin in them."""
+    each pair's rows begin in them; ``layers`` float32 ``[N, F * H]``: the normalised outputs of the
+    ``F`` fused layers at every position (empty without fused layers)."""
 
     features: torch.Tensor
     lse: torch.Tensor
     starts: torch.Tensor
     response_starts: torch.Tensor
+    layers: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 def right_aligned(flat: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -126,28 +137,34 @@ def right_aligned(flat: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) 
 
 
 def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, progress: bool,
-                     desc: str = "target features") -> CorpusFeatures:
-    """:class:`CorpusFeatures` of ``pairs``: one target forward per ``batch_size`` pairs. The first
-    batch also checks that the logits are the output layer applied to the features (no soft-capping,
-    bias or scale between them), which the head relies on."""
+                     desc: str = "target features", fused_layers: Sequence[int] = ()) -> CorpusFeatures:
+    """:class:`CorpusFeatures` of ``pairs`` (with the normalised outputs of ``fused_layers``): one
+    target forward per ``batch_size`` pairs. The first batch also checks that the logits are the
+    output layer applied to the features (no soft-capping, bias or scale between them), which the
+    head relies on."""
     from tqdm.auto import tqdm
 
-    features, lse = [], []
+    features, lse, layers = [], [], []
     output = target.get_output_embeddings().weight
     with torch.no_grad():
         for start in tqdm(range(0, len(pairs), batch_size), desc=desc, unit="batch", disable=not progress):
             batch = pair_batch(pairs[start:start + batch_size], pad_token_id)
-            logits, real, hidden = response_outputs(target, batch, features=True)
-            assert hidden is not None
+            logits, real, states = response_outputs(target, batch, features=True)
+            assert states is not None
+            hidden = states[-1]
             if start == 0 and not torch.allclose(hidden[:, -(logits.shape[1] + 1):-1] @ output.T, logits,
                                                  rtol=1e-4, atol=1e-3):
                 raise RecspecError("the target's logits are not its output layer applied to its last hidden state; "
                                    "a text head cannot draft through that output layer")
-            features.append(hidden[batch["attention_mask"].bool()].float())
+            kept = batch["attention_mask"].bool()
+            features.append(hidden[kept].float())
             lse.append(torch.logsumexp(logits, dim=-1)[real])
+            if fused_layers:
+                layers.append(layer_features(target, states, fused_layers)[kept][:, :-hidden.shape[-1]].float())
     lengths = torch.tensor([len(p) + len(r) for p, r in pairs])
     responses = torch.tensor([len(r) for _, r in pairs])
-    return CorpusFeatures(torch.cat(features), torch.cat(lse), offsets(lengths), offsets(responses))
+    return CorpusFeatures(torch.cat(features), torch.cat(lse), offsets(lengths), offsets(responses),
+                          torch.cat(layers) if layers else torch.empty(0))
 
 
 def offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -159,7 +176,8 @@ def joined(parts: Sequence[CorpusFeatures]) -> CorpusFeatures:
     """The :class:`CorpusFeatures` of consecutive pieces of one corpus, as one."""
     return CorpusFeatures(torch.cat([p.features for p in parts]), torch.cat([p.lse for p in parts]),
                           offsets(torch.cat([p.starts.diff() for p in parts])),
-                          offsets(torch.cat([p.response_starts.diff() for p in parts])))
+                          offsets(torch.cat([p.response_starts.diff() for p in parts])),
+                          torch.cat([p.layers for p in parts]))
 
 
 def feature_part(number: int) -> str:
@@ -179,13 +197,14 @@ def _kept_features(out_dir: Path, name: str, made_from: dict[str, Any], remedy: 
 
 
 def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_token_id: int,
-                    fingerprint: dict[str, str], progress: bool) -> CorpusFeatures:
-    """The :class:`CorpusFeatures` of ``pairs`` kept in ``out_dir/features.{safetensors,json}``
-    (computed and written the first time); a damaged cache, or one made from another corpus or
-    target, is refused with one line. The pass is resumable: every :data:`PART_BATCHES` batches are
-    written as ``features-part-NNNNN`` (checked like the whole) and read back by a later call, and
-    removed once the whole is written."""
-    made_from = {"target": fingerprint, "lengths": [[len(p), len(r)] for p, r in pairs]}
+                    fingerprint: dict[str, str], progress: bool, fused_layers: Sequence[int] = ()) -> CorpusFeatures:
+    """The :class:`CorpusFeatures` of ``pairs`` (and of ``fused_layers``) kept in
+    ``out_dir/features.{safetensors,json}`` (computed and written the first time); a damaged cache,
+    or one made from another corpus, target or fused layers, is refused with one line. The pass is
+    resumable: every :data:`PART_BATCHES` batches are written as ``features-part-NNNNN`` (checked
+    like the whole) and read back by a later call, and removed once the whole is written."""
+    layers = {"fused_layers": list(fused_layers)} if fused_layers else {}  # caches made before stay valid
+    made_from = {"target": fingerprint, "lengths": [[len(p), len(r)] for p, r in pairs], **layers}
     remedy = f"delete {Path(out_dir) / FEATURES}* to compute them again"
     kept = _kept_features(out_dir, FEATURES, made_from, remedy)
     if kept is not None:
@@ -194,11 +213,13 @@ def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_to
     starts = range(0, len(pairs), size)
     parts = []
     for number, start in enumerate(starts):
-        part_from = {"target": fingerprint, "start": start, "lengths": made_from["lengths"][start:start + size]}
+        part_from = {"target": fingerprint, "start": start, "lengths": made_from["lengths"][start:start + size],
+                     **layers}
         part = _kept_features(out_dir, feature_part(number), part_from, remedy)
         if part is None:
             part = compute_features(target, pairs[start:start + size], batch_size, pad_token_id, progress,
-                                    desc=f"target features, part {number + 1}/{len(starts)}")
+                                    desc=f"target features, part {number + 1}/{len(starts)}",
+                                    fused_layers=fused_layers)
             save_state(out_dir, feature_part(number), {"made_from": part_from, "corpus": asdict(part)})
         parts.append(part)
     corpus = joined(parts)
@@ -230,13 +251,15 @@ class TextHeadTask:
 
     def pair_rows(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """:func:`~recspec.align.distill.pair_batch` of pairs ``indices`` with their features
-        ``[b, L, H]`` (left-padded as the tokens) and response log-normalisers ``lse`` ``[b, R]``
-        (right-aligned as the responses)."""
+        ``[b, L, H]`` (left-padded as the tokens), response log-normalisers ``lse`` ``[b, R]``
+        (right-aligned as the responses) and, with fused layers, their outputs ``layers``
+        ``[b, L, F * H]``."""
         rows = torch.as_tensor(indices, dtype=torch.int64)
         corpus = self.corpus
+        fused = {"layers": right_aligned(corpus.layers, corpus.starts, rows)} if corpus.layers.numel() else {}
         return {**pair_batch([self.pairs[i] for i in indices], self.pad_token_id),
                 "features": right_aligned(corpus.features, corpus.starts, rows),
-                "lse": right_aligned(corpus.lse, corpus.response_starts, rows)}
+                "lse": right_aligned(corpus.lse, corpus.response_starts, rows), **fused}
 
     def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         return self.pair_rows(self.train[rows])
@@ -297,13 +320,16 @@ class TextHeadTask:
 def head_pass(bound: TextHeadDraft, batch: dict[str, torch.Tensor], noise: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The head over a :meth:`TextHeadTask.pair_rows` batch with teacher features: input ``i`` is
-    ``(f_i, x_{i+1})`` at position ``i`` (plus ``U(-noise, noise)`` on ``f_i``), attending causally
-    to the real inputs. Returns its outputs ``[b, L - 1, H]`` and keys and values
-    ``[b, kv_heads, L - 1, d]``."""
+    ``(f_i, x_{i+1})`` at position ``i`` (``f_i`` read with the fused layers' outputs when the
+    batch has them; plus ``U(-noise, noise)`` on what is read), attending causally to the real
+    inputs. Returns its outputs ``[b, L - 1, H]`` and keys and values ``[b, kv_heads, L - 1, d]``."""
     features = batch["features"][:, :-1]
+    if "layers" in batch:
+        features = torch.cat((batch["layers"][:, :-1], features), dim=-1)
     if noise:
         features = features + (torch.rand_like(features) * 2 - 1) * noise
-    return bound.step(features, batch["input_ids"][:, 1:], batch["position_ids"][:, :-1], causal_rows(batch))
+    return bound.step(bound.head.read(features), batch["input_ids"][:, 1:], batch["position_ids"][:, :-1],
+                      causal_rows(batch))
 
 
 def second_pass(bound: TextHeadDraft, batch: dict[str, torch.Tensor], guessed: torch.Tensor, keys: torch.Tensor,
@@ -355,14 +381,14 @@ def distill_head(target_spec: str, out_dir: Path, config: HeadDistillConfig = He
     from recspec.knowledge.decode import eos_ids
 
     target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), "head": True, **asdict(config)},
-                                 ADDED_OPTIONS)
-    text_head_config(target, 0)  # an unsupported target fails before sampling
+                                 ADDED_OPTIONS, lambda model: text_head_config(model, 0, config.fused_layers))
     fingerprint = text_head_fingerprint(resolve_model_dir(target_spec))
     train, valid = corpus_split(target, tokenizer, out_dir, config, progress)
     pairs = train + valid
-    corpus = corpus_features(target, pairs, out_dir, config.batch_size, tokenizer.pad_token_id, fingerprint, progress)
+    corpus = corpus_features(target, pairs, out_dir, config.batch_size, tokenizer.pad_token_id, fingerprint, progress,
+                             config.fused_layers)
     ids = draft_vocabulary(train, config.vocab, eos_ids(target, tokenizer)) if config.vocab else None
-    head = new_text_head(target, ids, config.seed)
+    head = new_text_head(target, ids, config.seed, config.fused_layers)
     store = HeadStore(out_dir, fingerprint, {"target": str(target_spec)}, TEXT_HEAD)
     task = TextHeadTask(TextHeadDraft(head, target), pairs, corpus, np.arange(len(train)),
                         np.arange(len(train), len(pairs)), config, tokenizer.pad_token_id, store)

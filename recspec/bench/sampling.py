@@ -49,7 +49,7 @@ from recspec.eval.metrics import recall_ndcg
 from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
-from recspec.models.text_head import TextHeadDraft
+from recspec.models.text_head import TextHeadDraft, layer_features
 from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
 
 #: label -> (method, option overrides, baseline label of the same output distribution)
@@ -79,7 +79,8 @@ def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
         out = target(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache, output_hidden_states=True)
-        features = out.hidden_states[-1]  # [1, P - 1, H]: what a text head reads
+        layers = draft.fused_layers if isinstance(draft, TextHeadDraft) else ()
+        features = layer_features(target, out.hidden_states, layers)  # [1, P - 1, input_width]: a text head's input
         for model, fed in ((target, 1), (target, gamma + 1), (draft, 1)):
             if isinstance(model, TextHeadDraft):
                 seconds.append(_head_step_seconds(model, features, prompt, repeats))
@@ -98,8 +99,10 @@ def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20
 
 
 def _head_step_seconds(head: TextHeadDraft, features: torch.Tensor, prompt: torch.Tensor, repeats: int) -> float:
-    """Median seconds of one drafting step of ``head`` after the prompt: one input (its own guess
-    and a token) over its cache of the prompt's ``P - 2`` inputs, then the draft distribution."""
+    """Median seconds of one drafting step of ``head`` after the prompt (``features``: the target's
+    there, :func:`~recspec.models.text_head.layer_features`): one input (its own guess and a token)
+    over its cache of the prompt's ``P - 2`` inputs, then the draft distribution."""
+    features = head.read(features)
     length = features.shape[1] - 1
     visible = torch.ones(1, length, length, dtype=torch.bool).tril()
     _, keys, values = head.step(features[:, :-1], prompt[None, 1:-1], torch.arange(length)[None], visible)

@@ -8,6 +8,7 @@ single row), the rest compacted away, and rows leave the batch when they finish.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +37,18 @@ class Chain:
     fed: int = 0
 
     @staticmethod
-    def start(model, prompts: Prompts, lag: int, features: bool = False) -> tuple[Chain, torch.Tensor | None]:
+    def start(model, prompts: Prompts, lag: int, features: bool = False, layers: Sequence[int] = ()
+              ) -> tuple[Chain, torch.Tensor | None]:
         """Prefill every prompt but its last ``lag`` tokens (every prompt must be longer); with
         ``features``, also return the model's features at the prefilled columns ``[B, P - lag, H]``
-        (:func:`~recspec.decoding.scorer.prefill_features`), else None."""
+        (``(len(layers) + 1) * H`` wide with the outputs of ``layers``:
+        :func:`~recspec.decoding.scorer.prefill_features`), else None."""
         width = prompts.input_ids.shape[1] - lag
         head = Prompts(input_ids=prompts.input_ids[:, :width], attention_mask=prompts.attention_mask[:, :width],
                        position_ids=prompts.position_ids[:, :width], lengths=prompts.lengths - lag,
                        pad_token_id=prompts.pad_token_id)
         if features:
-            _, cache, hidden = prefill_features(model, head)
+            _, cache, hidden = prefill_features(model, head, layers)
         else:
             _, cache = prefill(model, head)
             hidden = None
@@ -63,13 +66,14 @@ class Chain:
         self.fed += n
         return rows, positions
 
-    def feed(self, model, tokens: torch.Tensor, features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def feed(self, model, tokens: torch.Tensor, features: bool = False, layers: Sequence[int] = ()
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``n`` tokens per row (int64 ``[B, n]``) after its text: float32 log-probs
         ``[B, n, V]`` after each, and with ``features`` the model's features at them ``[B, n, H]``
-        (:func:`~recspec.decoding.scorer.forward_features`), else None."""
+        (wider with ``layers``: :func:`~recspec.decoding.scorer.forward_features`), else None."""
         rows, positions = self.extend(tokens.shape[1])
         if features:
-            logits, hidden = forward_features(model, self.cache, tokens, rows, positions)
+            logits, hidden = forward_features(model, self.cache, tokens, rows, positions, layers=layers)
             return next_log_probs(logits), hidden
         return next_log_probs(forward_visible(model, self.cache, tokens, rows, positions)), None
 

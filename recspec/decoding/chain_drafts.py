@@ -56,6 +56,7 @@ class ChainDraft(Protocol):
     """The draft side of the chain loop (see the module doc)."""
 
     wants_features: bool
+    feature_layers: tuple[int, ...]  # the target's layers read beside its top feature (layer_features)
 
     def start(self, prompts: Prompts, features: torch.Tensor | None) -> None: ...
 
@@ -76,6 +77,7 @@ class ModelChainDraft:
     model: object
     chain: Chain = field(init=False)
     wants_features = False
+    feature_layers = ()
 
     def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
         self.chain, _ = Chain.start(self.model, prompts, 2)
@@ -103,14 +105,18 @@ class HeadChainDraft:
     guessed: torch.Tensor = field(init=False)
     wants_features = True
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.fused_layers
+
     def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
         """Read every prompt's inputs: the target's features at its columns but the last, each with
         the prompt's next token, in one head call."""
         assert features is not None, "a head drafts from the target's features"
         columns = features.shape[1]
         real = prompts.attention_mask[:, :columns]
-        guessed, keys, values = self.head.step(features, prompts.input_ids[:, 1:], prompts.position_ids[:, :columns],
-                                               prompt_rows(real))
+        guessed, keys, values = self.head.step(self.head.read(features), prompts.input_ids[:, 1:],
+                                               prompts.position_ids[:, :columns], prompt_rows(real))
         self.chain = Chain(cache=DynamicCache(ddp_cache_data=[(keys, values)]), visible=real.bool(),
                            count=prompts.lengths - 1)
         self.guessed = guessed[:, -1]
@@ -125,7 +131,7 @@ class HeadChainDraft:
     def keep(self, accepted: torch.Tensor, emitted: torch.Tensor, features: torch.Tensor | None) -> None:
         assert features is not None, "a head drafts from the target's features"
         self.chain.keep(torch.zeros_like(accepted))  # the drafted inputs leave
-        guessed = self.feed(features, emitted)
+        guessed = self.feed(self.head.read(features), emitted)
         self.chain.keep(accepted + 1)
         self.guessed = guessed.gather(1, accepted[:, None, None].expand(-1, 1, guessed.shape[2]))[:, 0]
 

@@ -59,6 +59,7 @@ class ModelDraft:
     model: object
     cache: object = None
     wants_features = False
+    feature_layers = ()
 
     def start(self, prompts: Prompts) -> torch.Tensor:
         log_q, self.cache = prefill(self.model, prompts)
@@ -87,6 +88,7 @@ class FeatureDraft:
     head: HeadDraft
     guessed: list[torch.Tensor] = field(default_factory=list)  # this round's features, per level
     wants_features = True
+    feature_layers = ()
     caches = ()
 
     def start(self, prompts: Prompts) -> None:
@@ -118,6 +120,7 @@ class HybridDraft:
     model: ModelDraft
     head: FeatureDraft
     wants_features = True
+    feature_layers = ()
     caches = ()
 
     def start(self, prompts: Prompts) -> torch.Tensor:
@@ -150,6 +153,10 @@ class TextTreeDraft:
     wants_features = True
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.fused_layers
+
+    @property
     def caches(self) -> tuple:
         return (self.cache,)
 
@@ -164,6 +171,8 @@ class TextTreeDraft:
         if len(levels) == 1:  # a new round
             self.keys, self.values, self.guessed = [], [], []
         parent = parent_features(levels, front, self.guessed)
+        if len(levels) == 1:  # the target's features at the beams' parents
+            parent = self.head.read(parent)
         layer = self.cache.layers[0]
         past = (torch.cat((layer.keys, *self.keys), dim=2), torch.cat((layer.values, *self.values), dim=2))
         guessed, keys, values = self.head.step(parent, level.tokens, level.positions - 1,
@@ -182,9 +191,10 @@ class TextTreeDraft:
         """Append to the cache the head's inputs of every column the target was just fed (the
         prompt's, then the round's nodes), with the target's true features at their parents."""
         assert features is not None, "a head drafts from the target's features"
+        features = self.head.read(features)
         tokens, visible, positions, _ = fed_block(levels, prompts)
         if prompts is None:
-            nodes, parents = features, [front.features]
+            nodes, parents = features, [self.head.read(front.features)]
             first = torch.zeros_like(front.lengths)
         else:  # the first round: every prompt column's parent is the column before it
             prompt_len = prompts.input_ids.shape[1]

@@ -140,14 +140,14 @@ class ChainDrafter:
         ``q`` and the target's ``p``, float32 ``[B, gamma, V]`` / ``[B, gamma + 1, V]``, and the
         target's features at the ``gamma + 1`` tokens it was fed ``[B, gamma + 1, H]`` if the
         draft wants them (else None)."""
-        features = draft.wants_features
+        features, layers = draft.wants_features, draft.feature_layers
         scored: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the target's calls of the round
         drafts, q, p = [], [], []
         previous = tail[:, -1:]
         for i in range(self.gamma):
             q.append(self.warp(draft.log_q_after(previous) if i else draft.log_q_first(tail)).exp())
             if self.importance is not None:
-                scored.append(target_chain.feed(target, previous, features))
+                scored.append(target_chain.feed(target, previous, features, layers))
                 p.append(self.warp(scored[-1][0][:, -1]).exp())
                 proposal = importance_proposal(q[-1], p[-1], self.importance)
             else:
@@ -156,11 +156,11 @@ class ChainDrafter:
             previous = drafts[-1]
         drafted = torch.cat(drafts, dim=1)
         if self.importance is not None:
-            scored.append(target_chain.feed(target, previous, features))
+            scored.append(target_chain.feed(target, previous, features, layers))
             p.append(self.warp(scored[-1][0][:, -1]).exp())
             p_all = torch.stack(p, dim=1)
         else:
-            scored.append(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1), features))
+            scored.append(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1), features, layers))
             p_all = self.warp(scored[-1][0]).exp()
         seen = torch.cat([hidden for _, hidden in scored if hidden is not None], dim=1) if features else None
         return drafted, torch.stack(q, dim=1), p_all, seen

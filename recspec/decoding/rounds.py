@@ -196,6 +196,7 @@ class DraftSource(Protocol):
     """Gives the drafter its log-probabilities (see :mod:`recspec.decoding.draft_sources`)."""
 
     wants_features: bool
+    feature_layers: tuple[int, ...]  # the target's layers read beside its top feature (layer_features)
 
     @property
     def caches(self) -> tuple: ...
@@ -265,15 +266,16 @@ def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | 
 
 
 def score_levels(target, cache, levels: list[Level], prompts: Prompts | None,
-                 features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 features: bool, layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and if
     ``features`` its features at every position it was fed (:func:`~recspec.decoding.draft_tree.
-    fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]`` (else None).
+    fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]`` (else None;
+    wider with ``layers``: :func:`~recspec.models.text_head.layer_features`).
     In the first round (``prompts`` given) the prompt is fed in the same call, before levels 1..,
     and row 0 of the log-probs is the prompt's last position (level 0, the root)."""
     *block, keep = fed_block(levels, prompts)
     if features:
-        logits, hidden = forward_features(target, cache, *block, keep_last=keep, all_features=True)
+        logits, hidden = forward_features(target, cache, *block, keep_last=keep, all_features=True, layers=layers)
         return next_log_probs(logits), hidden
     return next_log_probs(forward_visible(target, cache, *block, keep_last=keep)), None
 
@@ -309,7 +311,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
                               root_log_q if first else None, front, drafter, plan.widths, plan.feed_last)
         mark = clock.add("draft", mark)
         log_p, features = score_levels(target, target_cache, levels, prompts if first else None,
-                                       source.wants_features)
+                                       source.wants_features, source.feature_layers)
         if first:
             for cache in caches:
                 require_full_attention(cache)
@@ -343,7 +345,7 @@ def run_chain(target, draft: ChainDraft, prompts: Prompts, drafter: ChainDraftin
     :mod:`recspec.decoding.chain_drafts`) keeps its own state in step. Returns each row's tokens."""
     batch, device = len(prompts.lengths), prompts.input_ids.device
     gamma = drafter.gamma
-    target_chain, features = Chain.start(target, prompts, 1, draft.wants_features)
+    target_chain, features = Chain.start(target, prompts, 1, draft.wants_features, draft.feature_layers)
     draft.start(prompts, features)
     stats.target_calls += 1
     stats.draft_calls += 1

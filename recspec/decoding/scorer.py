@@ -13,11 +13,14 @@ cache of ``beam`` and transformers' own ``generate``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import additive_mask, node_depths, tree_rows
 from recspec.hub import keep_last_logits
+from recspec.models.text_head import layer_features
 
 
 def next_log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -31,16 +34,18 @@ def prefill(model, prompts: Prompts):
     return log_probs, cache
 
 
-def prefill_features(model, prompts: Prompts):
+def prefill_features(model, prompts: Prompts, layers: Sequence[int] = ()):
     """:func:`prefill` that also returns the model's last hidden state at every prompt column
-    (after its final norm, what a text draft head reads; meaningless on padding):
-    ``(log_probs [B, 1, V], KV cache, features [B, P, H])``."""
-    log_probs, cache, features = _prefill(model, prompts, True)
+    (after its final norm, what a text draft head reads; meaningless on padding), with the
+    normalised outputs of its decoder ``layers`` before it (a fused head's input,
+    :func:`~recspec.models.text_head.layer_features`): ``(log_probs [B, 1, V], KV cache, features
+    [B, P, (len(layers) + 1) * H])``."""
+    log_probs, cache, features = _prefill(model, prompts, True, layers)
     assert features is not None
     return log_probs, cache, features
 
 
-def _prefill(model, prompts: Prompts, features: bool):
+def _prefill(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()):
     out = model(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
@@ -49,7 +54,8 @@ def _prefill(model, prompts: Prompts, features: bool):
         output_hidden_states=features,
         **keep_last_logits(model, 1),
     )
-    return next_log_probs(out.logits[:, -1:]), out.past_key_values, out.hidden_states[-1] if features else None
+    return (next_log_probs(out.logits[:, -1:]), out.past_key_values,
+            layer_features(model, out.hidden_states, layers) if features else None)
 
 
 def score_tree(
@@ -77,10 +83,12 @@ def score_tree(
 
 
 def score_tree_features(model, cache, tokens: torch.Tensor, ancestors: torch.Tensor, past_visible: torch.Tensor,
-                        root_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        root_positions: torch.Tensor, layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`score_tree` that also returns the model's last hidden state at the nodes (after its
-    final norm, what a text draft head reads): ``(logits [B, N, V], features [B, N, H])``."""
-    return forward_features(model, cache, tokens, *tree_inputs(ancestors, past_visible, root_positions))
+    final norm, what a text draft head reads; with the outputs of ``layers`` before it, as
+    :func:`prefill_features`): ``(logits [B, N, V], features [B, N, (len(layers) + 1) * H])``."""
+    return forward_features(model, cache, tokens, *tree_inputs(ancestors, past_visible, root_positions),
+                            layers=layers)
 
 
 def tree_inputs(ancestors: torch.Tensor, past_visible: torch.Tensor,
@@ -105,25 +113,30 @@ def forward_visible(model, cache, tokens: torch.Tensor, visible: torch.Tensor, p
 
 
 def forward_features(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
-                     keep_last: int | None = None, all_features: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     keep_last: int | None = None, all_features: bool = False, layers: Sequence[int] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward_visible` that also returns the model's last hidden state at the same nodes
     (after its final norm, so that the output layer maps it to the logits): ``(logits [B, N, V],
-    features [B, N, H])``, what a draft head reads; with ``all_features`` the features of all the
-    ``N`` fed nodes whatever ``keep_last``."""
-    logits, features = _forward(model, cache, tokens, visible, position_ids, keep_last, True, all_features)
+    features [B, N, H])``, what a draft head reads (``[B, N, (len(layers) + 1) * H]`` with the
+    outputs of ``layers`` before it, as :func:`prefill_features`); with ``all_features`` the
+    features of all the ``N`` fed nodes whatever ``keep_last``."""
+    logits, features = _forward(model, cache, tokens, visible, position_ids, keep_last, True, all_features, layers)
     assert features is not None
     return logits, features
 
 
 def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
-             keep_last: int | None, features: bool, all_features: bool = False
+             keep_last: int | None, features: bool, all_features: bool = False, layers: Sequence[int] = ()
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_last_logits(model, keep_last)
     out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
                 position_ids=position_ids, past_key_values=cache, use_cache=cache is not None,
                 output_hidden_states=features, **keep)
     last = slice(None) if keep_last is None else slice(-keep_last, None)
-    return out.logits[:, last], (out.hidden_states[-1][:, slice(None) if all_features else last] if features else None)
+    if not features:
+        return out.logits[:, last], None
+    read = layer_features(model, out.hidden_states, layers)
+    return out.logits[:, last], read[:, slice(None) if all_features else last]
 
 
 def forward_prompt_and_tree(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -44,6 +44,7 @@ from recspec.hub import keep_last_logits
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig, retrieve
 from recspec.knowledge.trie import TokenTrie
 from recspec.knowledge.verify import Verification, accepted_path
+from recspec.models.text_head import layer_features
 
 GREEDY = Verification("greedy")
 
@@ -98,9 +99,14 @@ class FeatureSession(Protocol):
     def propose(self, text: list[int], max_depth: int) -> DraftTree:
         """A draft tree, at most ``max_depth`` deep, after ``text`` (prompt and generated tokens)."""
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's decoder layers whose outputs the features carry before its top feature
+        (:func:`~recspec.models.text_head.layer_features`; empty: the top feature alone)."""
+
     def observe(self, features: torch.Tensor, start: int) -> None:
-        """The target's features ``[n, H]`` at text positions ``start .. start + n - 1``: the prompt
-        after the prefill, the root and the accepted path after every step."""
+        """The target's features ``[n, H * (len(feature_layers) + 1)]`` at text positions ``start ..
+        start + n - 1``: the prompt after the prefill, the root and the accepted path after every step."""
 
 
 class Drafter(Protocol):
@@ -145,14 +151,17 @@ class DraftSession:
         return retrieve(self.tries, text, self.config, max_depth)
 
 
-def _prefill(model, prompt: Sequence[int], features: bool) -> tuple[int, object, torch.Tensor | None]:
-    """Run the prompt once: ``(greedy first token, cache, the last hidden states [P, H] when
+def _prefill(model, prompt: Sequence[int], features: bool, layers: Sequence[int] = ()
+             ) -> tuple[int, object, torch.Tensor | None]:
+    """Run the prompt once: ``(greedy first token, cache, the last hidden states [P, H] (with the
+    outputs of ``layers`` before them, :func:`~recspec.models.text_head.layer_features`) when
     ``features``, else None)``; the argmax of the raw logits, as greedy ``generate`` takes it (only
     the last position's logits are computed where the model supports ``logits_to_keep``)."""
     out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True,
                 output_hidden_states=features, **keep_last_logits(model, 1))
     require_full_attention(out.past_key_values)
-    return int(out.logits[0, -1].argmax()), out.past_key_values, out.hidden_states[-1][0] if features else None
+    read = layer_features(model, out.hidden_states, layers)[0] if features else None
+    return int(out.logits[0, -1].argmax()), out.past_key_values, read
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -182,7 +191,8 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
     session = drafter.session(prompt) if drafter is not None else None
     observer = session if isinstance(session, FeatureSession) else None
     tick = time.perf_counter()
-    root, cache, prompt_features = _prefill(model, prompt, observer is not None)
+    layers = () if observer is None else observer.feature_layers
+    root, cache, prompt_features = _prefill(model, prompt, observer is not None, layers)
     prefill_s = time.perf_counter() - tick
     if observer is not None:
         observer.observe(prompt_features, 0)
@@ -201,7 +211,7 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
         ancestors = ancestor_matrix(parents)
         tree = (model, cache, tokens, ancestors, torch.ones(1, cached, dtype=torch.bool, device=device),
                 torch.tensor([cached], device=device))
-        logits, features = score_tree_features(*tree) if observer is not None else (score_tree(*tree), None)
+        logits, features = score_tree_features(*tree, layers) if observer is not None else (score_tree(*tree), None)
         last, path = accepted_path(verification.accept(tokens, parents, logits), ancestors)
         nodes = path[0].nonzero()[:, 0]  # path order: parents precede children
         if len(draft):

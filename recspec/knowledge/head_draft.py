@@ -118,8 +118,7 @@ class HeadDrafter:
         model errs towards larger trees)."""
         head, device = self.head, self.head.ids.device
         generator = torch.Generator().manual_seed(0)
-        hidden = head.head.config.hidden
-        features = torch.randn(context + 2, hidden, generator=generator).to(device)
+        features = torch.randn(context + 2, head.head.config.input_width, generator=generator).to(device)
         text = head.ids[torch.randint(0, len(head.ids), (context + 3,), generator=generator).to(device)].tolist()
         session = HeadSession(head, replace(self.config, prune=False))
         session.observe(features[:context], 0)
@@ -179,15 +178,21 @@ class HeadSession:
         self.length = 0
         self.pending: torch.Tensor | None = None
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.fused_layers
+
     def observe(self, features: torch.Tensor, start: int) -> None:
-        """The target's features ``[n, H]`` at text positions ``start .. start + n - 1``, which must
-        follow the inputs read and the features pending so far (rounds without a proposal, in a
-        hybrid, leave theirs to the next :meth:`read`)."""
+        """The target's features ``[n, input_width]`` (its fused layers' outputs, then its top
+        feature) at text positions ``start .. start + n - 1``, which must follow the inputs read and
+        the features pending so far (rounds without a proposal, in a hybrid, leave theirs to the
+        next :meth:`read`); kept as the head's inputs ``[n, H]``."""
         pending = 0 if self.pending is None else len(self.pending)
         if start != self.length + pending:
             raise RuntimeError(f"head session out of step: features from position {start}, "
                                f"{self.length} read and {pending} pending")
-        self.pending = features if self.pending is None else torch.cat((self.pending, features))
+        read = self.head.read(features)
+        self.pending = read if self.pending is None else torch.cat((self.pending, read))
 
     def propose(self, text: list[int], max_depth: int) -> DraftTree:
         """Read the pending features, then draft a tree (at most ``max_depth`` deep) after ``text``."""
@@ -304,6 +309,10 @@ class HybridSession:
 
     def __init__(self, retrieval: DraftSession, head: HeadSession) -> None:
         self.retrieval, self.head = retrieval, head
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
 
     def observe(self, features: torch.Tensor, start: int) -> None:
         self.head.observe(features, start)

@@ -21,6 +21,14 @@ The head keeps a KV cache of its own over the inputs it has read (:meth:`TextHea
 the cached keys and values and returns those of the new inputs); input ``t`` sits at position
 ``t``. Deeper draft levels feed it its own ``h`` in place of the target's feature.
 
+Fused input (EAGLE-3, optional): with ``fused_layers`` ``(l_1, ..., l_F)`` the head reads, in
+place of ``f_t``, ``W_fuse [g_{l_1, t}; ...; g_{l_F, t}; f_t]``, where ``g_{l, t}`` is the target's
+hidden state after its decoder layer ``l`` at position ``t``, normalised by the target's final norm
+(:func:`layer_features`): low and middle layers carry what the top feature has already traded for
+the next token. ``W_fuse`` starts as ``[0, ..., 0, I]``, so an untrained fused head is the plain
+one. Only the target's features are fused (:meth:`TextHead.read`); deeper draft levels feed the
+head its own ``h`` as before.
+
 Reduced vocabulary: ``D`` is stored in the head (the ``vocab_ids`` buffer, int64, ascending) and
 ``draft_vocab = 0`` means the target's whole vocabulary; SmolLM2's output layer is 28M of its
 135M parameters, so a draft token over the full vocabulary costs a fifth of a target call.
@@ -32,6 +40,7 @@ Saved as a head folder (:func:`~recspec.models.head.save_head` with :data:`TEXT_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +58,9 @@ from recspec.models.small_rows import small_row_linear, use_small_row_products
 class TextHeadConfig:
     """The target's shapes the head copies (``hidden``, ``intermediate``, attention ``heads``,
     ``kv_heads``, ``head_dim``, ``rope_theta``, norm ``eps``), its vocabulary size ``vocab_size``,
-    and ``draft_vocab``: the size of the draft vocabulary (0: the whole vocabulary)."""
+    ``draft_vocab``: the size of the draft vocabulary (0: the whole vocabulary), and
+    ``fused_layers``: the target's decoder layers (1-based, ascending) whose normalised outputs the
+    head reads beside its top feature (empty: the top feature alone; module doc)."""
 
     hidden: int
     intermediate: int
@@ -60,13 +71,23 @@ class TextHeadConfig:
     eps: float
     vocab_size: int
     draft_vocab: int
+    fused_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fused_layers", tuple(int(layer) for layer in self.fused_layers))  # JSON: a list
         sizes = (self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.vocab_size)
         if min(sizes) < 1 or self.heads % self.kv_heads or self.head_dim % 2 or not 0 <= self.draft_vocab <= \
                 self.vocab_size or not self.rope_theta > 0 or not self.eps > 0:
             raise RecspecError(f"a text head needs positive sizes, heads a multiple of kv_heads, an even head_dim "
                                f"and 0 <= draft_vocab <= vocab_size; got {self}")
+        layers = self.fused_layers
+        if any(layer < 1 for layer in layers) or list(layers) != sorted(set(layers)):
+            raise RecspecError(f"fused layers must be distinct decoder layers counted from 1, ascending; got {layers}")
+
+    @property
+    def input_width(self) -> int:
+        """The width of the target features the head reads: ``(len(fused_layers) + 1) * hidden``."""
+        return (len(self.fused_layers) + 1) * self.hidden
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -85,6 +106,7 @@ class TextHead(nn.Module):
     def __init__(self, config: TextHeadConfig) -> None:
         super().__init__()
         self.config = c = config
+        self.fuse = nn.Linear(c.input_width, c.hidden, bias=False) if c.fused_layers else None
         self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=False)
         self.attn_norm = RMSNorm(c.hidden, c.eps)
         self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
@@ -98,7 +120,8 @@ class TextHead(nn.Module):
 
     def initialise(self, generator: torch.Generator) -> None:
         """Llama's normal(0, 0.02) weights from ``generator``, then: ``W_fc`` passes the feature
-        through and the attention and MLP outputs are zero (the head starts as ``h_t = f_t``)."""
+        through, the attention and MLP outputs are zero (the head starts as ``h_t = f_t``) and
+        ``W_fuse`` is ``[0, ..., 0, I]`` (it starts by reading the top feature alone)."""
         hidden = self.config.hidden
         with torch.no_grad():
             for linear in (self.fc, self.q, self.k, self.v, self.mlp.gate, self.mlp.up):
@@ -106,6 +129,15 @@ class TextHead(nn.Module):
             self.fc.weight[:, :hidden] += torch.eye(hidden)
             self.o.weight.zero_()
             self.mlp.down.weight.zero_()
+            if self.fuse is not None:
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -hidden:] = torch.eye(hidden)
+
+    def read(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The head's input feature ``[..., H]`` from the target's ``[..., input_width]`` (the
+        normalised fused layers, then the top feature; :func:`layer_features`): ``W_fuse`` applied,
+        or the top feature itself without fused layers."""
+        return target_features if self.fuse is None else self.fuse(target_features)
 
     def forward(self, features: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -129,26 +161,47 @@ class TextHead(nn.Module):
         return self.mlp(u), k, v
 
 
-def text_head_config(target, draft_vocab: int) -> TextHeadConfig:
+def text_head_config(target, draft_vocab: int, fused_layers: Sequence[int] = ()) -> TextHeadConfig:
     """The config of a head for ``target`` (a transformers causal LM with default rotary positions)
-    over ``draft_vocab`` tokens (0: all)."""
+    over ``draft_vocab`` tokens (0: all), reading its decoder layers ``fused_layers`` beside its top
+    feature (each below the last layer, whose output the top feature is)."""
     config = target.config.get_text_config()
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
         raise RecspecError(f"a text head needs a target with default rotary positions; this one has {rope or 'none'}")
+    layers = config.num_hidden_layers
+    if any(not 1 <= layer < layers for layer in fused_layers):
+        raise RecspecError(f"fused layers must lie in [1, {layers - 1}] (the target has {layers} decoder layers, the "
+                           f"last one's output is the top feature); got {list(fused_layers)}")
     heads = config.num_attention_heads
     return TextHeadConfig(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
                           kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                           head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                           rope_theta=float(rope["rope_theta"]), eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-                          vocab_size=target.get_output_embeddings().weight.shape[0], draft_vocab=draft_vocab)
+                          vocab_size=target.get_output_embeddings().weight.shape[0], draft_vocab=draft_vocab,
+                          fused_layers=tuple(fused_layers))
 
 
-def new_text_head(target, vocab_ids: torch.Tensor | None, seed: int) -> TextHead:
+def layer_features(target, hidden_states: Sequence[torch.Tensor], fused_layers: Sequence[int]) -> torch.Tensor:
+    """What a head with ``fused_layers`` reads of the target at some positions: the outputs of
+    those decoder layers, each normalised by the target's final norm, then the top feature, joined
+    ``[..., (len(fused_layers) + 1) * H]``; ``hidden_states`` as transformers returns them with
+    ``output_hidden_states`` (the embeddings, then each layer's output, the last one after the
+    final norm), each ``[..., H]``."""
+    if not fused_layers:
+        return hidden_states[-1]
+    norm = getattr(target.get_decoder(), "norm", None)
+    if norm is None:
+        raise RecspecError("a head with fused layers needs a target whose decoder ends in a final norm (.norm)")
+    return torch.cat([norm(hidden_states[layer]) for layer in fused_layers] + [hidden_states[-1]], dim=-1)
+
+
+def new_text_head(target, vocab_ids: torch.Tensor | None, seed: int, fused_layers: Sequence[int] = ()) -> TextHead:
     """An untrained head for ``target`` (:meth:`TextHead.initialise`, seeded) over the draft
-    vocabulary ``vocab_ids`` (int64 ``[D]``, distinct ids; None: the whole vocabulary)."""
+    vocabulary ``vocab_ids`` (int64 ``[D]``, distinct ids; None: the whole vocabulary), reading the
+    target's layers ``fused_layers`` beside its top feature."""
     ids = torch.empty(0, dtype=torch.int64) if vocab_ids is None else torch.unique(vocab_ids.long())
-    head = TextHead(text_head_config(target, len(ids)))
+    head = TextHead(text_head_config(target, len(ids), fused_layers))
     if len(ids) and not 0 <= int(ids[0]) <= int(ids[-1]) < head.config.vocab_size:
         raise RecspecError(f"draft vocabulary ids must lie in [0, {head.config.vocab_size})")
     head.vocab_ids.copy_(ids)
@@ -185,7 +238,7 @@ class TextHeadDraft:
     this project's CPU)."""
 
     def __init__(self, head: TextHead, target) -> None:
-        expected = text_head_config(target, head.config.draft_vocab)
+        expected = text_head_config(target, head.config.draft_vocab, head.config.fused_layers)
         if expected != head.config:
             raise RecspecError(f"this text head was built for another model (its shapes {head.config} are not the "
                                f"target's {expected})")
@@ -196,6 +249,17 @@ class TextHeadDraft:
             self.weight = output.index_select(0, self.ids)
         else:
             self.ids, self.weight = torch.arange(output.shape[0], device=output.device), output
+
+    @property
+    def fused_layers(self) -> tuple[int, ...]:
+        """The target's layers the head reads beside its top feature (what a target call must
+        return for it: :func:`layer_features`)."""
+        return self.head.config.fused_layers
+
+    def read(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's input ``[..., H]`` from the target's features ``[..., input_width]`` as
+        :func:`layer_features` gives them for :attr:`fused_layers` (:meth:`TextHead.read`)."""
+        return self.head.read(features)
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
              past: tuple[torch.Tensor, torch.Tensor] | None = None
