@@ -273,7 +273,7 @@ def test_fused_input_starts_as_the_plain_head_and_reads_its_layers(runs, lm, smo
         rows = slice(int(corpus.starts[i]), int(corpus.starts[i + 1]))
         torch.testing.assert_close(corpus.layers[rows], alone[:, :2 * hidden], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(corpus.features[rows], alone[:, 2 * hidden:], rtol=1e-4, atol=1e-4)
-    with pytest.raises(RecspecError, match="another corpus or target"):
+    with pytest.raises(RecspecError, match=r"features made for fused layers \[\] \(this run reads \[4, 14\]\)"):
         corpus_features(None, pairs, resumed, 7, tokenizer.pad_token_id, fingerprint, False, layers)
 
     ids = torch.arange(300)

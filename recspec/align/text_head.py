@@ -191,8 +191,12 @@ def _kept_features(out_dir: Path, name: str, made_from: dict[str, Any], remedy: 
     if not has_state(out_dir, name):
         return None
     saved = load_state(out_dir, name, remedy)
-    if saved.get("made_from") != made_from:
-        raise RecspecError(f"{Path(out_dir) / name}.json: features of another corpus or target; {remedy}")
+    kept = saved.get("made_from") or {}
+    if kept != made_from:
+        layers = [kept.get("fused_layers", []), made_from.get("fused_layers", [])]
+        what = ("another corpus or target" if layers[0] == layers[1] else
+                f"fused layers {layers[0]} (this run reads {layers[1]})")
+        raise RecspecError(f"{Path(out_dir) / name}.json: features made for {what}; {remedy}")
     return CorpusFeatures(**saved["corpus"])
 
 
