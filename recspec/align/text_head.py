@@ -64,8 +64,8 @@ from recspec.align.distill import (ACCEPTANCE, CorpusConfig, Pairs, acceptance, 
 from recspec.align.head import HeadStore
 from recspec.errors import RecspecError
 from recspec.hub import resolve_model_dir
-from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, new_text_head, text_head_config,
-                                      text_head_fingerprint)
+from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, new_text_head, ordered_layers,
+                                      text_head_config, text_head_fingerprint)
 from recspec.models.train import Trainer, autocast
 from recspec.statefile import has_state, load_state, save_state, state_files
 
@@ -93,8 +93,7 @@ class HeadDistillConfig(CorpusConfig):
         return {**super().checks(), "vocab": self.vocab >= 0, "feature_weight": 0 <= self.feature_weight < math.inf,
                 "noise": 0 <= self.noise < math.inf, "ahead_weight": 0 <= self.ahead_weight < math.inf,
                 "tv_weight": 0 <= self.tv_weight < math.inf,
-                "fused_layers": list(self.fused_layers) == sorted(set(self.fused_layers))
-                and all(layer >= 1 for layer in self.fused_layers)}
+                "fused_layers": ordered_layers(self.fused_layers)}
 
 
 #: Options added after runs were recorded, with the value such a run trained with (as recorded in JSON).

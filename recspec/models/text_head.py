@@ -80,14 +80,19 @@ class TextHeadConfig:
                 self.vocab_size or not self.rope_theta > 0 or not self.eps > 0:
             raise RecspecError(f"a text head needs positive sizes, heads a multiple of kv_heads, an even head_dim "
                                f"and 0 <= draft_vocab <= vocab_size; got {self}")
-        layers = self.fused_layers
-        if any(layer < 1 for layer in layers) or list(layers) != sorted(set(layers)):
-            raise RecspecError(f"fused layers must be distinct decoder layers counted from 1, ascending; got {layers}")
+        if not ordered_layers(self.fused_layers):
+            raise RecspecError(f"fused layers must be distinct decoder layers counted from 1, ascending; got "
+                               f"{self.fused_layers}")
 
     @property
     def input_width(self) -> int:
         """The width of the target features the head reads: ``(len(fused_layers) + 1) * hidden``."""
         return (len(self.fused_layers) + 1) * self.hidden
+
+
+def ordered_layers(layers: Sequence[int]) -> bool:
+    """Whether ``layers`` can be a head's fused layers: distinct, counted from 1, ascending."""
+    return all(layer >= 1 for layer in layers) and list(layers) == sorted(set(layers))
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

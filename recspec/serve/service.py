@@ -173,7 +173,7 @@ class RecommendService:
     def choice(self, k: int, batch: int) -> Choice:
         """``auto``'s choice for ``k`` at ``batch`` users, per power-of-two batch size (made once,
         from the measurements kept beside the models)."""
-        size = min(self.max_batch, 1 << max(0, batch - 1).bit_length())
+        size = self._size_class(batch)
         if (k, size) not in self._choices:
             self._choices[(k, size)] = choose(self.recommender, k, size)
         return self._choices[(k, size)]
@@ -182,8 +182,12 @@ class RecommendService:
         """Make ``auto``'s choices for ``k`` at every batch size it distinguishes (powers of two up
         to ``max_batch``) now, so that what they measure on a new device (:func:`~recspec.auto.choose`)
         is not paid by the first requests; returns them by batch size."""
-        sizes = sorted({min(self.max_batch, 1 << n) for n in range(self.max_batch.bit_length() + 1)})
+        sizes = sorted({self._size_class(batch) for batch in range(1, self.max_batch + 1)})
         return {size: self.choice(k, size) for size in sizes}
+
+    def _size_class(self, batch: int) -> int:
+        """The batch size ``auto`` chooses for at ``batch`` users: the next power of two, at most ``max_batch``."""
+        return min(self.max_batch, 1 << max(0, batch - 1).bit_length())
 
     def decode(self, queries: list[Query]) -> list[Answer]:
         """Decode ``queries`` (one :attr:`Query.key`) as one batch."""
