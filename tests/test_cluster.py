@@ -21,7 +21,7 @@ from recspec.knowledge.job import KnowledgeConfig, run_job
 from recspec.knowledge.store import read_rows
 from recspec.recommend import DecodeOptions, RecommendJob, write_recs
 from recspec.serve.on_ray import free_port
-from tests.test_cli import recspec
+from tests.test_cli import recspec_process as recspec
 from tests.test_knowledge_job import GREEDY, OLD_ITEMS, old_store, task  # noqa: F401  (fixtures)
 from tests.test_serve import models  # noqa: F401  (fixture)
 

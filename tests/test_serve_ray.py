@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from recspec.serve.on_ray import free_port
-from tests.test_cli import recspec
+from tests.test_cli import recspec_process as recspec
 from tests.test_serve import (K, expected, metric, models, post_all, same_answer, server,  # noqa: F401  (fixtures)
                               sigterm_while_queued)
 
