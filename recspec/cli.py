@@ -652,12 +652,16 @@ def distill_command(
                                                             "4,14 (EAGLE-3's fused input; default none).")] = None,
     prompts: Annotated[int, typer.Option(help="Knowledge prompts of the corpus (half users, half movies).")] = 384,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens the target samples per prompt.")] = 128,
+    samples: Annotated[int, typer.Option(help="Texts the target samples per prompt (the validation share holds "
+                                              "whole prompts).")] = 1,
     epochs: int = 6,
     batch_size: int = 8,
     lr: float = 3e-4,
     warmup_steps: int = 20,
     max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
+    device: Annotated[str, typer.Option(help="--head: where the target samples, computes its features and the "
+                                             "head trains (cpu, cuda, auto); the head is the same on any.")] = "cpu",
     seed: int = 0,
 ) -> None:
     """Distill a text draft from the target (for spec-sample, topk-imp, dsbd and, with --head,
@@ -668,8 +672,8 @@ def distill_command(
     from recspec.align.distill import DistillConfig, distill
     from recspec.align.text_head import HeadDistillConfig, distill_head
 
-    common = dict(prompts=prompts, max_new_tokens=max_new_tokens, epochs=epochs, batch_size=batch_size, lr=lr,
-                  warmup_steps=warmup_steps, seed=seed)
+    common = dict(prompts=prompts, max_new_tokens=max_new_tokens, samples=samples, epochs=epochs,
+                  batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, seed=seed)
     head_options = {name: value for name, value in (("vocab", vocab), ("feature_weight", feature_weight),
                                                     ("ahead_weight", ahead_weight), ("noise", noise),
                                                     ("tv_weight", tv_weight),
@@ -677,6 +681,8 @@ def distill_command(
                     if value is not None}
     if head and layers is not None:
         raise RecspecError("--layers picks the target layers of a layer draft; a --head has its own layer")
+    if not head and device != "cpu":
+        head_options["device"] = device
     if not head and head_options:
         raise RecspecError(f"--{', --'.join(n.replace('_', '-') for n in head_options)}: options of --head")
     if threads is not None:
@@ -684,7 +690,8 @@ def distill_command(
     with _on_interrupt(f"the corpus sampled so far and the checkpoint of the last finished epoch in {out} are kept; "
                        f"run the same command to resume"):
         if head:
-            result = distill_head(target, out, HeadDistillConfig(**common, **head_options), max_minutes=max_minutes)
+            result = distill_head(target, out, HeadDistillConfig(**common, **head_options), max_minutes=max_minutes,
+                                  device=_device(device))
         else:
             result = distill(target, out, DistillConfig(layers=layers or "0,29", **common), max_minutes=max_minutes)
     typer.echo(f"{result['stopped']}: validation acceptance " + " -> ".join(
@@ -973,6 +980,9 @@ def bench_curve(
     column: Annotated[Optional[list[str]], typer.Option(help="Further logged values to tabulate.")] = None,
     budget: Annotated[float, typer.Option(help="CPU-minutes within which the best value is reported.")] = 60.0,
     target: Annotated[Optional[float], typer.Option(help="A target value, drawn as a dashed line.")] = None,
+    unit: Annotated[str, typer.Option(help="What the minutes are called: CPU-minutes, or for runs trained on "
+                                           "an accelerator (--threads 1) its minutes, e.g. H100-minutes.")
+                    ] = "CPU-minutes",
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "curve",
 ) -> None:
@@ -980,7 +990,8 @@ def bench_curve(
     from recspec.bench.curve import run as write_curves
 
     _positive(threads=min(threads), budget=budget)
-    typer.echo(write_curves(_results_dir(out), run, label, threads, metric, column or [], budget, target, name))
+    typer.echo(write_curves(_results_dir(out), run, label, threads, metric, column or [], budget, target, name,
+                            unit))
 
 
 @bench_app.command("rows")

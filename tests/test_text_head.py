@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recspec.align.distill import CHECKPOINT, corpus_split
+from recspec.align.distill import CHECKPOINT, corpus_split, sample_corpus, validation_cut
 from recspec.align.head import HeadStore
 from recspec.align.text_head import (ACCEPTANCE, ACCEPTANCE_2, FEATURES, HeadDistillConfig, TextHeadTask,
                                      corpus_features, distill_head, draft_vocabulary)
@@ -34,6 +34,7 @@ from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, 
                                       text_head_fingerprint)
 from recspec.statefile import load_state
 from tests.test_cli import recspec
+from tests.test_speculative import small_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -208,18 +209,40 @@ def test_tv_term_is_the_acceptance_shortfall(runs, lm, smollm2_dir) -> None:
 
 
 def test_runs_recorded_before_an_option_existed_resume(runs, smollm2_dir, tmp_path: Path) -> None:
-    """A run whose settings predate ``tv_weight`` resumes with the value it trained with (0) and
-    refuses any other."""
+    """A run whose settings predate ``tv_weight`` and ``samples`` resumes with the values it trained
+    with (0, one sample a prompt) and refuses any other."""
     import json
 
     _, whole, _ = runs
     shutil.copytree(whole, tmp_path / "run", dirs_exist_ok=True)
     settings = json.loads((tmp_path / "run" / "distill.json").read_text())
-    del settings["tv_weight"]
+    del settings["tv_weight"], settings["samples"]
     write_json_atomic(tmp_path / "run" / "distill.json", settings)
     assert distill_head(str(smollm2_dir), tmp_path / "run", CONFIG, progress=False)["stopped"] == "epochs"
     with pytest.raises(RecspecError, match="other settings"):
         distill_head(str(smollm2_dir), tmp_path / "run", replace(CONFIG, tv_weight=1.0), progress=False)
+
+
+def test_validation_cut_keeps_a_prompts_samples_on_one_side() -> None:
+    """The validation share starts at a prompt's first sample; a corpus of one prompt is still cut."""
+    pairs = [([prompt], [prompt, sample]) for prompt in range(10) for sample in range(3)]
+    cut = validation_cut(pairs, 0.125)  # 30 pairs: the last 4 would start inside prompt 8
+    assert cut == 27 and pairs[cut - 1][0] != pairs[cut][0]
+    assert validation_cut([([p], [p]) for p in range(8)], 0.125) == 7
+    assert validation_cut([([0], [1]), ([0], [2]), ([0], [3])], 0.3) == 2
+
+
+def test_samples_per_prompt_follow_each_other_and_differ(lm, ml100k, tmp_path: Path) -> None:
+    """``samples = 2``: every prompt twice in a row, sampled apart, and read back on the next call
+    (a small random model over SmolLM2's tokenizer and chat prompts)."""
+    _, tokenizer, _ = lm
+    model = small_llama(len(tokenizer), seed=3, width=16)
+    pairs = sample_corpus(model, tokenizer, tmp_path / "corpus.jsonl", 16, 3, seed=0, progress=False, samples=2)
+    prompts = [prompt for prompt, _ in pairs]
+    assert len(pairs) == 32 and prompts[0::2] == prompts[1::2] and len({tuple(p) for p in prompts}) == 16
+    assert sum(first[1] != second[1] for first, second in zip(pairs[0::2], pairs[1::2])) >= 12
+    assert sample_corpus(model, tokenizer, tmp_path / "corpus.jsonl", 16, 3, seed=0, progress=False,
+                         samples=2) == pairs
 
 
 def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
@@ -239,8 +262,10 @@ def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
     assert saved["runs"][0]["best"][ACCEPTANCE] == max(row[ACCEPTANCE] for row in history)
     assert "| resumed |" in markdown and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     first = curve[0]["cpu_minutes"]
-    write_curves(tmp_path, [resumed], ["r"], [2], ACCEPTANCE, [], budget=first, target=None, name="d")
+    named = write_curves(tmp_path, [resumed], ["r"], [2], ACCEPTANCE, [], budget=first, target=None, name="d",
+                         unit="H100-minutes")
     assert json.loads((tmp_path / "d.json").read_text())["runs"][0]["best"]["label"] == "0"
+    assert "against H100-minutes" in named and "CPU-minutes" not in named
     with pytest.raises(RecspecError, match="logs no 'recall'"):
         write_curves(tmp_path, [resumed], ["r"], [2], "recall", [], budget=60, target=None, name="e")
     with pytest.raises(RecspecError, match="missing"):

@@ -56,21 +56,25 @@ from recspec.models.train import TrainConfig, Trainer, TrainResult, autocast
 from recspec.statefile import has_state, load_state, refuse_object_files, save_state, state_files
 
 CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint", "best", "distill.json", "draft.json"
-CHUNK = 8  # prompts sampled together (one seeded chunk of corpus.jsonl)
+CHUNK = 8  # prompts sampled together (one seeded chunk of corpus.jsonl) on the CPU
+DEVICE_CHUNK = 256  # on an accelerator, where a wider batch costs about what a narrow one does
 ACCEPTANCE = "valid_acceptance"  # the selection metric (higher is better)
 REMEDY = "delete it to start over, or choose another --out"
 Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, response ids) of the corpus
+#: Corpus options added after runs were recorded, with the value such a run sampled with.
+ADDED_CORPUS_OPTIONS = {"samples": 1}
 
 
 @dataclass(frozen=True)
 class CorpusConfig:
     """Distillation from the target's own samples, whatever it trains (a draft of its layers here,
     a text head in :mod:`recspec.align.text_head`): ``prompts``: corpus prompts (half users, half
-    movies); ``max_new_tokens``: sampled tokens per prompt; ``valid_fraction``: held-out share of
-    the corpus; the rest are training options."""
+    movies); ``max_new_tokens``: sampled tokens per prompt; ``samples``: texts sampled per prompt;
+    ``valid_fraction``: held-out share of the corpus (whole prompts); the rest are training options."""
 
     prompts: int = 384
     max_new_tokens: int = 128
+    samples: int = 1
     valid_fraction: float = 0.125
     epochs: int = 6
     batch_size: int = 8
@@ -83,6 +87,7 @@ class CorpusConfig:
     def checks(self) -> dict[str, bool]:
         """Each option's name and whether its value is allowed."""
         return {"prompts": self.prompts >= 2 * CHUNK, "max_new_tokens": self.max_new_tokens >= 1,
+                "samples": self.samples >= 1,
                 "valid_fraction": 0 < self.valid_fraction < 1, "epochs": self.epochs >= 1,
                 "batch_size": self.batch_size >= 1, "lr": 0 < self.lr < math.inf,
                 "warmup_steps": self.warmup_steps >= 0, "weight_decay": 0 <= self.weight_decay < math.inf,
@@ -93,12 +98,12 @@ class CorpusConfig:
         if bad:
             raise RecspecError(f"bad distillation option(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
 
-    def training(self, max_minutes: float | None) -> TrainConfig:
-        """The trainer's options: these, AdamW's default betas, float32 on the CPU, no early stop."""
+    def training(self, max_minutes: float | None, device: str = "cpu") -> TrainConfig:
+        """The trainer's options: these, AdamW's default betas, float32 on ``device``, no early stop."""
         return TrainConfig(lr=self.lr, batch_size=self.batch_size, epochs=self.epochs, warmup_steps=self.warmup_steps,
                            weight_decay=self.weight_decay, betas=(0.9, 0.999), max_grad_norm=self.max_grad_norm,
                            patience=self.epochs,  # reached at the last epoch at the earliest: no early stop
-                           seed=self.seed, precision="fp32", max_minutes=max_minutes, device="cpu")
+                           seed=self.seed, precision="fp32", max_minutes=max_minutes, device=device)
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,11 @@ def _complete_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: int, seed: int,
-                  progress: bool = True) -> Pairs:
-    """``(prompt ids, sampled response ids)`` of ``prompts`` knowledge prompts, read from ``path``
-    where chunks are already there and sampled (and appended, one line per pair) where not."""
+                  progress: bool = True, samples: int = 1) -> Pairs:
+    """``(prompt ids, sampled response ids)`` of ``prompts`` knowledge prompts, ``samples`` each
+    (one after another), read from ``path`` where chunks are already there and sampled (and
+    appended, one line per pair) where not. A chunk is :data:`CHUNK` texts on the CPU and
+    :data:`DEVICE_CHUNK` on an accelerator."""
     from tqdm.auto import tqdm
 
     from recspec.data import load_dataset
@@ -160,16 +167,17 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     users = random_prompt_texts(dataset, "user", prompts // 2, seed=1)
     items = random_prompt_texts(dataset, "item", prompts - len(users), seed=1)
     texts = [text for pair in zip(users, items) for text in pair] + items[len(users):]
-    ids = [chat_ids(tokenizer, text) for text in texts]
+    ids = [chat_ids(tokenizer, text) for text in texts for _ in range(samples)]
+    chunk_size = CHUNK if target.device.type == "cpu" else DEVICE_CHUNK
     done = _complete_rows(path)
-    done = done[:len(done) - len(done) % CHUNK]  # a chunk cut short by an interruption is redone
+    done = done[:len(done) - len(done) % chunk_size]  # a chunk cut short by an interruption is redone
     if [row["prompt"] for row in done] != ids[:len(done)]:
         raise RecspecError(f"{path}: made from other prompts; remove it or choose another --out")
     with atomic_path(path) as tmp:  # rewrite the complete chunks, then append
         tmp.write_text("".join(json.dumps(row) + "\n" for row in done))
     bar = tqdm(total=len(ids), initial=len(done), desc="sampling the corpus", unit="prompt", disable=not progress)
-    for start in range(len(done), len(ids), CHUNK):
-        chunk = ids[start:start + CHUNK]
+    for start in range(len(done), len(ids), chunk_size):
+        chunk = ids[start:start + chunk_size]
         options = TextOptions(max_new_tokens=max_new_tokens, seed=seed * 100003 + start)
         out = generate("sample", target, None, [torch.tensor(p) for p in chunk], options,
                        tokenizer.pad_token_id, tokenizer.eos_token_id)
@@ -310,11 +318,11 @@ class DistillTask:
 
 
 def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: dict[str, Any] | None = None,
-             check: Callable[[Any], Any] | None = None):
+             check: Callable[[Any], Any] | None = None, device: str = "cpu"):
     """Check ``out_dir`` (no serialized objects, writable; a run already there must have had the
     same ``settings``, where a setting of ``added``, options newer than the run, counts as its
     value there when the run does not record it), load the target (frozen) and its tokenizer,
-    run ``check(target)`` (which raises for settings the target cannot take), and only then record
+    (on ``device``), run ``check(target)`` (which raises for settings the target cannot take), and only then record
     ``settings`` in it, so that a refused call leaves nothing that would refuse the corrected one."""
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
@@ -327,7 +335,7 @@ def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: d
     settings = json.loads(json.dumps(settings))  # as recorded: tuples are lists
     if (out_dir / SETTINGS).is_file() and {**(added or {}), **read_json(out_dir / SETTINGS)} != settings:
         raise RecspecError(f"{out_dir}: holds a distillation with other settings; choose another --out")
-    target, tokenizer = load_causal_lm(target_spec), load_tokenizer(target_spec)
+    target, tokenizer = load_causal_lm(target_spec, device=device), load_tokenizer(target_spec)
     for parameter in target.parameters():
         parameter.requires_grad_(False)
     if check is not None:
@@ -338,11 +346,22 @@ def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: d
 
 def corpus_split(target, tokenizer, out_dir: Path, config: CorpusConfig, progress: bool) -> tuple[Pairs, Pairs]:
     """The corpus of ``out_dir`` (:func:`sample_corpus`), split into training and validation pairs
-    (the last ``valid_fraction``, at least one)."""
+    at :func:`validation_cut`."""
     pairs = sample_corpus(target, tokenizer, Path(out_dir) / CORPUS, config.prompts, config.max_new_tokens,
-                          config.seed, progress)
-    cut = len(pairs) - max(1, round(len(pairs) * config.valid_fraction))
+                          config.seed, progress, config.samples)
+    cut = validation_cut(pairs, config.valid_fraction)
     return pairs[:cut], pairs[cut:]
+
+
+def validation_cut(pairs: Pairs, fraction: float) -> int:
+    """Where the validation pairs begin: the last ``fraction`` of ``pairs`` (at least one), moved
+    on past pairs of the prompt before it, so that a prompt's samples (consecutive) stay on one
+    side; where that leaves no validation pair, the cut stays inside the last prompt."""
+    cut = len(pairs) - max(1, round(len(pairs) * fraction))
+    moved = cut
+    while moved < len(pairs) and pairs[moved][0] == pairs[moved - 1][0]:
+        moved += 1
+    return moved if moved < len(pairs) else cut
 
 
 def run_summary(result: TrainResult, train_pairs: int, valid_pairs: int, started: float) -> dict[str, Any]:
@@ -356,7 +375,8 @@ def run_summary(result: TrainResult, train_pairs: int, valid_pairs: int, started
 def distill(target_spec: str, out_dir: Path, config: DistillConfig = DistillConfig(),
             max_minutes: float | None = None, progress: bool = True) -> dict[str, Any]:
     """Sample the corpus, then train (or go on training) the draft; returns the run's summary."""
-    target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), **asdict(config)})
+    target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), **asdict(config)},
+                                 ADDED_CORPUS_OPTIONS)
     layers = parse_layers(config.layers, target.config.num_hidden_layers)
     train, valid = corpus_split(target, tokenizer, out_dir, config, progress)
     task = DistillTask(target, tokenizer, train, valid, {"target": str(target_spec), "layers": layers},

@@ -59,8 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from recspec.align.distill import (ACCEPTANCE, CorpusConfig, Pairs, acceptance, corpus_split, open_run, pair_batch,
-                                   position_kl, response_outputs, run_summary)
+from recspec.align.distill import (ACCEPTANCE, ADDED_CORPUS_OPTIONS, CorpusConfig, Pairs, acceptance, corpus_split,
+                                   open_run, pair_batch, position_kl, response_outputs, run_summary)
 from recspec.align.head import HeadStore
 from recspec.errors import RecspecError
 from recspec.hub import resolve_model_dir
@@ -97,7 +97,7 @@ class HeadDistillConfig(CorpusConfig):
 
 
 #: Options added after runs were recorded, with the value such a run trained with (as recorded in JSON).
-ADDED_OPTIONS = {"tv_weight": 0.0, "fused_layers": []}
+ADDED_OPTIONS = {**ADDED_CORPUS_OPTIONS, "tv_weight": 0.0, "fused_layers": []}
 
 
 def draft_vocabulary(pairs: Pairs, size: int, always: Iterable[int]) -> torch.Tensor:
@@ -137,8 +137,8 @@ def right_aligned(flat: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) 
 
 def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, progress: bool,
                      desc: str = "target features", fused_layers: Sequence[int] = ()) -> CorpusFeatures:
-    """:class:`CorpusFeatures` of ``pairs`` (with the normalised outputs of ``fused_layers``): one
-    target forward per ``batch_size`` pairs. The first batch also checks that the logits are the
+    """:class:`CorpusFeatures` of ``pairs`` (with the normalised outputs of ``fused_layers``), on
+    the CPU: one target forward per ``batch_size`` pairs on the target's device. The first batch also checks that the logits are the
     output layer applied to the features (no soft-capping, bias or scale between them), which the
     head relies on."""
     from tqdm.auto import tqdm
@@ -147,7 +147,8 @@ def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, p
     output = target.get_output_embeddings().weight
     with torch.no_grad():
         for start in tqdm(range(0, len(pairs), batch_size), desc=desc, unit="batch", disable=not progress):
-            batch = pair_batch(pairs[start:start + batch_size], pad_token_id)
+            batch = {key: value.to(output.device)
+                     for key, value in pair_batch(pairs[start:start + batch_size], pad_token_id).items()}
             logits, real, states = response_outputs(target, batch, features=True)
             assert states is not None
             hidden = states[-1]
@@ -156,10 +157,10 @@ def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, p
                 raise RecspecError("the target's logits are not its output layer applied to its last hidden state; "
                                    "a text head cannot draft through that output layer")
             kept = batch["attention_mask"].bool()
-            features.append(hidden[kept].float())
-            lse.append(torch.logsumexp(logits, dim=-1)[real])
+            features.append(hidden[kept].float().cpu())
+            lse.append(torch.logsumexp(logits, dim=-1)[real].cpu())
             if fused_layers:
-                layers.append(layer_features(target, states, fused_layers)[kept][:, :-hidden.shape[-1]].float())
+                layers.append(layer_features(target, states, fused_layers)[kept][:, :-hidden.shape[-1]].float().cpu())
     lengths = torch.tensor([len(p) + len(r) for p, r in pairs])
     responses = torch.tensor([len(r) for _, r in pairs])
     return CorpusFeatures(torch.cat(features), torch.cat(lse), offsets(lengths), offsets(responses),
@@ -300,20 +301,22 @@ class TextHeadTask:
         ``valid_vocab_mass`` over the validation responses."""
         scores: dict[str, list[torch.Tensor]] = {ACCEPTANCE: [], ACCEPTANCE_2: [], "valid_kl": [],
                                                  "valid_vocab_mass": []}
+        device = self.bound.weight.device
         with torch.no_grad():
             for start in range(0, len(self.valid), self.config.batch_size):
-                batch = self.pair_rows(self.valid[start:start + self.config.batch_size])
+                batch = {key: value.to(device)
+                         for key, value in self.pair_rows(self.valid[start:start + self.config.batch_size]).items()}
                 guessed, keys, values = head_pass(self.bound, batch, 0.0)
                 at, target, lse = response_rows(guessed, batch)
                 at_2, _, _ = response_rows(second_pass(self.bound, batch, guessed, keys, values), batch)
                 log_p = self.bound.logits(target) - lse[:, None]
                 log_q, log_q2 = self.bound.log_probs(at), self.bound.log_probs(at_2)
-                every = torch.ones(len(log_p), dtype=torch.bool)
+                every = torch.ones(len(log_p), dtype=torch.bool, device=device)
                 scores[ACCEPTANCE].append(acceptance(log_p, log_q, every))
                 scores[ACCEPTANCE_2].append(acceptance(log_p, log_q2, every))
                 scores["valid_kl"].append(support_kl(log_p, log_q))
                 scores["valid_vocab_mass"].append(log_p.exp().sum(dim=-1))
-        return {name: float(torch.cat(values).mean()) for name, values in scores.items()}
+        return {name: float(torch.cat(values).mean().cpu()) for name, values in scores.items()}
 
     def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
         """The validation KL (``valid_kl``)."""
@@ -343,7 +346,7 @@ def second_pass(bound: TextHeadDraft, batch: dict[str, torch.Tensor], guessed: t
     Returns ``[b, T, H]``."""
     rows = causal_rows(batch)
     count = rows.shape[1]
-    own = torch.eye(count, dtype=torch.bool)
+    own = torch.eye(count, dtype=torch.bool, device=rows.device)
     earlier = rows & ~own
     previous = torch.nn.functional.pad(guessed[:, :-1], (0, 0, 1, 0))
     return bound.step(previous, batch["input_ids"][:, 1:], batch["position_ids"][:, :-1],
@@ -355,8 +358,8 @@ def causal_rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     and a padding input itself."""
     real = batch["attention_mask"][:, :-1].bool()
     count = real.shape[1]
-    causal = torch.ones(count, count, dtype=torch.bool).tril()
-    return (causal & real[:, None, :]) | torch.eye(count, dtype=torch.bool)
+    causal = torch.ones(count, count, dtype=torch.bool, device=real.device).tril()
+    return (causal & real[:, None, :]) | torch.eye(count, dtype=torch.bool, device=real.device)
 
 
 def response_rows(guessed: torch.Tensor, batch: dict[str, torch.Tensor]
@@ -365,7 +368,7 @@ def response_rows(guessed: torch.Tensor, batch: dict[str, torch.Tensor]
     features they guess ``[n, H]`` and its log-normalisers there ``[n]``."""
     lengths = batch["response_lengths"]
     width = int(lengths.max())
-    real = torch.arange(width)[None, :] >= width - lengths[:, None]
+    real = torch.arange(width, device=lengths.device)[None, :] >= width - lengths[:, None]
     return (guessed[:, -(width + 1):-1][real], batch["features"][:, -(width + 1):-1][real],
             batch["lse"][:, -width:][real])
 
@@ -374,17 +377,19 @@ def support_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """``p(D) KL(p_D || q)`` per row (module doc): ``log_p`` ``[n, D]`` the target's log-probs on
     the draft vocabulary (their mass ``p(D) <= 1``), ``log_q`` ``[n, D]`` the head's. Returns ``[n]``."""
     mass = log_p.exp().sum(dim=-1)
-    return position_kl(log_p, log_q, torch.ones(len(log_p), dtype=torch.bool)) - mass * mass.log()
+    every = torch.ones(len(log_p), dtype=torch.bool, device=log_p.device)
+    return position_kl(log_p, log_q, every) - mass * mass.log()
 
 
 def distill_head(target_spec: str, out_dir: Path, config: HeadDistillConfig = HeadDistillConfig(),
-                 max_minutes: float | None = None, progress: bool = True) -> dict[str, Any]:
+                 max_minutes: float | None = None, progress: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Sample the corpus, compute the target's features once, then train (or go on training) the
-    head; returns the run's summary (as :func:`~recspec.align.distill.distill`)."""
+    head, all on ``device`` (the features are kept on the CPU); returns the run's summary (as
+    :func:`~recspec.align.distill.distill`)."""
     from recspec.knowledge.decode import eos_ids
 
     target, tokenizer = open_run(target_spec, out_dir, {"target": str(target_spec), "head": True, **asdict(config)},
-                                 ADDED_OPTIONS, lambda model: text_head_config(model, 0, config.fused_layers))
+                                 ADDED_OPTIONS, lambda model: text_head_config(model, 0, config.fused_layers), device)
     fingerprint = text_head_fingerprint(resolve_model_dir(target_spec))
     train, valid = corpus_split(target, tokenizer, out_dir, config, progress)
     pairs = train + valid
@@ -396,6 +401,6 @@ def distill_head(target_spec: str, out_dir: Path, config: HeadDistillConfig = He
     task = TextHeadTask(TextHeadDraft(head, target), pairs, corpus, np.arange(len(train)),
                         np.arange(len(train), len(pairs)), config, tokenizer.pad_token_id, store)
     started = time.perf_counter()
-    result = Trainer(head, task, out_dir, config.training(max_minutes), evaluate=task.validation_scores,
+    result = Trainer(head, task, out_dir, config.training(max_minutes, device), evaluate=task.validation_scores,
                      progress=progress, metric=ACCEPTANCE, baseline=True).run()
     return run_summary(result, len(train), len(valid), started)

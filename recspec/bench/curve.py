@@ -53,11 +53,12 @@ def best_within(points: Sequence[dict[str, Any]], metric: str, budget: float) ->
 
 
 def run(out: Path, runs: Sequence[Path], labels: Sequence[str], threads: Sequence[int], metric: str,
-        columns: Sequence[str], budget: float, target: float | None, name: str) -> str:
+        columns: Sequence[str], budget: float, target: float | None, name: str, unit: str = "CPU-minutes") -> str:
     """Write ``name.{json,md,png}`` into ``out`` for training folders ``runs`` (named ``labels``,
     trained with ``threads`` torch threads each): ``metric`` and ``columns`` per evaluation, the best
-    ``metric`` within ``budget`` CPU-minutes, the plot with ``target`` as a dashed line; return the
-    Markdown."""
+    ``metric`` within ``budget`` minutes, the plot with ``target`` as a dashed line; return the
+    Markdown. ``unit`` names the minutes (a run trained on an accelerator, given one thread, is
+    timed in that device's minutes, e.g. ``H100-minutes``)."""
     if not (len(runs) == len(labels) == len(threads)):
         raise RecspecError("give one --label and one --threads per --run")
     curves = {label: curve(read_log(path), n) for path, label, n in zip(runs, labels, threads)}
@@ -66,34 +67,34 @@ def run(out: Path, runs: Sequence[Path], labels: Sequence[str], threads: Sequenc
             raise RecspecError(f"run {label!r} logs no {metric!r}; its log has {sorted(points[-1])}")
     best = {label: best_within(points, metric, budget) for label, points in curves.items()}
     summary = markdown_table(
-        ["run", "folder", "threads", f"best {metric} within {budget:g} CPU-minutes", "at epoch", "CPU-minutes"],
+        ["run", "folder", "threads", f"best {metric} within {budget:g} {unit}", "at epoch", unit],
         [[label, str(path), n, round(b[metric], 4) if b else "-", b["label"] if b else "-",
           round(b["cpu_minutes"], 1) if b else "-"]
          for (label, b), path, n in zip(best.items(), runs, threads)])
     tables = [f"## {label}\n\n" + markdown_table(
-        ["epoch", "CPU-minutes", metric, *columns],
+        ["epoch", unit, metric, *columns],
         [[p["label"], round(p["cpu_minutes"], 1), *(round(p[c], 4) if c in p else "-" for c in (metric, *columns))]
          for p in points]) for label, points in curves.items()]
-    markdown = (f"# Training curves: {metric} against CPU-minutes\n\nCPU-minutes: training plus evaluation "
+    markdown = (f"# Training curves: {metric} against {unit}\n\n{unit}: training plus evaluation "
                 f"seconds so far, times the run's torch threads.\n\n{summary}\n\n" + "\n\n".join(tables) + "\n")
-    write_results(out, name, {"metric": metric, "budget_cpu_minutes": budget, "target": target,
+    write_results(out, name, {"metric": metric, "unit": unit, "budget_cpu_minutes": budget, "target": target,
                               "runs": [{"label": label, "folder": str(path), "threads": n, "best": best[label],
                                         "curve": curves[label]}
                                        for path, label, n in zip(runs, labels, threads)]}, markdown)
-    _plot(out / f"{name}.png", curves, metric, budget, target)
+    _plot(out / f"{name}.png", curves, metric, budget, target, unit)
     return markdown
 
 
 def _plot(path: Path, curves: dict[str, list[dict[str, Any]]], metric: str, budget: float,
-          target: float | None) -> None:
+          target: float | None, unit: str) -> None:
     figure, axis = new_figure(figsize=(7, 4))
     for label, points in curves.items():
         shown = [p for p in points if metric in p]
         axis.plot([p["cpu_minutes"] for p in shown], [p[metric] for p in shown], marker="o", label=label)
     if target is not None:
         axis.axhline(target, linestyle="--", color="grey", label=f"target {target:g}")
-    axis.axvline(budget, linestyle=":", color="grey", label=f"budget {budget:g} CPU-min")
-    axis.set_xlabel("CPU-minutes (training + validation)")
+    axis.axvline(budget, linestyle=":", color="grey", label=f"budget {budget:g} {unit}")
+    axis.set_xlabel(f"{unit} (training + validation)")
     axis.set_ylabel(metric)
     axis.grid(alpha=0.3)
     axis.legend()
