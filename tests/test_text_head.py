@@ -322,6 +322,19 @@ def test_fused_input_starts_as_the_plain_head_and_reads_its_layers(runs, lm, smo
         new_text_head(model, ids, 5, (4, 30))
 
 
+def test_distill_device_and_samples_are_checked_before_any_work(tmp_path: Path) -> None:
+    """``--device`` belongs to ``--head``, CUDA is refused where there is none, ``--samples`` must be
+    positive: each one line, nothing written."""
+    out = tmp_path / "run"
+    for args, message in ((["--device", "cuda"], "--device: options of --head"),
+                          (["--head", "--samples", "0"], "samples=0"),
+                          *([(["--head", "--device", "cuda"], "CUDA is not available")]
+                            if not torch.cuda.is_available() else [])):
+        result = recspec("distill", "--out", str(out), *args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    assert not out.exists()
+
+
 def test_bad_fused_layers_are_refused_and_leave_the_run_folder_usable(smollm2_dir, tmp_path: Path) -> None:
     """A layer the target lacks is refused before anything is sampled or recorded (so the corrected
     command can use the same --out); a malformed --fused-layers is one error line."""

@@ -321,9 +321,10 @@ def open_run(target_spec: str, out_dir: Path, settings: dict[str, Any], added: d
              check: Callable[[Any], Any] | None = None, device: str = "cpu"):
     """Check ``out_dir`` (no serialized objects, writable; a run already there must have had the
     same ``settings``, where a setting of ``added``, options newer than the run, counts as its
-    value there when the run does not record it), load the target (frozen) and its tokenizer,
-    (on ``device``), run ``check(target)`` (which raises for settings the target cannot take), and only then record
-    ``settings`` in it, so that a refused call leaves nothing that would refuse the corrected one."""
+    value there when the run does not record it), load the target (frozen, on ``device``) and its
+    tokenizer, run ``check(target)`` (which raises for settings the target cannot take), and only
+    then record ``settings`` in it, so that a refused call leaves nothing that would refuse the
+    corrected one."""
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
 
