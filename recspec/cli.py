@@ -681,10 +681,9 @@ def distill_command(
                     if value is not None}
     if head and layers is not None:
         raise RecspecError("--layers picks the target layers of a layer draft; a --head has its own layer")
-    if not head and device != "cpu":
-        head_options["device"] = device
-    if not head and head_options:
-        raise RecspecError(f"--{', --'.join(n.replace('_', '-') for n in head_options)}: options of --head")
+    head_only = {**head_options, **({"device": device} if device != "cpu" else {})}
+    if not head and head_only:
+        raise RecspecError(f"--{', --'.join(n.replace('_', '-') for n in head_only)}: options of --head")
     if threads is not None:
         torch.set_num_threads(threads)
     with _on_interrupt(f"the corpus sampled so far and the checkpoint of the last finished epoch in {out} are kept; "

@@ -138,9 +138,9 @@ def right_aligned(flat: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) 
 def compute_features(target, pairs: Pairs, batch_size: int, pad_token_id: int, progress: bool,
                      desc: str = "target features", fused_layers: Sequence[int] = ()) -> CorpusFeatures:
     """:class:`CorpusFeatures` of ``pairs`` (with the normalised outputs of ``fused_layers``), on
-    the CPU: one target forward per ``batch_size`` pairs on the target's device. The first batch also checks that the logits are the
-    output layer applied to the features (no soft-capping, bias or scale between them), which the
-    head relies on."""
+    the CPU: one target forward per ``batch_size`` pairs on the target's device. The first batch
+    also checks that the logits are the output layer applied to the features (no soft-capping,
+    bias or scale between them), which the head relies on."""
     from tqdm.auto import tqdm
 
     features, lse, layers = [], [], []
@@ -316,7 +316,7 @@ class TextHeadTask:
                 scores[ACCEPTANCE_2].append(acceptance(log_p, log_q2, every))
                 scores["valid_kl"].append(support_kl(log_p, log_q))
                 scores["valid_vocab_mass"].append(log_p.exp().sum(dim=-1))
-        return {name: float(torch.cat(values).mean().cpu()) for name, values in scores.items()}
+        return {name: float(torch.cat(values).mean()) for name, values in scores.items()}
 
     def validation_loss(self, model, device: torch.device, autocast_dtype: torch.dtype | None) -> float:
         """The validation KL (``valid_kl``)."""
