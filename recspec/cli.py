@@ -576,6 +576,10 @@ def generate_command(
     draft_width: Annotated[int, typer.Option(help="dsbd: W_S, draft beams per layer.")] = 4,
     threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
     one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
+    tree: Annotated[bool, typer.Option(help="sample / spec-sample in the tree loop, one prompt at a time and one "
+                                            "uniform per text position: spec-sample verifies a text head's draft "
+                                            "trees by the target's own draw at every node (exact), and for a seed "
+                                            "writes the texts of sample --tree.")] = False,
     score: Annotated[bool, typer.Option(help="Also write the target's mean log-likelihood per token.")] = False,
     seed: int = 0,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 1,
@@ -599,6 +603,8 @@ def generate_command(
     _positive(count=count, batch_size=batch_size)
     device = _device(device)
     check_request(method, options, has_draft=True)
+    if tree:
+        _check_tree_request(method, draft, batch_size)
     messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target, device=device)
@@ -607,8 +613,12 @@ def generate_command(
         draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target))
     prompts = chat_prompts(tokenizer, messages)
     with _on_interrupt(f"nothing was written to {out} (it is written once every prompt is done)"):
-        result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,
-                          tokenizer.eos_token_id, batch_size)
+        if tree:
+            result = _tree_generate(model, resolve_model_dir(target), draft_model, prompts, options,
+                                    tokenizer.eos_token_id)
+        else:
+            result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,
+                              tokenizer.eos_token_id, batch_size)
         quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
     lines = []
     for i, (message, tokens) in enumerate(zip(messages, result.tokens)):
@@ -627,6 +637,29 @@ def generate_command(
         summary = result.stats.summary()
         typer.echo(f"accepted {summary['accepted_steps']:.1f} of {summary['drafted_steps']:.1f} drafted per prompt, "
                    f"target calls {summary['target_calls']:.1f}/prompt, rounds {summary['rounds']:.1f}/prompt")
+
+
+def _check_tree_request(method: str, draft: str | None, batch_size: int) -> None:
+    """Refuse ``--tree`` settings the tree loop cannot serve, before any work."""
+    from recspec.models.head import is_head_dir
+    from recspec.models.text_head import TEXT_HEAD
+
+    if method not in ("sample", "spec-sample"):
+        raise RecspecError(f"--tree decodes sample or spec-sample, not {method}")
+    if method == "spec-sample" and (draft is None or not is_head_dir(draft, TEXT_HEAD)):
+        raise RecspecError("spec-sample --tree drafts with a text head: pass --draft HEAD (`recspec distill --head`)")
+    if batch_size != 1:
+        raise RecspecError("--tree decodes one prompt at a time; leave --batch-size at 1")
+
+
+def _tree_generate(model, model_dir: Path, head, prompts, options, eos: int | None):
+    """``sample`` (``head`` None) or ``spec-sample`` with ``head``'s trees in the tree loop
+    (:mod:`recspec.knowledge.sampled`), echoing the target's tokens per call."""
+    from recspec.knowledge.sampled import generate_tree, tree_drafter
+
+    result = generate_tree(model, prompts, options, eos, None if head is None else tree_drafter(model, model_dir, head))
+    typer.echo(f"{sum(map(len, result.tokens)) / max(result.calls or 1, 1):.2f} tokens per target call")
+    return result
 
 
 @app.command("distill")
@@ -1054,7 +1087,8 @@ def bench_sampling(
     candidates: Annotated[int, typer.Option(help="TopK-ImpSpecDec: K.")] = 10,
     text: Annotated[bool, typer.Option(help="Run the text half.")] = True,
     method: Annotated[Optional[list[str]], typer.Option(help="Text methods to run (repeatable; each with its "
-                                                            "baseline; default: all).")] = None,
+                                                            "baseline; default: all, spec-sample-tree with a "
+                                                            "text head --draft).")] = None,
     rec_target: Annotated[Optional[Path], typer.Option(help="Trained recommender target (recommendation "
                                                             "half).")] = None,
     rec_draft: Annotated[Optional[Path], typer.Option(help="Its draft.")] = None,

@@ -100,6 +100,35 @@ class Recorded(HeadDrafter):
         return session
 
 
+class OracleDrafter(HeadDrafter):
+    """A head drafter whose trees hold ``reference`` (the text after ``prompt``): up to 3 levels,
+    each the right token and a wrong sibling (the right one second with ``right_second``), the
+    next level under the right one; the head still reads the target's features every round."""
+
+    def __init__(self, head: TextHeadDraft, prompt: list[int], reference: list[int], right_second: bool = False):
+        super().__init__(head)
+        self.prompt, self.reference, self.right_second = prompt, reference, right_second
+        self.last: HeadSession | None = None
+
+    def session(self, prompt):
+        session = super().session(prompt)
+        read = session.read
+
+        def propose(text: list[int], max_depth: int) -> DraftTree:
+            read(text)
+            done = len(text) - len(self.prompt)
+            right = self.reference[done:done + min(3, max_depth)]
+            pairs = [((token + 1) % 49152, token) if self.right_second else (token, (token + 1) % 49152)
+                     for token in right]
+            parents = [-1, -1][:2 * len(right)] + [2 * (i - 1) + self.right_second
+                                                    for i in range(1, len(right)) for _ in range(2)]
+            return DraftTree([token for pair in pairs for token in pair], parents)
+
+        session.propose = propose  # type: ignore[method-assign]
+        self.last = session
+        return session
+
+
 def teacher_cache(model, head: TextHeadDraft, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's keys and values over ``text`` fed in one call with the target's own features."""
     with torch.inference_mode():
@@ -479,28 +508,11 @@ def test_accepted_drafts_keep_the_head_cache_in_step(lm, greedy) -> None:
     prompts, references = greedy
     prompt, reference = prompts[0], references[0]
     bound = TextHeadDraft(new_text_head(model, None, seed=4).eval(), model)
-
-    class Oracle(HeadDrafter):
-        def session(self, prompt):
-            session = super().session(prompt)
-            read = session.read
-
-            def propose(text: list[int], max_depth: int) -> DraftTree:
-                read(text)
-                done = len(text) - len(prompt)
-                right = reference[done:done + min(3, max_depth)]
-                tokens = [token for token in right for token in (token, (token + 1) % 49152)]
-                parents = [-1, -1][:2 * len(right)] + [2 * (i - 1) for i in range(1, len(right)) for _ in range(2)]
-                return DraftTree(tokens, parents)
-
-            session.propose = propose  # type: ignore[method-assign]
-            self.last = session
-            return session
-
-    drafter = Oracle(bound)
+    drafter = OracleDrafter(bound, prompt=prompt, reference=reference)
     generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter)
     assert generation.tokens == reference and generation.calls < MAX_NEW // 2
     session = drafter.last
+    assert session is not None and session.cache is not None
     keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
     torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ def run(out: Path, pools: dict[str, Path | None], limit: int = 8, repeats: int =
                         variants) for side, pool in pools.items()]
     markdown = render(sides, limit, repeats, max_new_tokens, base)
     write_results(out, name, {"limit": limit, "draft": base.draft, "head_tree": vars(base.head_tree), "repeats": repeats, "max_new_tokens": max_new_tokens,
-                                     "retrieval": vars(base.retrieval), "verification": vars(base.verification),
+                                     "retrieval": vars(base.retrieval), "verification": asdict(base.verification),
                                      "groups": base.groups, "min_interactions": base.min_interactions,
                                      "sides": sides}, markdown)
     return markdown

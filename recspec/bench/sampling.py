@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import multiprocessing
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,10 +42,12 @@ from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_ca
 from recspec.decoding.cache import drop_tail
 from recspec.decoding.cost import median_seconds
 from recspec.decoding.rounds import SpecStats
-from recspec.decoding.text import TextOptions, generate, log_likelihood
+from recspec.decoding.text import Generated, TextOptions, generate, log_likelihood
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
+from recspec.knowledge.head_draft import HeadDrafter
+from recspec.knowledge.sampled import generate_tree, tree_drafter
 from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
@@ -61,7 +63,12 @@ TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
     "dsbd": ("dsbd", {}, "beam-sample"),
     "dsbd-dynamic": ("dsbd", {"threshold": "t", "beams": 1}, "beam-sample"),
     "dsbd-one-cache": ("dsbd", {"one_cache": True}, "beam-sample"),
+    "sample-tree": ("sample", {}, "sample"),
+    "spec-sample-tree": ("spec-sample", {}, "sample"),
 }
+#: Labels run in the tree loop (:mod:`recspec.knowledge.sampled`: one uniform per text position;
+#: ``spec-sample-tree`` verifies a text head's trees by the target's draw at every node).
+TREE_LABELS = ("sample-tree", "spec-sample-tree")
 
 
 def _options(base: TextOptions, overrides: dict[str, Any], threshold: float) -> TextOptions:
@@ -141,21 +148,37 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
     return row
 
 
+def text_call(label: str, method: str, options: TextOptions, model, draft, pad: int, eos: int,
+              drafter: HeadDrafter | None) -> Callable[[list[torch.Tensor]], Generated]:
+    """One row's decoder over a list of prompts: :func:`~recspec.decoding.text.generate`, or the
+    tree loop for :data:`TREE_LABELS` (``drafter``: the head's, for ``spec-sample-tree``)."""
+    if label in TREE_LABELS:
+        tree_drafter = drafter if method == "spec-sample" else None
+        return lambda prompts: generate_tree(model, prompts, options, eos, tree_drafter)
+    return lambda prompts: generate(method, model, draft, prompts, options, pad, eos)
+
+
+def _head_drafter(model, target: str, draft) -> HeadDrafter | None:
+    """The cost-sized tree drafter of a text head draft (None for other drafts)."""
+    return tree_drafter(model, resolve_model_dir(target), draft) if isinstance(draft, TextHeadDraft) else None
+
+
 def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: list[int],
-                   runs: list[tuple[str, TextOptions]], pad: int, eos: int) -> list[int]:
-    """In a fresh process: peak bytes of generating from one prompt with each (method, options)."""
+                   runs: list[tuple[str, str, TextOptions]], pad: int, eos: int) -> list[int]:
+    """In a fresh process: peak bytes of generating from one prompt with each (label, method, options)."""
     from recspec.bench.memory import peak_memory, return_freed_memory
 
     return_freed_memory()
     torch.set_num_threads(1)
     model = load_causal_lm(target)
     draft = text_draft_model(model, draft_spec, layers, resolve_model_dir(target))
+    drafter = _head_drafter(model, target, draft) if any(label in TREE_LABELS for label, _, _ in runs) else None
     ids = torch.tensor(prompt)
     peaks = []
-    for method, options in runs:
-        call = lambda: generate(method, model, draft, [ids], options, pad, eos)  # noqa: B023, E731
-        call()
-        peaks.append(peak_memory(call))
+    for label, method, options in runs:
+        decode = text_call(label, method, options, model, draft, pad, eos, drafter)
+        decode([ids])
+        peaks.append(peak_memory(lambda: decode([ids])))  # noqa: B023 (called at once)
     return peaks
 
 
@@ -205,14 +228,20 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos, costs)})
     target_s, verify_s, draft_s = costs
     cost, verify_ratio = draft_s / target_s, verify_s / target_s
+    if methods is None and not isinstance(draft, TextHeadDraft):
+        del table["spec-sample-tree"]  # drafts with a text head only
     runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
             table.items()}
-    calls = {label: (lambda prompt, m=method, o=options: generate(m, model, draft, prompt, o, pad, eos))
+    if "spec-sample-tree" in runs and not isinstance(draft, TextHeadDraft):
+        raise RecspecError("spec-sample-tree drafts with a text head: pass --draft HEAD")
+    drafter = _head_drafter(model, target, draft) if "spec-sample-tree" in runs else None
+    calls = {label: text_call(label, method, options, model, draft, pad, eos, drafter)
              for label, (method, options) in runs.items()}
     times, outputs = time_per_user(calls, ids, repeats)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
-                                                           list(runs.values()), pad, eos))))
+                                                           [(label, *run) for label, run in runs.items()], pad,
+                                                           eos))))
     rows = []
     for label, (method, _, baseline) in table.items():
         texts = [tokens for result in outputs[label] for tokens in result.tokens]
@@ -224,11 +253,14 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
                      "baseline": baseline, "quality": float(quality.nanmean()), "peak_mib": peaks[label] / 2**20,
                      **_acceptance(method, type(stats[0]).cat(stats) if stats else None, runs[label][1], cost,
                                      verify_ratio)})
+        if label in TREE_LABELS:
+            rows[-1]["tokens_per_target_call"] = generated / sum(result.calls or 0 for result in outputs[label])
     by_label = {row["method"]: row for row in rows}
     for row in rows:
         row["speed_ratio"] = by_label[row["baseline"]]["ms_per_token"] / row["ms_per_token"]
     return {"prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost,
-            "target_ms": 1e3 * target_s, "verify_ratio": verify_ratio, "drafts": drafts, "rows": rows}
+            "target_ms": 1e3 * target_s, "verify_ratio": verify_ratio, "drafts": drafts, "rows": rows,
+            "tree_round_cost": None if drafter is None or drafter.cost is None else drafter.cost.to_json()}
 
 
 def _recall(recommender: Recommender, name: str, k: int, options: DecodeOptions, users: int) -> dict[str, float]:
@@ -295,17 +327,21 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_
             f"W = {beams}, W_S = {draft_width}, dynamic width t = {threshold} with W_min = 1, TopK K = {candidates}. "
             f"Draft: {t['draft']} (c = {t['c']:.3f}; a target call "
             f"{t['target_ms']:.1f} ms; its call over gamma + 1 tokens {t['verify_ratio']:.2f} of it, which "
-            f"spec-sample's predicted speed-up divides by instead of Theorem 3.8's 1; DSBD's prediction keeps 1).",
+            f"spec-sample's predicted speed-up divides by instead of Theorem 3.8's 1; DSBD's prediction keeps 1)."
+            + ("" if t["tree_round_cost"] is None else
+               f" spec-sample-tree's rounds are sized by the cost model F = {1e3 * t['tree_round_cost']['fixed_s']:.1f}"
+               f" ms (the head's drafting included) + r = {1e3 * t['tree_round_cost']['per_token_s']:.2f} ms per "
+               f"verified token."),
             "### Draft choice (spec-sample on 3 prompts, 32 tokens)",
             markdown_table(["draft (target layers)", "alpha", "c", "predicted speed-up (Thm 3.8)"],
                            [[d["layers"], d["alpha"], d["c"], f"{d['predicted_speedup']:.2f}x"] for d in t["drafts"]]),
             "### Methods",
             markdown_table(
                 ["method", "ms/token", "vs", "speed ratio", "predicted", "alpha", "accepted share", "accepted/round",
-                 "steps/round (pred.)", "log-lik/token", "peak MiB"],
+                 "tokens/call", "steps/round (pred.)", "log-lik/token", "peak MiB"],
                 [[r["method"], r["ms_per_token"], r["baseline"], f"{r['speed_ratio']:.2f}x",
                   f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "", r.get("alpha", ""),
-                  r.get("accept_share", ""), r.get("accepted_per_round", ""),
+                  r.get("accept_share", ""), r.get("accepted_per_round", ""), r.get("tokens_per_target_call", ""),
                   f"{r['steps_per_round']:.2f} ({r['predicted_steps_per_round']:.2f})" if "steps_per_round" in r
                   else "", r["quality"], f"{r['peak_mib']:.1f}"] for r in t["rows"]]),
         ]

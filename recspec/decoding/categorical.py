@@ -17,9 +17,18 @@ def categorical(weights: torch.Tensor, samples: int, generator: torch.Generator)
     """``samples`` independent draws per row from the distribution proportional to ``weights``
     (float ``[B, V]``, non-negative, at least one positive entry per row): int64 ``[B, samples]``,
     never an entry of weight 0."""
+    uniform = torch.rand(weights.shape[0], samples, generator=generator, device=weights.device, dtype=torch.float64)
+    return inverse_transform(weights, uniform)
+
+
+def inverse_transform(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The entries of each row of ``weights`` (float ``[B, V]``, non-negative, at least one
+    positive entry per row) at its quantiles ``uniform`` (float64 ``[B, S]`` in ``[0, 1)``): int64
+    ``[B, S]``, for each ``u`` the first entry whose cumulative weight exceeds ``u`` times the
+    row's total, never an entry of weight 0. A uniform ``u`` drawn at random makes it a draw from
+    the row's distribution; the same ``u`` picks the same entry from the same weights."""
     cumulative = weights.to(torch.float64).cumsum(dim=1)
     total = cumulative[:, -1:]
-    uniform = torch.rand(weights.shape[0], samples, generator=generator, device=weights.device, dtype=torch.float64)
     drawn = torch.searchsorted(cumulative, uniform * total, right=True)  # the first entry whose sum exceeds u
     positive = weights > 0  # u * total rounds up to total at worst: the last entry with weight instead
     last = weights.shape[1] - 1 - positive.flip(1).to(torch.int8).argmax(dim=1, keepdim=True)

@@ -79,11 +79,13 @@ class TextOptions:
 @dataclass
 class Generated:
     """Per prompt, the generated token ids (through the first end token) and, for the drafted
-    methods, their statistics."""
+    methods, their statistics; ``calls``: the target's calls where a decoder counts them without
+    statistics (the tree loop's)."""
 
     tokens: list[list[int]]
     stats: SpecStats | None = None
     seconds: float = 0.0
+    calls: int | None = None
 
 
 def check_request(method: str, options: TextOptions, has_draft: bool) -> None:

@@ -1,8 +1,8 @@
 """Knowledge generation: plain greedy decoding and retrieval-based speculative decoding in one
 loop, and the transformers baselines.
 
-:func:`speculative_generate` prefills the prompt once, takes the target's greedy token, and then
-repeats one *step* per target call until an end-of-sequence token or ``max_new_tokens``:
+:func:`speculative_generate` prefills the prompt once, takes the target's own token (greedy, or
+drawn: :mod:`recspec.knowledge.verify`), and then repeats one *step* per target call until an end-of-sequence token or ``max_new_tokens``:
 
 1. the drafter proposes a token tree for the current text (``N - 1`` draft nodes; none for
    plain greedy decoding): retrieval from token tries (:class:`RetrievalDrafter`), or a text
@@ -12,13 +12,14 @@ repeats one *step* per target call until an end-of-sequence token or ``max_new_t
    in one forward pass over the cache with tree attention
    (:func:`~recspec.decoding.scorer.score_tree`);
 3. the verifier (:mod:`recspec.knowledge.verify`) accepts the deepest draft path whose tokens
-   pass its rule; the accepted tokens and the target's greedy token after them are committed;
+   pass its rule; the accepted tokens and the target's own token after them are committed;
 4. the KV cache is compacted to the accepted path (:func:`~recspec.decoding.cache.compact_tail`,
    which moves only the tree's kept positions) and the drafter's temporary branches grow
    by the new tokens.
 
 Plain greedy decoding (``ar``) is the same loop with no drafter: each step feeds the root alone,
-exactly one token per call, so it shares every line of the speculative path except retrieval.
+exactly one token per call, so it shares every line of the speculative path except retrieval;
+with sampling verification the same loop is plain ancestral sampling.
 :func:`hf_generate` runs transformers' ``generate`` (greedy, or prompt lookup decoding with
 ``prompt_lookup_num_tokens``), counting its forward calls with a hook.
 
@@ -152,16 +153,16 @@ class DraftSession:
 
 
 def _prefill(model, prompt: Sequence[int], features: bool, layers: Sequence[int] = ()
-             ) -> tuple[int, object, torch.Tensor | None]:
-    """Run the prompt once: ``(greedy first token, cache, the last hidden states [P, H] (with the
-    outputs of ``layers`` before them, :func:`~recspec.models.text_head.layer_features`) when
-    ``features``, else None)``; the argmax of the raw logits, as greedy ``generate`` takes it (only
-    the last position's logits are computed where the model supports ``logits_to_keep``)."""
+             ) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+    """Run the prompt once: ``(the logits after it [V], cache, the last hidden states [P, H] (with
+    the outputs of ``layers`` before them, :func:`~recspec.models.text_head.layer_features`) when
+    ``features``, else None)``; only the last position's logits are computed where the model
+    supports ``logits_to_keep``."""
     out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True,
                 output_hidden_states=features, **keep_last_logits(model, 1))
     require_full_attention(out.past_key_values)
     read = layer_features(model, out.hidden_states, layers)[0] if features else None
-    return int(out.logits[0, -1].argmax()), out.past_key_values, read
+    return out.logits[0, -1], out.past_key_values, read
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -181,18 +182,26 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int) -> None:
 
 @torch.inference_mode()
 def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
-                         drafter: Drafter | None = None, verification: Verification = GREEDY) -> Generation:
+                         drafter: Drafter | None = None, verification: Verification = GREEDY,
+                         generator: torch.Generator | None = None) -> Generation:
     """Generate after ``prompt`` (token ids, chat template applied) with ``drafter`` (None: plain
-    greedy decoding) and ``verification``; see the module docstring. A drafter whose sessions
-    read features (:class:`FeatureSession`) gets the target's at every kept position."""
+    greedy decoding, or plain sampling) and ``verification``; see the module docstring. A drafter
+    whose sessions read features (:class:`FeatureSession`) gets the target's at every kept
+    position. Sampling verification draws the request's uniforms, one per text position, from
+    ``generator`` (a CPU generator; None: one seeded 0) before decoding."""
     check_prompt(prompt, max_new_tokens)
     started = time.perf_counter()
     device = model.device
+    uniforms = None
+    if verification.kind == "sample":
+        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        uniforms = torch.rand(max_new_tokens, generator=generator, dtype=torch.float64).to(device)
     session = drafter.session(prompt) if drafter is not None else None
     observer = session if isinstance(session, FeatureSession) else None
     tick = time.perf_counter()
     layers = () if observer is None else observer.feature_layers
-    root, cache, prompt_features = _prefill(model, prompt, observer is not None, layers)
+    first, cache, prompt_features = _prefill(model, prompt, observer is not None, layers)
+    root = int(verification.choices(first[None, None], None if uniforms is None else uniforms[None, :1])[0, 0])
     prefill_s = time.perf_counter() - tick
     if observer is not None:
         observer.observe(prompt_features, 0)
@@ -212,13 +221,16 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
         tree = (model, cache, tokens, ancestors, torch.ones(1, cached, dtype=torch.bool, device=device),
                 torch.tensor([cached], device=device))
         logits, features = score_tree_features(*tree, layers) if observer is not None else (score_tree(*tree), None)
-        last, path = accepted_path(verification.accept(tokens, parents, logits), ancestors)
+        # the uniforms of the positions the nodes' next tokens fill (sampling)
+        at = None if uniforms is None else uniforms[len(generated) + ancestors.sum(dim=-1) - 1]  # [1, N]
+        choices = verification.choices(logits, at)
+        last, path = accepted_path(verification.accept(tokens, parents, logits, choices), ancestors)
         nodes = path[0].nonzero()[:, 0]  # path order: parents precede children
         if len(draft):
             compact_tail(cache, cached, cached + nodes[None])
         if observer is not None:
             observer.observe(features[0, nodes], cached)
-        new = tokens[0, nodes[1:]].tolist() + [int(logits[0, last[0]].argmax())]
+        new = tokens[0, nodes[1:]].tolist() + [int(choices[0, last[0]])]
         calls, drafted = calls + 1, drafted + len(draft)
         ceiling += draft.longest_branch() + 1
         generated, done = _finish(generated + new, max_new_tokens, eos)

@@ -52,9 +52,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
+from recspec.calibration import call_cost
 from recspec.decoding.cost import CallCost, median_seconds
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import DraftSession, RetrievalDrafter
@@ -62,15 +64,20 @@ from recspec.knowledge.retrieval import DraftTree
 from recspec.models.text_head import TextHeadDraft
 
 
+#: Text tokens before a round that a head's cost-sized trees are costed at (a knowledge prompt of
+#: ~360 tokens and part of its text; a call's cost hardly depends on it at these lengths).
+COST_CONTEXT = 384
+
+
 @dataclass(frozen=True)
 class HeadTreeConfig:
     """A head's draft tree: ``width`` children per expanded node and nodes expanded per level,
     ``depth`` levels at most, ``nodes`` nodes proposed at most (15: with the root, 16 rows, the
     cheapest call past 9 rows on this project's CPU, where 17 cost 14% more); ``sized``: under
-    greedy verification (where the tree cannot change the text) each round verifies only the
-    :func:`node_budget` best of them and its free nodes, from the measured cost model (relaxed
-    verification always verifies ``nodes``: its text depends on the tree, which must not depend
-    on the machine); ``prune``: expand only nodes whose descendants can be kept (module doc;
+    greedy or sampling verification (where the tree cannot change the text, for a given seed) each
+    round verifies only the :func:`node_budget` best of them and its free nodes, from the measured
+    cost model (relaxed verification always verifies ``nodes``: its text depends on the tree, which
+    must not depend on the machine); ``prune``: expand only nodes whose descendants can be kept (module doc;
     ``False`` grows the same tree at full cost, to measure what pruning saves); ``gate``: in hybrid
     drafting, the head drafts only in rounds whose retrieved tree is less than ``gate`` tokens deep
     (None: every round; 2, the default, measured level with or above retrieval alone where drafting
@@ -138,6 +145,15 @@ def round_cost(target: CallCost, head_s: float) -> CallCost:
     as the target's) and the head's drafting (``head_s`` seconds, :meth:`HeadDrafter.round_seconds`)
     folded into the fixed part."""
     return CallCost(target.fixed_s + head_s, target.per_token_s, padded=target.padded)
+
+
+def sized_round_cost(model, model_dir: str | Path, head: TextHeadDraft, tree: HeadTreeConfig) -> CallCost:
+    """The cost model of ``head``'s rounds in ``tree``s for ``model`` (loaded from ``model_dir``):
+    :func:`round_cost` of the model's call cost (kept beside it by
+    :func:`~recspec.calibration.call_cost`) and the head's drafting (timed now), at
+    :data:`COST_CONTEXT` tokens."""
+    target = call_cost(model, model_dir, COST_CONTEXT)
+    return round_cost(target, HeadDrafter(head, tree).round_seconds(COST_CONTEXT))
 
 
 def expected_rates(log_scores: torch.Tensor, cost: CallCost) -> torch.Tensor:

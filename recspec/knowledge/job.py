@@ -42,13 +42,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from recspec.calibration import call_cost
 from recspec.data import load_dataset
 from recspec.decoding.cost import CallCost
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import (Generation, RetrievalDrafter, eos_ids, hf_generate,
                                       speculative_generate)
-from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, round_cost
+from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, sized_round_cost
 from recspec.knowledge.pools import PoolSet
 from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import MAX_DEPTH, MAX_NODES, RetrievalConfig
@@ -69,9 +68,6 @@ HEAD_METHODS = ("ar", "resd", "laser")
 # Settings a pool store must share with the job that drafts from it (same token ids, prompt wording,
 # entities and streaming split).
 POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side")
-#: Text tokens before a round that a head's cost-sized trees are costed at (a knowledge prompt of
-#: ~360 tokens and part of its text; a call's cost hardly depends on it at these lengths).
-COST_CONTEXT = 384
 
 
 @dataclass(frozen=True)
@@ -98,6 +94,9 @@ class KnowledgeConfig:
         check_side_part(self.side, self.part)
         if self.method not in METHODS:
             raise RecspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.verification.kind == "sample":
+            raise RecspecError("knowledge jobs verify greedy or relaxed; sampled text with a head's trees is "
+                               "`recspec generate --method spec-sample --tree`")
         if self.verification.kind == "relaxed" and self.method != "laser":
             raise RecspecError(f"relaxed verification is LASER's; method {self.method} verifies greedily "
                                f"(use --method laser or --verify greedy)")
@@ -223,17 +222,15 @@ class KnowledgeTask:
 
     def head_drafter(self, config: KnowledgeConfig) -> HeadDrafter:
         """The drafter of ``config``'s text head; its trees sized from the cost model of a round
-        (:func:`~recspec.knowledge.head_draft.round_cost`: the model's call cost, kept beside it by
-        :func:`~recspec.calibration.call_cost`, and the head's drafting, timed now) when the tree is
-        ``sized`` and verification greedy."""
+        (:func:`~recspec.knowledge.head_draft.sized_round_cost`) when the tree is ``sized`` and
+        verification greedy."""
         assert config.draft is not None
         head, tree = self.head(config.draft), config.head_tree
         if not tree.sized or config.verification.kind != "greedy":
             return HeadDrafter(head, tree)
         key = (config.draft, tree)
         if key not in self._round_costs:
-            target = call_cost(self.model, self.model_dir, COST_CONTEXT)
-            self._round_costs[key] = round_cost(target, HeadDrafter(head, tree).round_seconds(COST_CONTEXT))
+            self._round_costs[key] = sized_round_cost(self.model, self.model_dir, head, tree)
         return HeadDrafter(head, tree, self._round_costs[key])
 
     def pool_texts(self, config: KnowledgeConfig, pool: Path) -> dict[int, list[int]]:

@@ -29,9 +29,28 @@ of greedy acceptance, as the paper describes it ("expand the verification criter
 highest probability token to the top-k probable tokens"; its top-p variant likewise keeps the
 highest-probability token).
 
+* sample (exact speculative sampling over a tree): ``token`` is the target's own *draw* at the
+  parent, ``F^-1(u)`` of the parent's warped distribution (inverse transform) at the uniform
+  ``u`` of the text position the token fills.
+
 A node counts only if its whole root path is accepted; the decoder keeps the deepest such node
 (the first in node order among equally deep ones: the most frequent draft) and appends the
-target's greedy token after it, so every step commits at least one token.
+target's own token after it (its greedy token, or its draw), so every step commits at least one
+token.
+
+**Why sampling over a tree is exact, and the same text as plain sampling.** Every node's draw uses
+the uniform of its text position, one uniform per position for the whole request (drawn before
+decoding). Along the accepted path, the token at position ``t`` is ``F^-1(u_t)`` of the target's
+warped distribution after the text before it: exactly what plain ancestral sampling by inverse
+transform with the same uniforms emits at ``t``, whatever the tree. The text is therefore a draw
+from the target's warped distribution (the ``u_t`` are independent), and for a given seed the
+same text as plain sampling (:func:`~recspec.knowledge.decode.speculative_generate` without a
+drafter), up to the rounding of a tree call against a one-token call, as for greedy. A node whose
+siblings are ``c_1 .. c_m`` is accepted with probability ``p(c_i)``, so a level is accepted with
+``sum_i p(c_i)``: the point-mass case of Leviathan's test applied to the siblings in turn
+(accepting ``c_i`` with probability ``p'(c_i) / 1`` under the residual ``p'`` left by the ones
+before), which EAGLE's sampling verification also uses; the draft's own probabilities only choose
+the tree.
 """
 
 from __future__ import annotations
@@ -40,18 +59,22 @@ from dataclasses import dataclass
 
 import torch
 
+from recspec.decoding.categorical import inverse_transform
+from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 
-VERIFIERS = ("greedy", "relaxed")
+VERIFIERS = ("greedy", "relaxed", "sample")
 
 
 @dataclass(frozen=True)
 class Verification:
-    """How draft tokens are accepted: ``kind`` greedy or relaxed (with ``top_k`` and ``min_prob``)."""
+    """How draft tokens are accepted: ``kind`` greedy, relaxed (with ``top_k`` and ``min_prob``)
+    or sample (from the target's distribution warped by ``warp``)."""
 
     kind: str = "greedy"
     top_k: int = 2
     min_prob: float = 0.1
+    warp: Warp = Warp()
 
     def __post_init__(self) -> None:
         if self.kind not in VERIFIERS:
@@ -60,17 +83,34 @@ class Verification:
             raise RecspecError(f"relaxed verification needs k >= 1 (an integer), got {self.top_k!r}")
         if not 0.0 <= self.min_prob < 1.0:
             raise RecspecError(f"relaxed verification needs p in [0, 1), got {self.min_prob!r}")
+        if self.kind == "sample":
+            self.warp.check()
 
-    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """bool ``[B, N]``: which nodes pass this rule given their parent's distribution (the root
-        always passes)."""
-        if self.kind == "greedy":
-            return greedy_accept(tokens, parents, logits)
-        return relaxed_accept(tokens, parents, logits, self.top_k, self.min_prob)
+    def choices(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 ``[B, N]``: the target's own token after each node, its argmax (greedy, relaxed), or
+        (sample) the inverse transform of its warped distribution at ``uniforms`` (float64
+        ``[B, N]`` in ``[0, 1)``, each node's text position's)."""
+        if self.kind != "sample":
+            return logits.argmax(dim=-1)
+        if uniforms is None:
+            raise ValueError("sampling verification needs the uniforms of the nodes' text positions")
+        weights = self.warp(logits).exp()  # [B, N, V]
+        return inverse_transform(weights.flatten(0, 1), uniforms.reshape(-1, 1)).view(uniforms.shape)
+
+    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+               choices: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, N]``: which nodes pass this rule given their parent's distribution and the
+        target's :meth:`choices` (the root always passes)."""
+        if self.kind == "relaxed":
+            return relaxed_accept(tokens, parents, logits, self.top_k, self.min_prob)
+        return chosen_accept(tokens, parents, choices)
 
     def describe(self) -> str:
         # the rule is spelled out, so a store of the literal Eq. 8 (before the argmax was always kept)
         # is refused rather than resumed
+        if self.kind == "sample":
+            warp = self.warp
+            return f"sample (T={warp.temperature:g}, top-k {warp.top_k}, top-p {warp.top_p})"
         return ("greedy" if self.kind == "greedy"
                 else f"relaxed (the argmax, or top-{self.top_k} with p > {self.min_prob:g})")
 
@@ -80,9 +120,15 @@ def _at_parents(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     return values.gather(1, parents.clamp_min(0))
 
 
+def chosen_accept(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, N]``: ``tokens[b, n] == choices[b, parents[b, n]]`` (the target's own token at the
+    parent, int64 ``[B, N]``); root True."""
+    return (tokens == _at_parents(choices, parents)) | (parents < 0)
+
+
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """bool ``[B, N]``: ``tokens[b, n] == argmax logits[b, parents[b, n]]`` (Eq. 4); root True."""
-    return (tokens == _at_parents(logits.argmax(dim=-1), parents)) | (parents < 0)
+    return chosen_accept(tokens, parents, logits.argmax(dim=-1))
 
 
 def relaxed_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, top_k: int,
