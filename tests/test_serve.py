@@ -99,7 +99,8 @@ def test_answers_equal_the_cli_and_concurrent_clients_are_batched(models, expect
     target, draft = models
     with server(target, "--draft", str(draft), "--decoder", "tree-beam", "--max-wait-ms", "20") as (url, _):
         health = httpx.get(f"{url}/health").json()
-        assert health["status"] == "ready"
+        assert health["status"] == "ready" and len(health["replica"]) == 12
+        assert httpx.get(f"{url}/health").json()["replica"] == health["replica"]  # one app, one name
         info = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert info["items"] == 1682 and info["draft"] == [str(draft)] and len(info["target_sha256"]) == 64
         assert {"tree-beam", "spec-strict", "auto"} <= set(info["decoders"]) and not info["chat"]

@@ -63,6 +63,8 @@ def ray_server(models) -> Iterator[str]:  # noqa: F811
 def test_health_and_models(ray_server: str, models) -> None:  # noqa: F811
     _, draft = models
     assert httpx.get(f"{ray_server}/health").json()["status"] == "ready"
+    # the server was ready only once the proxy routed to both replicas; /health names the one answering
+    assert len({httpx.get(f"{ray_server}/health").json()["replica"] for _ in range(30)}) == 2
     info = httpx.get(f"{ray_server}/v1/models").json()["data"][0]
     assert info["items"] == 1682 and info["draft"] == [str(draft)] and info["threads"] == 1
     assert {"tree-beam", "spec-strict"} <= set(info["decoders"]) and info["default_decoder"] == "tree-beam"

@@ -56,7 +56,7 @@ def _cores() -> tuple[set[int], set[int]]:
 @contextmanager
 def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``recspec serve ARGS`` on a free loopback port (pinned to ``cores``), ready (GET /health
-    is 200); yields its URL and process; stopped with SIGTERM on exit. Its output goes to a
+    is 200, from each of its ``--replicas``); yields its URL and process; stopped with SIGTERM on exit. Its output goes to a
     temporary file, quoted when it fails to start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -76,9 +76,12 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
         if process.poll() is not None:
             raise failed(f"the server exited with status {process.returncode}")
 
+    replicas = int(args[list(args).index("--replicas") + 1]) if "--replicas" in args else 1
     try:
         if not wait_until_ready(url, READY_SECONDS, running):
             raise failed(f"the server was not ready within {READY_SECONDS} s")
+        if replicas > 1 and replicas_reached(url, replicas, READY_SECONDS) < replicas:
+            raise failed(f"the server's proxy did not route to its {replicas} replicas within {READY_SECONDS} s")
         yield url, process
     finally:
         if process.poll() is None:
@@ -105,6 +108,24 @@ def wait_until_ready(url: str, seconds: float, alive: Callable[[], None] = lambd
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
+
+
+def replicas_reached(url: str, replicas: int, seconds: float) -> int:
+    """Poll ``GET URL/health`` through the proxy until ``replicas`` distinct replicas have answered
+    ready, or ``seconds`` have passed; how many did. A deployment counts as running before the
+    proxy routes to all its replicas, and requests sent in between would all go to the first."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while len(seen) < replicas and time.monotonic() < deadline:
+        try:
+            answer = httpx.get(f"{url}/health", timeout=2)
+            if answer.status_code == 200:
+                seen.add(answer.json()["replica"])
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    return len(seen)
+
 
 
 class Load:

@@ -116,6 +116,7 @@ class State:
         self.batcher: DynamicBatcher[Query, Answer] | None = None
         self.failure: BaseException | None = None
         self.models: dict[str, Any] = {}
+        self.replica = uuid.uuid4().hex[:12]  # which app answered /health (one per replica on Ray Serve)
 
     def load(self) -> None:
         """Load the models (in a worker thread) and describe them for /v1/models."""
@@ -249,7 +250,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             return JSONResponse({"status": "failed", "error": str(state.failure)}, 503)
         if state.batcher is None:
             return JSONResponse({"status": "loading"}, 503)
-        return JSONResponse({"status": "ready", "queue": len(state.batcher.queue)})
+        return JSONResponse({"status": "ready", "queue": len(state.batcher.queue), "replica": state.replica})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
