@@ -2,7 +2,8 @@
 loop, and the transformers baselines.
 
 :func:`speculative_generate` prefills the prompt once, takes the target's own token (greedy, or
-drawn: :mod:`recspec.knowledge.verify`), and then repeats one *step* per target call until an end-of-sequence token or ``max_new_tokens``:
+drawn: :mod:`recspec.knowledge.verify`), and then repeats one *step* per target call until an
+end-of-sequence token or ``max_new_tokens``:
 
 1. the drafter proposes a token tree for the current text (``N - 1`` draft nodes; none for
    plain greedy decoding): retrieval from token tries (:class:`RetrievalDrafter`), or a text
