@@ -153,8 +153,8 @@ def text_call(label: str, method: str, options: TextOptions, model, draft, pad: 
     """One row's decoder over a list of prompts: :func:`~recspec.decoding.text.generate`, or the
     tree loop for :data:`TREE_LABELS` (``drafter``: the head's, for ``spec-sample-tree``)."""
     if label in TREE_LABELS:
-        tree_drafter = drafter if method == "spec-sample" else None
-        return lambda prompts: generate_tree(model, prompts, options, eos, tree_drafter)
+        trees = drafter if method == "spec-sample" else None
+        return lambda prompts: generate_tree(model, prompts, options, eos, trees)
     return lambda prompts: generate(method, model, draft, prompts, options, pad, eos)
 
 
