@@ -23,27 +23,14 @@ from recspec.knowledge.sampled import sample_texts
 from recspec.knowledge.verify import Verification, chosen_accept
 from recspec.models.text_head import TextHeadDraft, new_text_head
 from tests.test_cli import recspec
-from tests.test_speculative import goodness_of_fit, small_llama
-from tests.test_specsample import LENGTH, PROMPT, VOCAB, next_table, sequence_distribution
+from tests.test_speculative import goodness_of_fit
+from tests.test_specsample import LENGTH, PROMPT, next_table, sequence_distribution
 from tests.test_text_head import MAX_NEW, OracleDrafter, greedy_prompts, lm  # noqa: F401 (a fixture)
-from tests.test_text_head_chain import scrambled_head, trained_head
+from tests.test_text_head_chain import heads, target  # noqa: F401 (fixtures: the tiny target and its heads)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TREE = HeadTreeConfig(width=2, depth=3, nodes=5, sized=False)
-
-
-@pytest.fixture(scope="module")
-def target():
-    """test_specsample's random target over 6 tokens."""
-    return small_llama(VOCAB, seed=0, width=16, init=0.5).requires_grad_(False)
-
-
-@pytest.fixture(scope="module")
-def heads(target) -> dict[str, TextHeadDraft]:
-    return {"scrambled": TextHeadDraft(scrambled_head(target, None, seed=1), target),
-            "reduced": TextHeadDraft(scrambled_head(target, torch.tensor([0, 2, 3, 5]), seed=2), target),
-            "trained": TextHeadDraft(trained_head(target, seed=3), target)}
 
 
 def texts(target, head: TextHeadDraft | None, warp: Warp, draws: int, seed: int) -> tuple[list[tuple[int, ...]], int]:

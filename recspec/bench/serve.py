@@ -56,8 +56,8 @@ def _cores() -> tuple[set[int], set[int]]:
 @contextmanager
 def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``recspec serve ARGS`` on a free loopback port (pinned to ``cores``), ready (GET /health
-    is 200, from each of its ``--replicas``); yields its URL and process; stopped with SIGTERM on exit. Its output goes to a
-    temporary file, quoted when it fails to start."""
+    is 200, from each of its ``--replicas``); yields its URL and process; stopped with SIGTERM on
+    exit. Its output goes to a temporary file, quoted when it fails to start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -78,10 +78,8 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
 
     replicas = int(args[list(args).index("--replicas") + 1]) if "--replicas" in args else 1
     try:
-        if not wait_until_ready(url, READY_SECONDS, running):
-            raise failed(f"the server was not ready within {READY_SECONDS} s")
-        if replicas > 1 and replicas_reached(url, replicas, READY_SECONDS) < replicas:
-            raise failed(f"the server's proxy did not route to its {replicas} replicas within {READY_SECONDS} s")
+        if not wait_until_ready(url, READY_SECONDS, running, replicas):
+            raise failed(f"the server (its {replicas} replica(s)) was not ready within {READY_SECONDS} s")
         yield url, process
     finally:
         if process.poll() is None:
@@ -94,38 +92,26 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
         output.close()
 
 
-def wait_until_ready(url: str, seconds: float, alive: Callable[[], None] = lambda: None) -> bool:
-    """Poll ``GET URL/health`` until it answers 200 (True) or ``seconds`` have passed (False);
-    ``alive()`` runs before each try, and raises to give up."""
+def wait_until_ready(url: str, seconds: float, alive: Callable[[], None] = lambda: None, replicas: int = 1) -> bool:
+    """Poll ``GET URL/health`` until ``replicas`` distinct replicas (named by ``/health``) have
+    answered 200 (True) or ``seconds`` have passed (False); ``alive()`` runs before each try, and
+    raises to give up. Ray Serve counts a deployment running before its proxy routes to all its
+    replicas, and requests sent in between would all go to the first."""
+    seen: set[str] = set()
     deadline = time.monotonic() + seconds
     while True:
         alive()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-
-
-def replicas_reached(url: str, replicas: int, seconds: float) -> int:
-    """Poll ``GET URL/health`` through the proxy until ``replicas`` distinct replicas have answered
-    ready, or ``seconds`` have passed; how many did. A deployment counts as running before the
-    proxy routes to all its replicas, and requests sent in between would all go to the first."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + seconds
-    while len(seen) < replicas and time.monotonic() < deadline:
         try:
             answer = httpx.get(f"{url}/health", timeout=2)
             if answer.status_code == 200:
                 seen.add(answer.json()["replica"])
         except httpx.TransportError:
             pass
-        time.sleep(0.05)
-    return len(seen)
-
+        if len(seen) >= replicas:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 class Load:

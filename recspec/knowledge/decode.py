@@ -40,7 +40,7 @@ import torch
 from recspec.decoding.prompts import left_pad
 from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree, score_tree_features
-from recspec.decoding.tree import ancestor_matrix
+from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError
 from recspec.hub import keep_last_logits
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig, retrieve
@@ -223,7 +223,7 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
                 torch.tensor([cached], device=device))
         logits, features = score_tree_features(*tree, layers) if observer is not None else (score_tree(*tree), None)
         # the uniforms of the positions the nodes' next tokens fill (sampling)
-        at = None if uniforms is None else uniforms[len(generated) + ancestors.sum(dim=-1) - 1]  # [1, N]
+        at = None if uniforms is None else uniforms[len(generated) + node_depths(ancestors)]  # [1, N]
         choices = verification.choices(logits, at)
         last, path = accepted_path(verification.accept(tokens, parents, logits, choices), ancestors)
         nodes = path[0].nonzero()[:, 0]  # path order: parents precede children

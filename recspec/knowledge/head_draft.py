@@ -77,11 +77,11 @@ class HeadTreeConfig:
     greedy or sampling verification (where the tree cannot change the text, for a given seed) each
     round verifies only the :func:`node_budget` best of them and its free nodes, from the measured
     cost model (relaxed verification always verifies ``nodes``: its text depends on the tree, which
-    must not depend on the machine); ``prune``: expand only nodes whose descendants can be kept (module doc;
-    ``False`` grows the same tree at full cost, to measure what pruning saves); ``gate``: in hybrid
-    drafting, the head drafts only in rounds whose retrieved tree is less than ``gate`` tokens deep
-    (None: every round; 2, the default, measured level with or above retrieval alone where drafting
-    every round is 0.67-0.92x of it)."""
+    must not depend on the machine); ``prune``: expand only nodes whose descendants can be kept
+    (module doc; ``False`` grows the same tree at full cost, to measure what pruning saves);
+    ``gate``: in hybrid drafting, the head drafts only in rounds whose retrieved tree is less than
+    ``gate`` tokens deep (None: every round; 2, the default, measured level with or above retrieval
+    alone where drafting every round is 0.67-0.92x of it)."""
 
     width: int = 4
     depth: int = 5

@@ -5,8 +5,9 @@ Every replica runs the whole FastAPI app, with its own dynamic batcher, queue an
 HTTP proxy on ``host:port`` spreads the requests over the replicas and passes their answers and
 refusals through unchanged, so the API is the one of ``recspec serve``. ``/metrics`` and the
 queue of ``/health`` are those of the replica that answered (``/health`` names it). The service
-says it runs only once the proxy has routed to every replica (:func:`~recspec.bench.serve.replicas_reached`): Serve
-reports a deployment running before its proxy routes to all of it.
+says it runs only once the proxy has routed ``/health`` to every replica
+(:func:`~recspec.bench.serve.wait_until_ready`): Serve reports a deployment running before its
+proxy routes to all of it.
 
 A replica loads its models while it is built (``State.load`` before the app starts): the proxy
 never routes to a replica still loading, Serve's health check (whether the replica's actor
@@ -32,7 +33,7 @@ from dataclasses import replace
 
 from fastapi import FastAPI
 
-from recspec.bench.serve import replicas_reached, wait_until_ready
+from recspec.bench.serve import wait_until_ready
 from recspec.cluster.runtime import Workers, check_fits, connect
 from recspec.errors import RecspecError
 from recspec.serve.app import ServeConfig, create_app
@@ -97,11 +98,8 @@ def serve_on_ray(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
             log.error("recspec serve: the replicas did not start: %s", why_not_started(err))
             return 1
         url = f"http://{host}:{port}"
-        if not wait_until_ready(url, PROXY_READY_S):
-            raise RecspecError(f"Ray Serve's proxy at {url} did not answer within {PROXY_READY_S:g} s")
-        reached = replicas_reached(url, replicas, PROXY_READY_S)
-        if reached < replicas:
-            raise RecspecError(f"Ray Serve's proxy at {url} routed to {reached} of {replicas} replicas within "
+        if not wait_until_ready(url, PROXY_READY_S, replicas=replicas):
+            raise RecspecError(f"Ray Serve's proxy at {url} did not route to its {replicas} replica(s) within "
                                f"{PROXY_READY_S:g} s")
         log.info("recspec serve: %d replica(s) on Ray Serve running on %s (SIGTERM or Ctrl-C to stop)",
                  replicas, url)
