@@ -1038,8 +1038,9 @@ def bench_rows(
                                                            "from 1 to 64).")] = None,
     name: ResultNameOpt = "rows",
 ) -> None:
-    """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not) against oneDNN from 7
-    rows, and packed grouped-query attention against transformers' own."""
+    """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not), oneDNN over the plain
+    weights from 7 rows, recspec's default (oneDNN over packed weights from 3 rows), and packed grouped-query
+    attention against transformers' own."""
     import torch
 
     from recspec.bench.rows import SIZES, run

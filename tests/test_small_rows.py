@@ -3,13 +3,16 @@ on a real SmolLM2 model too (logits of one call over a few rows)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, SmallRowForward, onednn_computes, padded_rows,
-                                       pads_rows, small_row_linear, use_small_row_products)
+from recspec.models.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, SmallRowForward,
+                                       onednn_computes, padded_rows, pads_rows, small_row_linear,
+                                       use_small_row_products)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -25,12 +28,13 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     assert out.shape == expected.shape and out.is_contiguous()  # row-major, as F.linear's result
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     column_major = x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() > 1 else x
-    with torch.inference_mode():  # no gradient: oneDNN's linear from 7 rows on
+    with torch.inference_mode():  # no gradient: oneDNN's linear from 7 rows on, from 3 over a packed weight
         for pad in (True, False):
             for onednn in (True, False):
-                out = small_row_linear(column_major, layer.weight, layer.bias, pad=pad, onednn=onednn)
-                assert out.shape == expected.shape and out.is_contiguous()
-                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+                for pack in (None, OneDnnPack()):
+                    out = small_row_linear(column_major, layer.weight, layer.bias, pad=pad, onednn=onednn, pack=pack)
+                    assert out.shape == expected.shape and out.is_contiguous()
+                    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_onednn_computes_7_to_128_float32_rows_without_gradient() -> None:
@@ -43,6 +47,43 @@ def test_onednn_computes_7_to_128_float32_rows_without_gradient() -> None:
     assert onednn_computes(x, weight, None, ONEDNN_ROWS)  # grad mode on, but nothing requires a gradient
     assert not onednn_computes(x.requires_grad_(), weight, None, ONEDNN_ROWS)
     assert not onednn_computes(x.detach(), weight, torch.zeros(8, requires_grad=True), ONEDNN_ROWS)
+    with torch.no_grad():  # over a packed weight from 3 rows
+        assert [onednn_computes(x, weight, None, n, packed=True) for n in (1, PACKED_ROWS - 1, PACKED_ROWS,
+                                                                            MAX_SMALL_ROWS, MAX_SMALL_ROWS + 1)
+                ] == [False, False, True, True, False]
+
+
+def test_a_packed_weight_follows_its_weight() -> None:
+    """The packed copy is made once and made again after an in-place change of the weight (an
+    optimiser step, load_state_dict) or when the layer gets another weight tensor: the product
+    stays the layer's current one."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 24)
+    use_small_row_products(layer)
+    pack = layer.forward.pack
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        first = pack.packed
+        layer(x)
+        assert pack.packed is first  # kept
+        layer.weight.mul_(-2.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert pack.packed is not first
+        layer.load_state_dict({"weight": torch.randn(24, 32), "bias": torch.zeros(24)})
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(24, 32))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    copied = copy.deepcopy(layer)  # a copy starts without the packed weight and makes its own
+    assert copied.forward.pack.packed is None and copied.forward.layer is copied
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), layer(x))
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+
+    layer(x).square().sum().backward()  # with a gradient: MKL's product, no pack used
+    optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_padded_row_counts_cover_the_rows() -> None:
@@ -82,6 +123,8 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
     with torch.inference_mode():
         expected = plain(ids).logits
         torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        use_small_row_products(patched, pack=False)  # oneDNN over the plain weights
+        torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
         for pad in (True, False):  # MKL's products for all rows, padded or not
             use_small_row_products(patched, pad=pad, onednn=False)
             assert pads_rows(patched) == pad
@@ -96,11 +139,12 @@ def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
 
     from recspec.bench.rows import SETTINGS, run
 
-    markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 14), repeats=1, rounds=2, name="rows")
+    markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4, 14), repeats=1, rounds=2, name="rows")
     cells = json.loads((tmp_path / "rows.json").read_text())["cells"]
     assert [(c["nodes"], c["rows_computed"]) for c in cells] == [
-        (1, {"mkl": 2, "mkl_padded": 2, "unpacked": 2, "recspec": 2}),
-        (14, {"mkl": 14, "mkl_padded": 16, "unpacked": 14, "recspec": 14})]
+        (1, {"mkl": 2, "mkl_padded": 2, "onednn_plain": 2, "unpacked": 2, "recspec": 2}),
+        (4, {"mkl": 4, "mkl_padded": 4, "onednn_plain": 4, "unpacked": 4, "recspec": 4}),
+        (14, {"mkl": 14, "mkl_padded": 16, "onednn_plain": 14, "unpacked": 14, "recspec": 14})]
     assert all(set(c["runs_ms"]) == set(SETTINGS) and all(len(t) == 2 for t in c["runs_ms"].values())
                and min(c["ms"].values()) > 0 for c in cells)
     assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 |" in markdown

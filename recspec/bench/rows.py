@@ -1,13 +1,16 @@
 """`recspec bench rows`: one target call by the number of rows (tree nodes) it feeds, under each
 setting of the small-row products (:mod:`recspec.models.small_rows`): MKL's product for every row
-count, unpadded and over :func:`~recspec.models.small_rows.padded_rows` rows, and recspec's
-default, oneDNN's linear from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on; the default
-also with transformers' own SDPA attention instead of recspec's packed grouped-query attention
-(:mod:`recspec.models.attention`), which shows what the packing is worth.
+count, unpadded and over :func:`~recspec.models.small_rows.padded_rows` rows, oneDNN's linear over
+the plain weights from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on (version 3), and
+recspec's default, oneDNN's linear over packed weights from
+:data:`~recspec.models.small_rows.PACKED_ROWS` rows on; the default also with transformers' own SDPA
+attention instead of recspec's packed grouped-query attention (:mod:`recspec.models.attention`),
+which shows what the attention's packing is worth.
 
 MKL's products cost a step function of ``n`` on this CPU (multiples of 8 fast, 16 fastest, counts
 in between up to twice as slow), so a tree call's cost is not ``F + r n``; padding computes them
-over a fast row count, and oneDNN's linear grows smoothly and is faster from 7 rows on. For each
+over a fast row count, oneDNN's linear grows smoothly and is faster from 7 rows on, and over packed
+weights it is nearly flat from 3 to 16 rows. For each
 ``n`` the settings are timed in turn (:func:`~recspec.decoding.cost.measure_call_cost` over a
 cache of ``past`` tokens, median of ``repeats`` calls), ``rounds`` times, each figure the median
 over rounds; the ratios are side-by-side speed-ups of the default. Writes JSON, Markdown and a plot.
@@ -27,21 +30,23 @@ from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
 from recspec.models.hf import load_causal_lm
-from recspec.models.small_rows import ONEDNN_ROWS, has_onednn, padded_rows, use_small_row_products
+from recspec.models.small_rows import ONEDNN_ROWS, PACKED_ROWS, has_onednn, padded_rows, use_small_row_products
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
-#: Name -> (pad, onednn) of :func:`~recspec.models.small_rows.use_small_row_products` and whether the
-#: attention is packed; "recspec" is the default.
-SETTINGS = {"mkl": (False, False, True), "mkl_padded": (True, False, True), "unpacked": (True, True, False),
-            "recspec": (True, True, True)}
+#: Name -> (pad, onednn, pack) of :func:`~recspec.models.small_rows.use_small_row_products` and
+#: whether the attention is packed; "recspec" is the default.
+SETTINGS = {"mkl": (False, False, False, True), "mkl_padded": (True, False, False, True),
+            "onednn_plain": (True, True, False, True), "unpacked": (True, True, True, False),
+            "recspec": (True, True, True, True)}
 
 
 def rows_computed(n: int) -> dict[str, int]:
     """The rows each setting computes a float32 call over ``n`` nodes with (MKL computes one row as
-    two; without oneDNN the default computes what padded MKL does)."""
-    onednn = ONEDNN_ROWS <= n and has_onednn(torch.float32)
-    default = n if onednn else max(padded_rows(n), 2)
-    return {"mkl": max(n, 2), "mkl_padded": max(padded_rows(n), 2), "unpacked": default, "recspec": default}
+    two; without oneDNN the others compute what padded MKL does)."""
+    padded = max(padded_rows(n), 2)
+    plain = n if ONEDNN_ROWS <= n and has_onednn(torch.float32) else padded
+    default = n if PACKED_ROWS <= n and has_onednn(torch.float32) else padded
+    return {"mkl": max(n, 2), "mkl_padded": padded, "onednn_plain": plain, "unpacked": default, "recspec": default}
 
 
 def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, repeats: int = 5,
@@ -55,35 +60,38 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
         runs: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
         for r in range(rounds):
             for setting in turn_order(tuple(SETTINGS), r):
-                pad, onednn, packed = SETTINGS[setting]
-                use_small_row_products(lm, pad, onednn)
+                pad, onednn, pack, packed = SETTINGS[setting]
+                use_small_row_products(lm, pad, onednn, pack)
                 lm.set_attn_implementation(PACKED_SDPA if packed else "sdpa")
                 runs[setting].append(1e3 * measure_call_cost(lm, 1, n, repeats, past_len=past))
         ms = {setting: statistics.median(times) for setting, times in runs.items()}
         cells.append({"nodes": n, "rows_computed": rows_computed(n), "ms": ms, "runs_ms": runs,
                       "speedup_over_mkl": ms["mkl"] / ms["recspec"],
                       "speedup_over_mkl_padded": ms["mkl_padded"] / ms["recspec"],
+                      "speedup_over_onednn_plain": ms["onednn_plain"] / ms["recspec"],
                       "speedup_over_unpacked": ms["unpacked"] / ms["recspec"]})
     use_small_row_products(lm)
     lm.set_attn_implementation(PACKED_SDPA)
     one = cells[0]["ms"]["recspec"] if sizes[0] == 1 else None
-    table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "unpacked attention ms", "recspec ms", "x MKL",
-                            "x MKL padded", "x unpacked"]
+    table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "oneDNN plain ms", "unpacked attention ms",
+                            "recspec ms", "x MKL", "x MKL padded", "x oneDNN plain", "x unpacked"]
                            + (["recspec x one node"] if one else []),
                            [[c["nodes"], round(c["ms"]["mkl"], 1),
                              f"{c['ms']['mkl_padded']:.1f} ({c['rows_computed']['mkl_padded']})",
-                             round(c["ms"]["unpacked"], 1), round(c["ms"]["recspec"], 1),
-                             f"{c['speedup_over_mkl']:.2f}x", f"{c['speedup_over_mkl_padded']:.2f}x",
+                             round(c["ms"]["onednn_plain"], 1), round(c["ms"]["unpacked"], 1),
+                             round(c["ms"]["recspec"], 1), f"{c['speedup_over_mkl']:.2f}x",
+                             f"{c['speedup_over_mkl_padded']:.2f}x", f"{c['speedup_over_onednn_plain']:.2f}x",
                              f"{c['speedup_over_unpacked']:.2f}x"]
                             + ([f"{c['ms']['recspec'] / one:.2f}"] if one else []) for c in cells])
     markdown = (f"# One call of {model} by rows fed, under each setting of the small-row products\n\n"
                 f"One row of {past} cached tokens, n new tree nodes; median of {repeats} calls, median over "
                 f"{rounds} rounds, settings in turn. MKL: `W @ x.T` for every row count (one row as two), "
-                f"padded: over `padded_rows` rows; recspec: oneDNN's linear from {ONEDNN_ROWS} rows on, MKL "
-                f"below; every setting with recspec's packed grouped-query attention but 'unpacked', recspec's "
+                f"padded: over `padded_rows` rows; oneDNN plain: oneDNN's linear over the plain weights from "
+                f"{ONEDNN_ROWS} rows on (version 3); recspec: oneDNN's linear over packed weights from "
+                f"{PACKED_ROWS} rows on, MKL below; every setting with recspec's packed grouped-query attention but 'unpacked', recspec's "
                 f"products with transformers' SDPA attention.\n\n{table}\n")
     results: dict[str, Any] = {"model": model, "past": past, "repeats": repeats, "rounds": rounds,
-                               "onednn_rows": ONEDNN_ROWS, "cells": cells}
+                               "onednn_rows": ONEDNN_ROWS, "packed_rows": PACKED_ROWS, "cells": cells}
     write_results(out, name, results, markdown)
     _plot(out / f"{name}.png", cells, model)
     return markdown
@@ -93,8 +101,10 @@ def _plot(path: Path, cells: list[dict[str, Any]], model: str) -> None:
     figure, axis = new_figure(figsize=(7, 4))
     nodes = [c["nodes"] for c in cells]
     for setting, style, label in (("mkl", ":^", "MKL"), ("mkl_padded", "--s", "MKL, padded rows"),
+                                  ("onednn_plain", "--d", f"oneDNN over plain weights from {ONEDNN_ROWS} rows"),
                                   ("unpacked", "-.x", "recspec products, transformers' attention"),
-                                  ("recspec", "-o", f"recspec (oneDNN from {ONEDNN_ROWS} rows, packed attention)")):
+                                  ("recspec", "-o", f"recspec (oneDNN over packed weights from {PACKED_ROWS} rows, "
+                                                    "packed attention)")):
         axis.plot(nodes, [c["ms"][setting] for c in cells], style, label=label)
     axis.set_xlabel("tree nodes fed in one call")
     axis.set_ylabel("ms per call")

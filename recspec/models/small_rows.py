@@ -11,16 +11,19 @@ over its own range of rows (BENCHMARKS.md "Row-major products" and "oneDNN produ
   (``x.T`` a transposed view); over a column-major ``x`` it is 2-4x slower, and so is the SDPA
   attention over queries in that layout (it falls back from the flash kernel to the math one).
   ``(W @ x.T).T`` itself is column-major, so the result is made row-major again.
-* **7..128 rows: oneDNN's** linear (``torch.ops.mkldnn._linear_pointwise``, the kernel
-  ``torch.compile`` lowers linear layers to on the CPU). From 8 rows on it beats the MKL product
-  on every SmolLM2 shape, by 1.1-1.9x (the output layer over 16 rows: 10.5 ms against 17.6 ms),
-  and its cost grows smoothly with the rows, where MKL's is a step function (multiples of 8 fast,
-  counts in between up to twice as slow). Whole SmolLM2 calls, side by side: 5 rows 0.84x, 6
-  rows 0.98x, 7 rows 1.11x, and from 9 rows 1.14-1.16x over padded MKL products (the median
-  over sizes of two `recspec bench rows` runs). The op has no autograd kernel (backpropagating
-  through it silently yields no gradient), so a product that needs a gradient, and any dtype
-  other than float32 or a build without oneDNN, keeps the MKL product, over :func:`padded_rows`
-  rows (zero rows added, their outputs dropped) where that count is faster.
+* **3..128 rows: oneDNN's** linear (``torch.ops.mkldnn._linear_pointwise``, the kernel
+  ``torch.compile`` lowers linear layers to on the CPU) over a **packed** weight: a copy of the
+  weight in oneDNN's blocked layout (:class:`OneDnnPack`, made once for :data:`PACK_ROWS` rows and
+  again whenever the weight changes). Packed, its cost is nearly flat from 3 to 16 rows, close to
+  streaming the weight once (the 49,152 x 576 output layer: 4.2-5.3 ms for 3-8 rows, 6.0-6.6 ms for
+  16, where summing the weight takes 3.9 ms; MKL's product 4.6-10.4 ms for 3-8 rows and oneDNN
+  over the plain weight 6.0-9.5 ms for 3-16, which reorders the weight in every call). The same
+  op over the plain weight computes 7..128 rows where no pack is kept (the text head's output
+  rows are packed too; a bare :func:`small_row_linear` call is not): from 8 rows it beats MKL by
+  1.1-1.9x. The op has no autograd kernel (backpropagating through it silently yields no
+  gradient), so a product that needs a gradient, and any dtype other than float32 or a build
+  without oneDNN, keeps the MKL product, over :func:`padded_rows` rows (zero rows added, their
+  outputs dropped) where that count is faster.
 
 :func:`use_small_row_products` gives every ``nn.Linear`` of a model this forward: the same
 product with another summation order (float noise of order 1e-6), the fast path for everything
@@ -35,14 +38,23 @@ from torch.nn import functional as F
 
 MAX_SMALL_ROWS = 128
 
-#: The fewest rows computed with oneDNN's linear (fewer: MKL's product; measured per shape and
-#: per whole call on this project's CPU, `recspec bench rows`).
+#: The fewest rows computed with oneDNN's linear over the plain weight (fewer: MKL's product;
+#: measured per shape and per whole call on this project's CPU, `recspec bench rows`).
 ONEDNN_ROWS = 7
+
+#: The fewest rows computed with oneDNN's linear over a packed weight (:class:`OneDnnPack`).
+PACKED_ROWS = 3
+
+#: The row count oneDNN packs a weight for: one pack at 16 serves 3 to 64 rows as well as a pack per
+#: count (measured per SmolLM2 shape, packs for 1, 4, 16 and 64 rows; the pack for 1 row is as slow
+#: as the plain weight).
+PACK_ROWS = 16
 
 #: The version of the small-row forward. Kept timing records (:mod:`recspec.calibration`) carry it,
 #: so a change to how calls are computed has them measured again: 2 made products row-major and one
-#: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN.
-PRODUCTS_VERSION = 3
+#: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN; 4 computes
+#: 3..128 rows with oneDNN over packed weights.
+PRODUCTS_VERSION = 4
 
 
 def padded_rows(rows: int) -> int:
@@ -65,26 +77,52 @@ def has_onednn(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def onednn_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
-    """Whether :func:`small_row_linear` computes ``rows`` rows of ``x`` with oneDNN: 7..128 rows
-    (:func:`has_onednn`), no gradient asked for."""
+def onednn_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                    packed: bool = False) -> bool:
+    """Whether :func:`small_row_linear` computes ``rows`` rows of ``x`` with oneDNN: 7..128 rows, or
+    3..128 over a ``packed`` weight (:func:`has_onednn`), no gradient asked for."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad))
-    return ONEDNN_ROWS <= rows <= MAX_SMALL_ROWS and x.dtype == weight.dtype and has_onednn(x.dtype) and not needs_grad
+    fewest = PACKED_ROWS if packed else ONEDNN_ROWS
+    return fewest <= rows <= MAX_SMALL_ROWS and x.dtype == weight.dtype and has_onednn(x.dtype) and not needs_grad
+
+
+class OneDnnPack:
+    """A weight's copy in oneDNN's blocked layout for :data:`PACK_ROWS` rows (an opaque tensor as
+    large as the weight), made on first use and made again whenever the weight is another tensor or
+    was changed in place (its version counter moved: an optimiser step, ``load_state_dict``)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int, int] | None = None
+        self.packed: torch.Tensor | None = None
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` ``[out, in]`` (float32, CPU)."""
+        key = (id(weight), weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+        if self.packed is None or key != self.key:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            self.key = key
+        return self.packed
+
+    def __getstate__(self) -> dict[str, None]:
+        """A copy (``copy.deepcopy`` of a model, a framework serialising it) starts without the
+        packed copy, an opaque tensor that cannot be copied; it is made again at first use."""
+        return {"key": None, "packed": None}
 
 
 def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     pad: bool = True, onednn: bool = True) -> torch.Tensor:
+                     pad: bool = True, onednn: bool = True, pack: OneDnnPack | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of shape ``[..., in]`` and ``weight`` ``[out, in]``;
-    1..128 rows on the CPU with the kernel the module doc gives them (``onednn=False``: MKL's for
-    all, as before version 3), MKL's over :func:`padded_rows` rows with ``pad``; the result
-    row-major, shape ``[..., out]``."""
+    1..128 rows on the CPU with the kernel the module doc gives them, oneDNN's over the weight kept
+    in ``pack`` where one is given (``onednn=False``: MKL's for all, as before version 3), MKL's
+    over :func:`padded_rows` rows with ``pad``; the result row-major, shape ``[..., out]``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 1 <= rows <= MAX_SMALL_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if onednn and onednn_computes(x, weight, bias, rows):
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), weight, bias, "none", [], "")
+    if onednn and onednn_computes(x, weight, bias, rows, packed=pack is not None):
+        kept = weight if pack is None else pack.of(weight)
+        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), kept, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
     padded = max(padded_rows(rows) if pad else rows, 2)  # the concatenation is row-major too: one copy at most
     flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1]))) if padded > rows else flat.contiguous()
@@ -94,13 +132,15 @@ def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 class SmallRowForward:
     """The forward :func:`use_small_row_products` gives a linear layer: :func:`small_row_linear`
-    with the layer's weight and bias and the chosen kernels (``pad``, ``onednn``)."""
+    with the layer's weight and bias and the chosen kernels (``pad``, ``onednn``, and with ``pack``
+    oneDNN over the layer's packed weight)."""
 
-    def __init__(self, layer: nn.Linear, pad: bool, onednn: bool) -> None:
+    def __init__(self, layer: nn.Linear, pad: bool, onednn: bool, pack: bool) -> None:
         self.layer, self.pad, self.onednn = layer, pad, onednn
+        self.pack = OneDnnPack() if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return small_row_linear(x, self.layer.weight, self.layer.bias, self.pad, self.onednn)
+        return small_row_linear(x, self.layer.weight, self.layer.bias, self.pad, self.onednn, self.pack)
 
 
 def pads_rows(model: nn.Module) -> bool:
@@ -113,11 +153,13 @@ def pads_rows(model: nn.Module) -> bool:
                                  and module.weight.device.type == "cpu" for module in linears)
 
 
-def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True) -> nn.Module:
+def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True, pack: bool = True) -> nn.Module:
     """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``onednn=False``: MKL's
-    product for every row count, ``pad=False``: without :func:`padded_rows`, the settings `recspec
-    bench rows` compares); returns ``model``."""
+    product for every row count, ``pad=False``: without :func:`padded_rows`, ``pack=False``: oneDNN
+    over the plain weights, from :data:`ONEDNN_ROWS` rows; the settings `recspec bench rows`
+    compares); returns ``model``. A packed weight is made at a layer's first call over
+    :data:`PACKED_ROWS` rows or more and costs as much memory as the weight."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = SmallRowForward(module, pad, onednn)
+            module.forward = SmallRowForward(module, pad, onednn, pack)
     return model

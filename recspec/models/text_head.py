@@ -51,7 +51,7 @@ from torch.nn import functional as F
 from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import Block, HeadKind, RMSNorm, load_head
-from recspec.models.small_rows import small_row_linear, use_small_row_products
+from recspec.models.small_rows import OneDnnPack, small_row_linear, use_small_row_products
 
 
 @dataclass(frozen=True)
@@ -249,6 +249,7 @@ class TextHeadDraft:
                                f"target's {expected})")
         output = target.get_output_embeddings().weight.detach()
         self.head, self.embed = use_small_row_products(head), target.get_input_embeddings()
+        self.pack = OneDnnPack()  # the draft vocabulary's output rows, packed for 3 rows or more
         if head.config.draft_vocab:
             self.ids = head.vocab_ids.to(output.device)
             self.weight = output.index_select(0, self.ids)
@@ -275,7 +276,7 @@ class TextHeadDraft:
     def logits(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the target's output layer over the draft vocabulary at features
         ``guessed`` ``[..., H]``."""
-        return small_row_linear(guessed, self.weight.to(guessed.dtype)).float()
+        return small_row_linear(guessed, self.weight.to(guessed.dtype), pack=self.pack).float()
 
     def log_probs(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the draft distribution (log-softmax of :meth:`logits`)."""
