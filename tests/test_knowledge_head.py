@@ -83,7 +83,7 @@ def test_greedy_trees_are_sized_from_the_cost_model(task, head) -> None:  # noqa
     greedy = replace(OLD_ITEMS, part="new", draft=str(head), head_tree=tree)
     cost = task.head_drafter(greedy).cost
     assert cost is not None and cost.fixed_s > 0 and cost.per_token_s >= 0
-    assert not cost.padded  # version-3 products compute 7..128 rows with oneDNN: no call is padded, no free nodes
+    assert not cost.padded  # recspec's products compute 3..128 rows with oneDNN: no call is padded, no free nodes
     assert task.head_drafter(greedy).cost == cost  # measured once per head and tree
     assert (task.model_dir / "calibration-cpu.json").is_file()  # the model's part is kept beside it
     assert task.head_drafter(replace(greedy, head_tree=replace(tree, sized=False))).cost is None

@@ -3,9 +3,11 @@
 On the CPUs this project runs on (fp32, 2 threads), ``torch.nn.functional.linear`` with 2 to 128
 input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 3.7 ms for the
 same product written ``W @ x.T`` (BENCHMARKS.md, knowledge section). Two kernels do better, each
-over its own range of rows (BENCHMARKS.md "Row-major products" and "oneDNN products from 7 rows"):
+over its own range of rows (BENCHMARKS.md "Row-major products", "oneDNN products from 7 rows" and
+"Packed oneDNN weights"):
 
-* **1..6 rows: MKL's** ``W @ x.T`` over row-major rows. One row is computed as two: a matrix-
+* **1..2 rows: MKL's** ``W @ x.T`` over row-major rows (and 3..6 rows where no packed weight is
+  kept). One row is computed as two: a matrix-
   vector product streams the weights at a third of the speed of the same product over two rows
   (the output layer: 10 ms against 3.7 ms). The product is fast only while ``x`` is row-major
   (``x.T`` a transposed view); over a column-major ``x`` it is 2-4x slower, and so is the SDPA
