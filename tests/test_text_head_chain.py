@@ -376,12 +376,12 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     from recspec.bench.sampling import TEXT_METHODS, bench_text, text_methods
 
     base = TextOptions(max_new_tokens=4, gamma=2)
-    result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 2, base, 0.7, 1, str(tmp_path / "head"))
+    result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"))
     assert [row["method"] for row in result["rows"]][:4] == ["sample", "spec-sample", "topk-imp", "beam-sample"]
     assert {row["method"] for row in result["rows"]} >= {"dsbd", "dsbd-dynamic", "dsbd-one-cache"}
     assert 0 < result["c"] < 0.5 and result["drafts"][-1]["layers"] == f"distilled: {tmp_path / 'head'}"
     assert 0.5 < result["verify_ratio"] < 5  # the 3-token verifying call, in one-token calls
-    chosen = bench_text(str(smollm2_dir), "0,29", ("0,29",), 2, base, 0.7, 1, str(tmp_path / "head"),
+    chosen = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"),
                         methods=["dsbd-dynamic"])  # a method comes with its baseline
     assert [row["method"] for row in chosen["rows"]] == ["beam-sample", "dsbd-dynamic"]
     with pytest.raises(RecspecError, match="unknown sampling method 'greedy'"):
