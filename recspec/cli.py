@@ -569,6 +569,10 @@ def generate_command(
     top_p: Annotated[Optional[float], typer.Option(help="Top-p warping, in (0, 1].")] = None,
     gamma: Annotated[int, typer.Option(help="Tokens (spec-sample, topk-imp) or layers (dsbd) drafted per "
                                             "round.")] = 4,
+    draft_stop: Annotated[Optional[float], typer.Option(help="spec-sample: a dynamic draft length; a round drafts "
+                                                             "up to --gamma tokens and stops once the draft's "
+                                                             "probability of its chain falls below this, in (0, 1) "
+                                                             "(exact: the length reads only the draft).")] = None,
     lenience: Annotated[float, typer.Option(help="spec-sample: lenience l in (0, 1] (1: exact).")] = 1.0,
     candidates: Annotated[int, typer.Option(help="topk-imp: K candidates.")] = 10,
     beams: Annotated[int, typer.Option(help="beam-sample: W; dsbd: W_min (the fixed width without "
@@ -597,14 +601,14 @@ def generate_command(
     from recspec.models.layer_draft import text_draft_model
 
     options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
-                          lenience=lenience, candidates=candidates, beams=beams, draft_width=draft_width,
-                          threshold=threshold, one_cache=one_cache, seed=seed)
+                          draft_stop=draft_stop, lenience=lenience, candidates=candidates, beams=beams,
+                          draft_width=draft_width, threshold=threshold, one_cache=one_cache, seed=seed)
     check_output_file(out, overwrite)
     _positive(count=count, batch_size=batch_size)
     device = _device(device)
     check_request(method, options, has_draft=True)
     if tree:
-        _check_tree_request(method, draft, batch_size)
+        _check_tree_request(method, draft, batch_size, draft_stop)
     messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target, device=device)
@@ -639,13 +643,15 @@ def generate_command(
                    f"target calls {summary['target_calls']:.1f}/prompt, rounds {summary['rounds']:.1f}/prompt")
 
 
-def _check_tree_request(method: str, draft: str | None, batch_size: int) -> None:
+def _check_tree_request(method: str, draft: str | None, batch_size: int, draft_stop: float | None) -> None:
     """Refuse ``--tree`` settings the tree loop cannot serve, before any work."""
     from recspec.models.head import is_head_dir
     from recspec.models.text_head import TEXT_HEAD
 
     if method not in ("sample", "spec-sample"):
         raise RecspecError(f"--tree decodes sample or spec-sample, not {method}")
+    if draft_stop is not None:
+        raise RecspecError("--draft-stop sizes chains; --tree sizes its trees from the cost model: drop one")
     if method == "spec-sample" and (draft is None or not is_head_dir(draft, TEXT_HEAD)):
         raise RecspecError("spec-sample --tree drafts with a text head: pass --draft HEAD (`recspec distill --head`)")
     if batch_size != 1:
@@ -1084,6 +1090,9 @@ def bench_sampling(
     beams: Annotated[int, typer.Option(help="Text beam width W (beam-sample, DSBD's fixed width).")] = 2,
     draft_width: Annotated[int, typer.Option(help="Text DSBD: W_S.")] = 4,
     threshold: Annotated[float, typer.Option(help="DSBD dynamic width: t.")] = 0.7,
+    draft_stop: Annotated[float, typer.Option(help="spec-sample-dynamic: a chain ends below this draft "
+                                                   "probability.")] = 0.3,
+    most_drafted: Annotated[int, typer.Option(help="spec-sample-dynamic: the most tokens drafted a round.")] = 6,
     temperature: float = 1.0,
     candidates: Annotated[int, typer.Option(help="TopK-ImpSpecDec: K.")] = 10,
     text: Annotated[bool, typer.Option(help="Run the text half.")] = True,
@@ -1110,7 +1119,7 @@ def bench_sampling(
     torch.set_num_threads(threads)
     typer.echo(run(_results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
                    draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
-                   text, name, method or None))
+                   text, name, method or None, draft_stop, most_drafted))
 
 
 @bench_app.command("align")

@@ -137,7 +137,8 @@ def test_fuzz_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
         _option("max-new-tokens", [-1, 0, 1, 3]), _option("temperature", NUMBERS),
         _option("top-k", [-1, 0, 1, 5]), _option("top-p", ["nan", "0", "0.5", "1", "1.5"]),
         _option("gamma", [0, 1, 2]), _option("lenience", ["nan", "0", "0.5", "1", "2"]),
-        _option("candidates", [0, 1, 5]), _option("beams", [0, 1, 2]), _option("draft-width", [0, 2, 4]),
+        _option("draft-stop", ["nan", "0", "0.3", "1"]), _option("candidates", [0, 1, 5]),
+        _option("beams", [0, 1, 2]), _option("draft-width", [0, 2, 4]),
         _option("threshold", ["nan", "-1", "0.5", "inf"]), _option("count", [-1, 0, 1, 2]),
         _option("batch-size", [0, 1, 2]), _option("device", ["cpu", "cuda:9", "x"]),
         st.sampled_from([[], ["--score"], ["--one-cache"], ["--prompt", "Hello"], ["--prompt", ""]]))

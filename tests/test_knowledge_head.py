@@ -99,6 +99,10 @@ def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_stor
     settings = read_settings(tmp_path / "relaxed.db")
     assert summary.requests == 2 and len(settings["head_sha256"]) == 64
     assert settings["head_tree"] == {"width": 2, "depth": 2, "nodes": 4, "gate": 2}
+    assert settings["head_logits"] == "int8"  # the draft's precision changes a relaxed text, so it is recorded
+    fp32 = run_job(task, replace(laser, head_int8=False), tmp_path / "relaxed-fp32.db", pool=old_store, limit=2,
+                   progress=False)
+    assert fp32.requests == 2 and "head_logits" not in read_settings(tmp_path / "relaxed-fp32.db")
     with pytest.raises(RecspecError, match="method hf does not draft with one"):
         KnowledgeConfig(method="hf", verification=GREEDY, draft=str(head))
     with pytest.raises(RecspecError, match="width, depth and nodes >= 1"):

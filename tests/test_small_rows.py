@@ -74,6 +74,12 @@ def test_a_packed_weight_follows_its_weight() -> None:
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         layer.weight = nn.Parameter(torch.randn(24, 32))
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        kept = pack.packed
+        view = layer.weight.detach()  # a view of the same memory shares the pack, and its version
+        assert pack.of(view) is kept
+        view.add_(1.0)
+        assert pack.of(layer.weight) is not kept
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     copied = copy.deepcopy(layer)  # a copy starts without the packed weight and makes its own
     assert copied.forward.pack.packed is None and copied.forward.layer is copied
     with torch.no_grad():

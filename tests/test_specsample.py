@@ -161,6 +161,27 @@ def test_verify_chain_per_position() -> None:
     assert fit(counts, torch.tensor([1 - alpha, alpha * (1 - alpha), alpha ** 2])) > 1e-3
 
 
+def test_verify_chain_with_a_shorter_chain_per_row() -> None:
+    """Rows whose own chain is shorter than the batch's (``lengths``): at most that many drafts
+    are accepted, and a row that accepts all of its own draws the next token from the target's
+    distribution after them (not the residual): the second token follows ``p2`` (l = 1)."""
+    generator = torch.Generator().manual_seed(1)
+    rows, gamma = 200_000, 3
+    p1, p2 = torch.tensor([0.5, 0.3, 0.15, 0.05]), torch.tensor([0.1, 0.1, 0.2, 0.6])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    drafts = torch.multinomial(q.expand(rows, -1), gamma, replacement=True, generator=generator)
+    p = torch.stack((p1, p2, p2, p2))  # after the prefix, then after each drafted prefix
+    lengths = torch.where(torch.arange(rows) % 2 == 0, 1, gamma)
+    verdict = verify_chain(drafts, q.expand(rows, gamma, -1), p.expand(rows, gamma + 1, -1), generator,
+                           lengths=lengths)
+    short = lengths == 1
+    assert int(verdict.accepted[short].max()) == 1 and int(verdict.accepted[~short].max()) == gamma
+    accepted_one = short & (verdict.accepted == 1)
+    assert fit(torch.bincount(verdict.token[accepted_one], minlength=4), p2) > 1e-3
+    first = torch.where(verdict.accepted[short] > 0, drafts[short, 0], verdict.token[short])
+    assert fit(torch.bincount(first, minlength=4), p1) > 1e-3
+
+
 def test_theorem_3_8() -> None:
     assert expected_tokens_per_call(0.0, 4) == 1.0 and expected_tokens_per_call(1.0, 4) == 5.0
     assert math.isclose(expected_tokens_per_call(0.5, 2), 1.75)

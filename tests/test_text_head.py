@@ -470,17 +470,18 @@ def fused_head(model, seed: int):
     return head
 
 
-@pytest.mark.parametrize("which", ["untrained", "trained", "fused"])
+@pytest.mark.parametrize("which", ["untrained", "trained", "fused", "trained-int8"])
 def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_dir) -> None:
     """Token for token the greedy text, with an untrained head over the whole vocabulary, with
-    the briefly trained one over its reduced vocabulary and with a head reading fused layers; the
-    drafts stay in the head's vocabulary and are trees within the budget; the head's cache ends as
-    the teacher-forced one."""
+    the briefly trained one over its reduced vocabulary (its logits in float32 or int8) and with a
+    head reading fused layers; the drafts stay in the head's vocabulary and are trees within the
+    budget; the head's cache ends as the teacher-forced one."""
     model, _, eos = lm
     prompts, references = greedy
     head = {"untrained": lambda: new_text_head(model, None, seed=3), "fused": lambda: fused_head(model, 3),
-            "trained": lambda: load_text_head(runs[0], smollm2_dir)}[which]()
-    bound = TextHeadDraft(head.eval(), model)
+            "trained": lambda: load_text_head(runs[0], smollm2_dir),
+            "trained-int8": lambda: load_text_head(runs[0], smollm2_dir)}[which]()
+    bound = TextHeadDraft(head.eval(), model, int8=which.endswith("int8"))
     config = HeadTreeConfig(width=3, depth=4, nodes=10)
     drafter = Recorded(bound, config)
     for prompt, reference in zip(prompts, references):
@@ -496,8 +497,24 @@ def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_
     for tree in drafter.trees:
         assert len(tree) <= config.nodes and set(tree.tokens) <= allowed
         assert all(parent < i for i, parent in enumerate(tree.parents)) and tree.longest_branch() <= config.depth
-    if which == "trained":
+    if which.startswith("trained"):
         assert len(allowed) < 300
+
+
+def test_a_whole_vocabulary_head_shares_the_targets_packed_output_layer(lm) -> None:
+    """A head over the whole vocabulary computes its logits with the target's own packed output
+    layer (one packed copy of its 28M weights, not two); a draft vocabulary gets its own pack."""
+    model, _, _ = lm
+    bound = TextHeadDraft(new_text_head(model, None, seed=4).eval(), model)
+    assert bound.pack is model.lm_head.forward.pack
+    guessed = torch.randn(4, model.config.hidden_size)
+    with torch.inference_mode():
+        target_logits = model.lm_head(guessed)
+        packed = bound.pack.packed
+        torch.testing.assert_close(bound.logits(guessed), target_logits, rtol=1e-5, atol=1e-4)
+    assert packed is not None and bound.pack.packed is packed  # not packed again
+    small = TextHeadDraft(new_text_head(model, torch.arange(100), seed=4).eval(), model)
+    assert small.pack is not model.lm_head.forward.pack
 
 
 def test_accepted_drafts_keep_the_head_cache_in_step(lm, greedy) -> None:

@@ -74,9 +74,10 @@ def trained_head(target, seed: int) -> TextHead:
 
 @pytest.fixture(scope="module")
 def heads(target) -> dict[str, TextHeadDraft]:
+    trained = trained_head(target, seed=3)
     return {"scrambled": TextHeadDraft(scrambled_head(target, None, seed=1), target),
             "reduced": TextHeadDraft(scrambled_head(target, torch.tensor([0, 2, 3, 5]), seed=2), target),
-            "trained": TextHeadDraft(trained_head(target, seed=3), target)}
+            "trained": TextHeadDraft(trained, target), "trained-int8": TextHeadDraft(trained, target, int8=True)}
 
 
 def acceptance(stats: ChainStats) -> float:
@@ -85,12 +86,13 @@ def acceptance(stats: ChainStats) -> float:
 
 
 @pytest.mark.parametrize(("which", "warp"), [("scrambled", Warp(1.0)), ("reduced", Warp(1.0)),
-                                             ("trained", Warp(1.0)), ("reduced", Warp(1.3, top_k=4, top_p=0.9))],
-                         ids=["scrambled", "reduced", "trained", "reduced-T1.3-k4-p0.9"])
+                                             ("trained", Warp(1.0)), ("trained-int8", Warp(1.0)),
+                                             ("reduced", Warp(1.3, top_k=4, top_p=0.9))],
+                         ids=["scrambled", "reduced", "trained", "trained-int8", "reduced-T1.3-k4-p0.9"])
 def test_spec_sample_with_a_head_draws_the_target_distribution(target, heads, which: str, warp: Warp) -> None:
     """Theorem A.1 with a head as the draft (lenience 1): the emitted sequences follow the target's
     warped distribution, for a head far from it, one whose ``q`` is zero on two of the six tokens,
-    and a trained one that agrees with it more."""
+    a trained one that agrees with it more, and the trained one with int8 logits."""
     table = next_table(target, LENGTH)
     exact = sequence_distribution(lambda prefix: warp(table[prefix]).exp())
     options = TextOptions(max_new_tokens=LENGTH, warp=warp, gamma=2, seed=13)
@@ -201,14 +203,32 @@ def assert_true_inputs(target, head: TextHeadDraft, prompts: list[torch.Tensor],
 PROMPTS = [PROMPT, PROMPT[:3], torch.tensor([3, 3, 1, 2, 4, 5, 0, 1, 4])]
 
 
-@pytest.mark.parametrize(("method", "gamma"), [("spec-sample", 3), ("topk-imp", 2), ("spec-sample", 1)])
-def test_head_cache_holds_the_true_features_of_the_text(monkeypatch, target, heads, method: str, gamma: int) -> None:
+def test_a_dynamic_draft_length_draws_the_target_distribution(target, heads) -> None:
+    """spec-sample with ``draft_stop``: each row's chain ends where the head's probability of it
+    falls below the stop, so rows of one batch draft chains of different lengths in a round, and
+    the emitted sequences still follow the target's distribution (chi-square; the 6000 draws are one
+    batch, so a row's tokens past its own end are drafted for others and never verified for it)."""
+    warp = Warp(1.0)
+    table = next_table(target, LENGTH)
+    exact = sequence_distribution(lambda prefix: warp(table[prefix]).exp())
+    options = TextOptions(max_new_tokens=LENGTH, warp=warp, gamma=3, draft_stop=0.5, seed=13)
+    assert goodness_of_fit(sampled("spec-sample", target, heads["trained"], options, 6000), exact) > 1e-3
+    stats = generate("spec-sample", target, heads["trained"], [PROMPT] * 500, options, pad_token_id=0, eos=None).stats
+    own = stats.drafted_steps / stats.rounds  # each row's mean chain length
+    assert 1.0 < float(own.mean()) < 3.0 and float(own.min()) < float(own.max())
+    assert bool((stats.tried <= stats.drafted_steps).all())
+
+
+@pytest.mark.parametrize(("method", "gamma", "stop"), [("spec-sample", 3, None), ("topk-imp", 2, None),
+                                                       ("spec-sample", 1, None), ("spec-sample", 4, 0.4)])
+def test_head_cache_holds_the_true_features_of_the_text(monkeypatch, target, heads, method: str, gamma: int,
+                                                        stop: float | None) -> None:
     """Rows of different lengths in one batch, ending at the limit or at their end token: after
     the run each row's head cache holds exactly its text's inputs with the target's true features
-    (the drafted inputs dropped, the accepted ones re-read), as if read in one teacher-forced call;
-    the counters add up."""
+    (the drafted inputs dropped, the accepted ones re-read), as if read in one teacher-forced call,
+    also where rounds draft chains of different lengths (``stop``); the counters add up."""
     head = heads["trained"]
-    options = TextOptions(max_new_tokens=12, gamma=gamma, candidates=3, seed=7)
+    options = TextOptions(max_new_tokens=12, gamma=gamma, draft_stop=stop, candidates=3, seed=7)
     prompts = PROMPTS * 4
     result, recording = run_recorded(monkeypatch, method, target, head, prompts, options, eos=0)
     assert_true_inputs(target, head, prompts, result.tokens, recording)
@@ -216,7 +236,11 @@ def test_head_cache_holds_the_true_features_of_the_text(monkeypatch, target, hea
     assert stats is not None and float(stats.accepted_steps.sum()) > 0
     assert any(len(tokens) < 12 for tokens in result.tokens) and any(len(tokens) == 12 for tokens in result.tokens)
     assert torch.equal(stats.tokens, torch.tensor([float(len(tokens)) for tokens in result.tokens]))
-    assert torch.equal(stats.draft_calls, stats.rounds * gamma + 1)
+    if stop is None:
+        assert torch.equal(stats.draft_calls, stats.rounds * gamma + 1)
+    else:  # shorter rounds, the batch's longest chain drafted
+        assert bool((stats.drafted_steps + 1 <= stats.draft_calls).all())
+        assert float(stats.draft_calls.sum()) < float((stats.rounds * gamma + 1).sum())
     calls_per_round = 1 if method == "spec-sample" else gamma + 1
     assert torch.equal(stats.target_calls, stats.rounds * calls_per_round + 1)
 
@@ -373,17 +397,18 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--method", "dsbd", "--gamma", "2", "--overwrite"])
     assert exit_info.value.code == 0 and "with dsbd" in capsys.readouterr().out
-    from recspec.bench.sampling import TEXT_METHODS, bench_text, text_methods
+    from recspec.bench.sampling import MOST_DRAFTED, TEXT_METHODS, bench_text, text_methods
 
     base = TextOptions(max_new_tokens=4, gamma=2)
     result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"))
-    assert [row["method"] for row in result["rows"]][:4] == ["sample", "spec-sample", "topk-imp", "beam-sample"]
+    assert [row["method"] for row in result["rows"]][:5] == ["sample", "spec-sample", "spec-sample-dynamic",
+                                                               "topk-imp", "beam-sample"]
+    dynamic = next(row for row in result["rows"] if row["method"] == "spec-sample-dynamic")
+    assert 1 <= dynamic["drafted_per_round"] <= MOST_DRAFTED and "predicted_speedup" not in dynamic
     assert {row["method"] for row in result["rows"]} >= {"dsbd", "dsbd-dynamic", "dsbd-one-cache"}
     assert 0 < result["c"] < 0.5 and result["drafts"][-1]["layers"] == f"distilled: {tmp_path / 'head'}"
     assert 0.5 < result["verify_ratio"] < 5  # the 3-token verifying call, in one-token calls
-    chosen = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"),
-                        methods=["dsbd-dynamic"])  # a method comes with its baseline
-    assert [row["method"] for row in chosen["rows"]] == ["beam-sample", "dsbd-dynamic"]
+    assert list(text_methods(["dsbd-dynamic"])) == ["beam-sample", "dsbd-dynamic"]  # a method comes with its baseline
     with pytest.raises(RecspecError, match="unknown sampling method 'greedy'"):
         text_methods(["spec-sample", "greedy"])
     assert list(text_methods(None)) == list(TEXT_METHODS)

@@ -140,6 +140,7 @@ def test_generate_tree_cli_writes_plain_samplings_texts(smollm2_dir, tmp_path: P
     assert len(rows["sample"]) == 2 and all(1 <= row["tokens"] <= 8 for row in rows["sample"])
     for extra, message in ((["--method", "dsbd"], "--tree decodes sample or spec-sample"),
                            (["--method", "spec-sample"], "pass --draft HEAD"),
+                           (["--method", "spec-sample", "--draft-stop", "0.3"], "--draft-stop sizes chains"),
                            (["--method", "sample", "--batch-size", "2"], "one prompt at a time")):
         refused = recspec(*common, *extra, "--out", str(tmp_path / "refused.jsonl"))
         assert refused.returncode != 0 and message in refused.stderr

@@ -23,14 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory, save_figure, turn_order,
                                   write_results)
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
 from recspec.models.hf import load_causal_lm
-from recspec.models.small_rows import ONEDNN_ROWS, PACKED_ROWS, has_onednn, padded_rows, use_small_row_products
+from recspec.models.small_rows import ONEDNN_ROWS, PACKED_ROWS, rows_computed, use_small_row_products
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
 #: Name -> (pad, onednn, pack) of :func:`~recspec.models.small_rows.use_small_row_products` and
@@ -40,13 +38,10 @@ SETTINGS = {"mkl": (False, False, False, True), "mkl_padded": (True, False, Fals
             "recspec": (True, True, True, True)}
 
 
-def rows_computed(n: int) -> dict[str, int]:
-    """The rows each setting computes a float32 call over ``n`` nodes with (MKL computes one row as
-    two; without oneDNN the others compute what padded MKL does)."""
-    padded = max(padded_rows(n), 2)
-    plain = n if ONEDNN_ROWS <= n and has_onednn(torch.float32) else padded
-    default = n if PACKED_ROWS <= n and has_onednn(torch.float32) else padded
-    return {"mkl": max(n, 2), "mkl_padded": padded, "onednn_plain": plain, "unpacked": default, "recspec": default}
+def computed(n: int) -> dict[str, int]:
+    """The rows each setting computes a float32 call over ``n`` nodes with
+    (:func:`~recspec.models.small_rows.rows_computed`)."""
+    return {setting: rows_computed(n, pad, onednn, pack) for setting, (pad, onednn, pack, _) in SETTINGS.items()}
 
 
 def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, repeats: int = 5,
@@ -65,7 +60,7 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                 lm.set_attn_implementation(PACKED_SDPA if packed else "sdpa")
                 runs[setting].append(1e3 * measure_call_cost(lm, 1, n, repeats, past_len=past))
         ms = {setting: statistics.median(times) for setting, times in runs.items()}
-        cells.append({"nodes": n, "rows_computed": rows_computed(n), "ms": ms, "runs_ms": runs,
+        cells.append({"nodes": n, "rows_computed": computed(n), "ms": ms, "runs_ms": runs,
                       "speedup_over_mkl": ms["mkl"] / ms["recspec"],
                       "speedup_over_mkl_padded": ms["mkl_padded"] / ms["recspec"],
                       "speedup_over_onednn_plain": ms["onednn_plain"] / ms["recspec"],
@@ -88,8 +83,8 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                 f"{rounds} rounds, settings in turn. MKL: `W @ x.T` for every row count (one row as two), "
                 f"padded: over `padded_rows` rows; oneDNN plain: oneDNN's linear over the plain weights from "
                 f"{ONEDNN_ROWS} rows on (version 3); recspec: oneDNN's linear over packed weights from "
-                f"{PACKED_ROWS} rows on, MKL below; every setting with recspec's packed grouped-query attention but 'unpacked', recspec's "
-                f"products with transformers' SDPA attention.\n\n{table}\n")
+                f"{PACKED_ROWS} rows on, MKL below; every setting with recspec's packed grouped-query attention "
+                f"but 'unpacked', recspec's products with transformers' SDPA attention.\n\n{table}\n")
     results: dict[str, Any] = {"model": model, "past": past, "repeats": repeats, "rounds": rounds,
                                "onednn_rows": ONEDNN_ROWS, "packed_rows": PACKED_ROWS, "cells": cells}
     write_results(out, name, results, markdown)

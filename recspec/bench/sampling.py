@@ -58,6 +58,7 @@ from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
 TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
     "sample": ("sample", {}, "sample"),
     "spec-sample": ("spec-sample", {}, "sample"),
+    "spec-sample-dynamic": ("spec-sample", {"gamma": "most", "draft_stop": "stop"}, "sample"),
     "topk-imp": ("topk-imp", {}, "sample"),
     "beam-sample": ("beam-sample", {}, "beam-sample"),
     "dsbd": ("dsbd", {}, "beam-sample"),
@@ -69,10 +70,17 @@ TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
 #: Labels run in the tree loop (:mod:`recspec.knowledge.sampled`: one uniform per text position;
 #: ``spec-sample-tree`` verifies a text head's trees by the target's draw at every node).
 TREE_LABELS = ("sample-tree", "spec-sample-tree")
+#: ``spec-sample-dynamic``'s draft length: chains end once the draft's probability of them falls
+#: below DRAFT_STOP, at MOST_DRAFTED tokens at most (measured on SmolLM2 with a text head,
+#: BENCHMARKS.md "A dynamic draft length").
+DRAFT_STOP, MOST_DRAFTED = 0.3, 6
 
 
-def _options(base: TextOptions, overrides: dict[str, Any], threshold: float) -> TextOptions:
-    return replace(base, **{key: threshold if value == "t" else value for key, value in overrides.items()})
+def _options(base: TextOptions, overrides: dict[str, Any], named: dict[str, Any]) -> TextOptions:
+    """``base`` with a row's ``overrides``, a value named in ``named`` (``t``: DSBD's threshold,
+    ``stop`` and ``most``: the dynamic draft length's stop and its most tokens) taken from it."""
+    return replace(base, **{key: named.get(value, value) if isinstance(value, str) else value
+                            for key, value in overrides.items()})
 
 
 def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20) -> tuple[float, float, float]:
@@ -143,8 +151,10 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
     else:
         alpha = total["alpha_sum"] / max(total["tried"], 1e-9)
         row.update(alpha=alpha, tokens_per_target_call=total["tokens"] / max(total["target_calls"], 1e-9))
-        if method == "spec-sample":
+        if method == "spec-sample" and options.draft_stop is None:  # Theorem 3.8 takes a fixed gamma
             row["predicted_speedup"] = expected_speedup(alpha, gamma, cost, verify_ratio)
+        if options.draft_stop is not None:
+            row["drafted_per_round"] = total["drafted_steps"] / max(total["rounds"], 1e-9)
     return row
 
 
@@ -207,9 +217,11 @@ def text_methods(chosen: Sequence[str] | None) -> dict[str, tuple[str, dict[str,
 
 def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], prompts: int, base: TextOptions,
                threshold: float, repeats: int, draft_spec: str | None = None,
-               methods: Sequence[str] | None = None) -> dict[str, Any]:
+               methods: Sequence[str] | None = None, draft_stop: float = DRAFT_STOP,
+               most: int = MOST_DRAFTED) -> dict[str, Any]:
     """The text half of the benchmark (see the module doc): ``methods`` (labels of
-    :data:`TEXT_METHODS`, None for all) with their baselines."""
+    :data:`TEXT_METHODS`, None for all) with their baselines; ``spec-sample-dynamic`` drafts up to
+    ``most`` tokens a round with the stop ``draft_stop``."""
     table = text_methods(methods)
     from recspec.data import load_dataset
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
@@ -230,8 +242,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     cost, verify_ratio = draft_s / target_s, verify_s / target_s
     if methods is None and not isinstance(draft, TextHeadDraft):
         del table["spec-sample-tree"]  # drafts with a text head only
-    runs = {label: (method, _options(base, overrides, threshold)) for label, (method, overrides, _) in
-            table.items()}
+    named = {"t": threshold, "stop": draft_stop, "most": most}
+    runs = {label: (method, _options(base, overrides, named)) for label, (method, overrides, _) in table.items()}
     if "spec-sample-tree" in runs and not isinstance(draft, TextHeadDraft):
         raise RecspecError("spec-sample-tree drafts with a text head: pass --draft HEAD")
     drafter = _head_drafter(model, target, draft) if "spec-sample-tree" in runs else None
@@ -308,23 +320,27 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_
         max_new_tokens: int = 48, repeats: int = 3, gamma: int = 4, beams: int = 2, draft_width: int = 4,
         threshold: float = 0.7, temperature: float = 1.0, candidates: int = 10, rec_target: Path | None = None,
         rec_draft: Path | None = None, ks: Sequence[int] = (10,), users: int = 32, quality_users: int = 500,
-        text: bool = True, name: str = "sampling", methods: Sequence[str] | None = None) -> str:
+        text: bool = True, name: str = "sampling", methods: Sequence[str] | None = None,
+        draft_stop: float = DRAFT_STOP, most: int = MOST_DRAFTED) -> str:
     """Run the benchmark; write ``{name}.json`` / ``{name}.md``; return the Markdown."""
     reuse_freed_memory()
     base = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature), gamma=gamma, candidates=candidates,
                        beams=beams, draft_width=draft_width)
     results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": repeats, "gamma": gamma,
                                "beams": beams, "draft_width": draft_width, "threshold": threshold,
+                               "draft_stop": draft_stop, "most_drafted": most,
                                "temperature": temperature, "max_new_tokens": max_new_tokens}
     parts = ["# Sampling decoders: speculative sampling, TopK-ImpSpecDec, DSBD"]
     if text:
         results["text"] = bench_text(target, draft_layers, candidate_layers, prompts, base, threshold, repeats,
-                                     draft_spec, methods)
+                                     draft_spec, methods, draft_stop, most)
         t = results["text"]
         parts += [
             f"## Text: {len(t['prompts'])} MovieLens user-profile prompts, {target}, up to {max_new_tokens} new tokens",
             f"Batch 1, median of {repeats} runs (methods alternate run by run), T = {temperature}, gamma = {gamma}, "
-            f"W = {beams}, W_S = {draft_width}, dynamic width t = {threshold} with W_min = 1, TopK K = {candidates}. "
+            f"W = {beams}, W_S = {draft_width}, dynamic width t = {threshold} with W_min = 1, TopK K = {candidates}; "
+            f"spec-sample-dynamic: up to {most} tokens a round, a chain ending below draft probability "
+            f"{draft_stop}. "
             f"Draft: {t['draft']} (c = {t['c']:.3f}; a target call "
             f"{t['target_ms']:.1f} ms; its call over gamma + 1 tokens {t['verify_ratio']:.2f} of it, which "
             f"spec-sample's predicted speed-up divides by instead of Theorem 3.8's 1; DSBD's prediction keeps 1)."

@@ -285,7 +285,7 @@ def _summary(cells: list[dict], decoders: Sequence[str]) -> list[dict[str, Any]]
 def _markdown(results: dict[str, Any]) -> str:
     cells = results["cells"]
     closed = [c for c in cells if c["mode"] == "closed"]
-    lines = [f"# Serving under load (`recspec bench serve`)\n",
+    lines = ["# Serving under load (`recspec bench serve`)\n",
              f"Target `{results['target']}`, draft `{results['draft']}`, K = {results['k']}, histories of "
              f"{results['users']} test users; closed loop: at least {results['requests_per_run']} requests per run, "
              f"median of {results['repeats']} runs; server on cores {results['server_cores']}, load generator on "

@@ -307,27 +307,34 @@ def check_lenience(lenience: float) -> None:
 
 
 def verify_chain(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator,
-                 lenience: float = 1.0) -> ChainVerdict:
+                 lenience: float = 1.0, lengths: torch.Tensor | None = None) -> ChainVerdict:
     """Leviathan et al.'s Alg. 1 from the draft onwards, for ``B`` rows at once.
 
     ``drafts``: int64 ``[B, gamma]``; ``q``: float32 ``[B, gamma, V]``, the distribution each
     ratio and residual use (the warped draft distribution); ``p``: float32 ``[B, gamma + 1, V]``,
-    the warped target distributions after the prefix and after each drafted prefix. One uniform
-    per drafted token and one categorical draw per row; no loop.
+    the warped target distributions after the prefix and after each drafted prefix; ``lengths``:
+    int64 ``[B]`` (1..gamma, None: all ``gamma``), the drafted chain of each row: its drafts from
+    there on are not its own (drafted for other rows of the batch), so at most that many are
+    accepted, and a row that accepts all of its own draws the next token from ``p``, as Alg. 1
+    with that row's ``gamma``. One uniform per drafted token and one categorical draw per row; no
+    loop.
     """
     batch, gamma = drafts.shape
+    own = gamma if lengths is None else lengths
     p_drafted = p[:, :gamma].gather(2, drafts[:, :, None])[:, :, 0]
     q_drafted = q.gather(2, drafts[:, :, None])[:, :, 0]
     uniform = torch.rand(batch, gamma, generator=generator, device=drafts.device)
     ok = uniform * lenience * q_drafted < p_drafted  # probability min(1, p / (l q)); q > 0 where drafted
     accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    if lengths is not None:
+        accepted = torch.minimum(accepted, lengths)
     at = accepted.clamp(max=gamma - 1)[:, None, None].expand(-1, 1, p.shape[2])
     residual = (p.gather(1, at) - lenience * q.gather(1, at)).clamp_(min=0)[:, 0]
     residual_mass = residual.sum(dim=1, keepdim=True)
     target_next = p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[2]))[:, 0]
     # rows whose residual is empty (p == l q up to rounding: a rejection there has probability 0,
     # rounding aside) redraw from p itself
-    redraw = torch.where((accepted < gamma)[:, None] & (residual_mass > 0), residual, target_next)
+    redraw = torch.where(((accepted < own) & (residual_mass[:, 0] > 0))[:, None], residual, target_next)
     token = categorical(redraw, 1, generator)[:, 0]
     alpha = torch.minimum(q, p[:, :gamma] / lenience).sum(dim=2)
     return ChainVerdict(accepted=accepted, token=token, alpha=alpha)

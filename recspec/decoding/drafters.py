@@ -121,30 +121,52 @@ class ChainDrafter:
     ``importance`` None: speculative sampling (each token drawn from the draft's ``q``; the target
     scores the whole chain in one call); ``importance = K``: TopK-ImpSpecDec (each token drawn from
     the draft's top-K reweighted by ``p / q``, so the target is called once per drafted token).
+
+    ``stop`` (speculative sampling only): a dynamic draft length. A row's chain ends before the
+    next token once its draft probability (the product of ``q`` over its drafted tokens, the
+    draft's guess that all of them are accepted) falls below ``stop``, and at ``gamma`` tokens at
+    most; the round drafts until every row's chain has ended (a row's tokens past its own end are
+    not verified for it). A row's length reads only its own draft draws, never the target's, so
+    each round is Leviathan's verification of a chain of that length and the output distribution
+    is unchanged (EAGLE-2's draft confidence as the acceptance estimate).
     """
 
     warp: Warp
     gamma: int
     generator: torch.Generator
     importance: int | None = None
+    stop: float | None = None
+
+    def __post_init__(self) -> None:
+        assert self.stop is None or self.importance is None, "a dynamic draft length is for speculative sampling"
 
     @property
     def target_calls(self) -> int:
         """Target calls per round."""
         return 1 if self.importance is None else self.gamma + 1
 
-    def draft(self, target, target_chain: Chain, draft: ChainDraft,
-              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def draft(self, target, target_chain: Chain, draft: ChainDraft, tail: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The chain after each row's pending ``tail`` (int64 ``[B, 2]``, its last two tokens; the
-        target's chain holds the text but the last): the drafts int64 ``[B, gamma]``, the draft's
-        ``q`` and the target's ``p``, float32 ``[B, gamma, V]`` / ``[B, gamma + 1, V]``, and the
-        target's features at the ``gamma + 1`` tokens it was fed ``[B, gamma + 1, H]`` if the
-        draft wants them (else None)."""
+        target's chain holds the text but the last): the drafts int64 ``[B, g]`` (``g = gamma``,
+        or fewer with :attr:`stop`), each row's own chain length int64 ``[B]`` (1..g), the
+        draft's ``q`` and the target's ``p``, float32 ``[B, g, V]`` / ``[B, g + 1, V]``, and the
+        target's features at the ``g + 1`` tokens it was fed ``[B, g + 1, H]`` if the draft wants
+        them (else None)."""
         features, layers = draft.wants_features, draft.feature_layers
         scored: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the target's calls of the round
         drafts, q, p = [], [], []
         previous = tail[:, -1:]
+        chance = torch.ones(tail.shape[0], device=tail.device)  # the draft's probability of each row's chain
+        lengths = torch.zeros(tail.shape[0], dtype=torch.int64, device=tail.device)
         for i in range(self.gamma):
+            if i and self.stop is not None:
+                chance = chance * q[-1].gather(1, previous)[:, 0]
+                if bool((chance < self.stop).all()):
+                    break
+                lengths += (chance >= self.stop).long()  # the chance only falls: a row's chain stays ended
+            else:
+                lengths += 1
             q.append(self.warp(draft.log_q_after(previous) if i else draft.log_q_first(tail)).exp())
             if self.importance is not None:
                 scored.append(target_chain.feed(target, previous, features, layers))
@@ -163,7 +185,7 @@ class ChainDrafter:
             scored.append(target_chain.feed(target, torch.cat((tail[:, -1:], drafted), dim=1), features, layers))
             p_all = self.warp(scored[-1][0]).exp()
         seen = torch.cat([hidden for _, hidden in scored if hidden is not None], dim=1) if features else None
-        return drafted, torch.stack(q, dim=1), p_all, seen
+        return drafted, lengths, torch.stack(q, dim=1), p_all, seen
 
 
 def importance_proposal(q: torch.Tensor, p: torch.Tensor, k: int) -> torch.Tensor:

@@ -101,18 +101,19 @@ class ChainStats(SpecStats):
     tokens: torch.Tensor
 
     def add_chain_round(self, at: torch.Tensor, accepted: torch.Tensor, alpha: torch.Tensor, taken: torch.Tensor,
-                        gamma: int, target_calls: int) -> None:
-        """Count one round of the rows ``at`` (int64 index, CPU): ``accepted`` drafts ``[B]``, the
-        per-position acceptance rates ``alpha`` ``[B, gamma]``, the tokens ``taken`` ``[B]``."""
-        tried = torch.minimum(accepted + 1, torch.full_like(accepted, gamma))
-        positions = torch.arange(gamma, device=alpha.device)
+                        lengths: torch.Tensor, width: int, target_calls: int) -> None:
+        """Count one round of the rows ``at`` (int64 index, CPU) that drafted ``width`` tokens
+        (``lengths`` ``[B]`` of them each row's own): ``accepted`` drafts ``[B]``, the
+        per-position acceptance rates ``alpha`` ``[B, width]``, the tokens ``taken`` ``[B]``."""
+        tried = torch.minimum(accepted + 1, lengths)
+        positions = torch.arange(width, device=alpha.device)
         self.accepted_steps[at] += accepted.float().cpu()
-        self.drafted_steps[at] += gamma
+        self.drafted_steps[at] += lengths.float().cpu()
         self.tried[at] += tried.float().cpu()
         self.alpha_sum[at] += (alpha * (positions[None, :] < tried[:, None])).sum(dim=1).cpu()
         self.target_calls[at] += target_calls
-        self.draft_calls[at] += gamma
-        self.tree_nodes[at] += gamma + 1
+        self.draft_calls[at] += width
+        self.tree_nodes[at] += width + 1
         self.rounds[at] += 1
         self.tokens[at] += taken.float().cpu()
 
@@ -176,11 +177,11 @@ class Drafter(Protocol):
 
 
 class ChainDrafting(Protocol):
-    """Drafts ``gamma`` tokens per row after its pending ``tail`` (int64 ``[B, 2]``) with ``draft``
-    and returns them (int64 ``[B, gamma]``) with the draft's ``q`` ``[B, gamma, V]``, the target's
-    ``p`` ``[B, gamma + 1, V]`` (warped) and, if the draft wants them, the target's features at
-    the ``gamma + 1`` tokens fed to it ``[B, gamma + 1, H]``, costing ``target_calls`` target
-    calls."""
+    """Drafts ``g`` tokens (at most ``gamma``) per row after its pending ``tail`` (int64 ``[B, 2]``)
+    with ``draft`` and returns them (int64 ``[B, g]``) with each row's own chain length (int64
+    ``[B]``, 1..g: the tokens drafted for it), the draft's ``q`` ``[B, g, V]``, the target's ``p``
+    ``[B, g + 1, V]`` (warped) and, if the draft wants them, the target's features at the
+    ``g + 1`` tokens fed to it ``[B, g + 1, H]``, costing ``target_calls`` target calls."""
 
     gamma: int
     generator: torch.Generator
@@ -188,8 +189,8 @@ class ChainDrafting(Protocol):
     @property
     def target_calls(self) -> int: ...
 
-    def draft(self, target, target_chain: Chain, draft: ChainDraft,
-              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+    def draft(self, target, target_chain: Chain, draft: ChainDraft, tail: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class DraftSource(Protocol):
@@ -338,13 +339,13 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
 def run_chain(target, draft: ChainDraft, prompts: Prompts, drafter: ChainDrafting, lenience: float, limit: int,
               eos: int | None, stats: ChainStats) -> list[list[int]]:
     """The chain loop (speculative sampling, TopK-ImpSpecDec) for one batch of prompts (at least
-    3 tokens each): draft ``gamma`` tokens, verify them (:func:`~recspec.decoding.acceptance.
+    3 tokens each): draft up to ``gamma`` tokens, verify them (:func:`~recspec.decoding.acceptance.
     verify_chain`), keep the accepted ones and the next token, until ``limit`` new tokens or the
     end token. The target's cache holds a row's text but its last token, so every round feeds the
     same number of tokens to every row; ``draft`` (a draft LM or a text head,
     :mod:`recspec.decoding.chain_drafts`) keeps its own state in step. Returns each row's tokens."""
     batch, device = len(prompts.lengths), prompts.input_ids.device
-    gamma = drafter.gamma
+    gamma = drafter.gamma  # the most tokens a round drafts (fewer with a dynamic draft length)
     target_chain, features = Chain.start(target, prompts, 1, draft.wants_features, draft.feature_layers)
     draft.start(prompts, features)
     stats.target_calls += 1
@@ -356,17 +357,17 @@ def run_chain(target, draft: ChainDraft, prompts: Prompts, drafter: ChainDraftin
     results: list[list[int]] = [[] for _ in range(batch)]
     steps = torch.arange(gamma + 1, device=device)
     while len(rows):
-        drafted, q, p_all, features = drafter.draft(target, target_chain, draft, tail)
-        verdict = verify_chain(drafted, q, p_all, drafter.generator, lenience)
-        n = verdict.accepted
+        drafted, lengths, q, p_all, features = drafter.draft(target, target_chain, draft, tail)
+        verdict = verify_chain(drafted, q, p_all, drafter.generator, lenience, lengths)
+        n, width = verdict.accepted, drafted.shape[1]
         emitted = torch.cat((drafted, drafted[:, :1]), dim=1).scatter_(1, n[:, None], verdict.token[:, None])
         take = torch.minimum(n + 1, limit - length)
-        ends = (emitted == eos) & (steps[None, :] < take[:, None]) if eos is not None else torch.zeros_like(
+        ends = (emitted == eos) & (steps[None, :width + 1] < take[:, None]) if eos is not None else torch.zeros_like(
             emitted, dtype=torch.bool)
         take = torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, take)
-        out.scatter_(1, length[:, None] + steps[None, :], emitted)
+        out.scatter_(1, length[:, None] + steps[None, :width + 1], emitted)
         length = length + take
-        stats.add_chain_round(rows.cpu(), n, verdict.alpha, take, gamma, drafter.target_calls)
+        stats.add_chain_round(rows.cpu(), n, verdict.alpha, take, lengths, width, drafter.target_calls)
         done = (length >= limit) | ends.any(dim=1)
         target_chain.keep(n + 1)
         draft.keep(n, emitted, features)

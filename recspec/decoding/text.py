@@ -55,14 +55,16 @@ DRAFTED = ("spec-sample", "topk-imp", "dsbd")
 @dataclass(frozen=True)
 class TextOptions:
     """Settings of the text decoders: ``max_new_tokens``; ``warp`` (temperature, top-k, top-p of
-    every method); ``gamma`` (drafted tokens or layers per round); ``lenience`` (``spec-sample``,
-    speculative_decoding.txt A.5); ``candidates`` (TopK-ImpSpecDec's K); ``beams`` (``W`` of
-    ``beam-sample``, and ``W_min`` of ``dsbd``); ``draft_width``, ``threshold``, ``one_cache``
-    (``dsbd``); ``seed``."""
+    every method); ``gamma`` (drafted tokens or layers per round; with ``draft_stop`` the most);
+    ``draft_stop`` (``spec-sample``'s dynamic draft length: :class:`~recspec.decoding.drafters.
+    ChainDrafter`'s ``stop``); ``lenience`` (``spec-sample``, speculative_decoding.txt A.5);
+    ``candidates`` (TopK-ImpSpecDec's K); ``beams`` (``W`` of ``beam-sample``, and ``W_min`` of
+    ``dsbd``); ``draft_width``, ``threshold``, ``one_cache`` (``dsbd``); ``seed``."""
 
     max_new_tokens: int = 64
     warp: Warp = Warp()
     gamma: int = 4
+    draft_stop: float | None = None
     lenience: float = 1.0
     candidates: int = 10
     beams: int = 2
@@ -101,6 +103,11 @@ def check_request(method: str, options: TextOptions, has_draft: bool) -> None:
     if method in DRAFTED and (not isinstance(options.gamma, int) or options.gamma < 1):
         raise RecspecError(f"gamma must be a positive integer (tokens drafted per round), got {options.gamma!r}")
     check_lenience(options.lenience)
+    if options.draft_stop is not None:
+        if method != "spec-sample":
+            raise RecspecError(f"a dynamic draft length (draft_stop) is for spec-sample, not {method}")
+        if not 0.0 < options.draft_stop < 1.0:
+            raise RecspecError(f"draft_stop must lie in (0, 1), got {options.draft_stop!r}")
     if method == "topk-imp" and options.candidates < 1:
         raise RecspecError(f"the number of top-K candidates must be positive, got {options.candidates!r}")
     if method in ("beam-sample", "dsbd") and options.beams < 1:
@@ -175,7 +182,7 @@ def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], option
                 stats.append(result.stats)
             else:
                 drafter = ChainDrafter(options.warp, options.gamma, generator,
-                                       options.candidates if method == "topk-imp" else None)
+                                       options.candidates if method == "topk-imp" else None, options.draft_stop)
                 part_stats = ChainStats.zeros(len(batch.lengths))
                 texts += run_chain(target, chain_draft(draft), batch, drafter, options.lenience,
                                    options.max_new_tokens, eos, part_stats)

@@ -89,6 +89,7 @@ class KnowledgeConfig:
     batch_size: int = 1
     draft: str | None = None
     head_tree: HeadTreeConfig = field(default_factory=HeadTreeConfig)
+    head_int8: bool = True  # the head's draft logits in int8 on the CPU (recspec.models.int8_products)
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)
@@ -130,7 +131,7 @@ class KnowledgeConfig:
                                     "max_history": self.max_history, "max_prompt_tokens": self.max_prompt_tokens}
         if self.verification.kind == "relaxed":
             settings["pools"] = {"grouping": self.pool_grouping, "retrieval": asdict(self.retrieval)}
-            if self.draft is not None:  # the head's weights are recorded by KnowledgeTask.store_settings
+            if self.draft is not None:  # the head's weights and precision by KnowledgeTask.store_settings
                 settings["head_tree"] = self.head_tree.shape()
             if self.pool_grouping != "global":
                 settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)
@@ -154,8 +155,8 @@ class KnowledgeTask:
         self.device = device
         self.seed = seed
         self._routings: dict[tuple[str, str, int, int], PoolRouting] = {}
-        self._heads: dict[str, TextHeadDraft] = {}
-        self._round_costs: dict[tuple[str, HeadTreeConfig], CallCost] = {}
+        self._heads: dict[tuple[str, bool], TextHeadDraft] = {}
+        self._round_costs: dict[tuple[str, bool, HeadTreeConfig], CallCost] = {}
         self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
                          "split": self.split.settings}
@@ -211,24 +212,28 @@ class KnowledgeTask:
         settings = {**self.identity, **config.settings()}
         if config.draft is not None and config.verification.kind == "relaxed":
             settings["head_sha256"] = weights_fingerprint(head_dir(config.draft, TEXT_HEAD), HEAD_WEIGHTS)
+            if self.head(config.draft, config.head_int8).int8:  # int8 logits change a relaxed text
+                settings["head_logits"] = "int8"
         return settings
 
-    def head(self, path: str) -> TextHeadDraft:
-        """The text head in ``path`` bound to the model (loaded once per path), refused unless it
-        was trained for this model."""
-        if path not in self._heads:
-            self._heads[path] = TextHeadDraft(load_text_head(path, self.model_dir, self.device), self.model)
-        return self._heads[path]
+    def head(self, path: str, int8: bool = True) -> TextHeadDraft:
+        """The text head in ``path`` bound to the model, its logits in int8 where they can be with
+        ``int8`` (loaded once per path and precision), refused unless it was trained for this
+        model."""
+        if (path, int8) not in self._heads:
+            self._heads[path, int8] = TextHeadDraft(load_text_head(path, self.model_dir, self.device), self.model,
+                                                    int8)
+        return self._heads[path, int8]
 
     def head_drafter(self, config: KnowledgeConfig) -> HeadDrafter:
         """The drafter of ``config``'s text head; its trees sized from the cost model of a round
         (:func:`~recspec.knowledge.head_draft.sized_round_cost`) when the tree is ``sized`` and
         verification greedy."""
         assert config.draft is not None
-        head, tree = self.head(config.draft), config.head_tree
+        head, tree = self.head(config.draft, config.head_int8), config.head_tree
         if not tree.sized or config.verification.kind != "greedy":
             return HeadDrafter(head, tree)
-        key = (config.draft, tree)
+        key = (config.draft, config.head_int8, tree)
         if key not in self._round_costs:
             self._round_costs[key] = sized_round_cost(self.model, self.model_dir, head, tree)
         return HeadDrafter(head, tree, self._round_costs[key])

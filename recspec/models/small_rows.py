@@ -79,37 +79,73 @@ def has_onednn(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def onednn_rows(rows: int, packed: bool) -> bool:
+    """Whether ``rows`` is in oneDNN's range: 7..128 rows, or 3..128 over a ``packed`` weight."""
+    return (PACKED_ROWS if packed else ONEDNN_ROWS) <= rows <= MAX_SMALL_ROWS
+
+
+def mkl_rows(rows: int, pad: bool) -> int:
+    """The rows MKL's product computes ``rows`` rows with: :func:`padded_rows` with ``pad``, and one
+    row as two in any case."""
+    return max(padded_rows(rows) if pad else rows, 2)
+
+
+def rows_computed(rows: int, pad: bool, onednn: bool, packed: bool) -> int:
+    """The rows :func:`small_row_linear` computes a float32 product over ``rows`` rows (1..128, no
+    gradient) with, under the settings ``pad``, ``onednn`` and ``packed`` (a pack kept)."""
+    return rows if onednn and has_onednn(torch.float32) and onednn_rows(rows, packed) else mkl_rows(rows, pad)
+
+
 def onednn_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
                     packed: bool = False) -> bool:
-    """Whether :func:`small_row_linear` computes ``rows`` rows of ``x`` with oneDNN: 7..128 rows, or
-    3..128 over a ``packed`` weight (:func:`has_onednn`), no gradient asked for."""
+    """Whether :func:`small_row_linear` computes ``rows`` rows of ``x`` with oneDNN: in
+    :func:`onednn_rows`' range, :func:`has_onednn`, no gradient asked for."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad))
-    fewest = PACKED_ROWS if packed else ONEDNN_ROWS
-    return fewest <= rows <= MAX_SMALL_ROWS and x.dtype == weight.dtype and has_onednn(x.dtype) and not needs_grad
+    return onednn_rows(rows, packed) and x.dtype == weight.dtype and has_onednn(x.dtype) and not needs_grad
 
 
-class OneDnnPack:
-    """A weight's copy in oneDNN's blocked layout for :data:`PACK_ROWS` rows (an opaque tensor as
-    large as the weight), made on first use and made again whenever the weight is another tensor or
-    was changed in place (its version counter moved: an optimiser step, ``load_state_dict``)."""
+class KeptWeight:
+    """A copy of a weight in another form (:meth:`make`: packed, quantized), made on first use and
+    made again whenever the weight is other memory or was changed in place (its version counter
+    moved: an optimiser step, ``load_state_dict``).
+
+    The key is the weight's memory (data pointer, shape, strides) and version, not the tensor
+    object, so views of one weight share a copy (``weight.detach()`` shares the version counter: a
+    text head over the target's own output layer uses the target's pack). The weight the copy was
+    made from is held, so its memory cannot be given to another tensor while the key stands."""
 
     def __init__(self) -> None:
-        self.key: tuple[int, int, int] | None = None
-        self.packed: torch.Tensor | None = None
+        self.key: tuple | None = None
+        self.packed: object | None = None
+        self.source: torch.Tensor | None = None
 
-    def of(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weight`` ``[out, in]`` (float32, CPU)."""
-        key = (id(weight), weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+    def make(self, weight: torch.Tensor) -> object:
+        """The copy of ``weight`` (detached) this kind keeps."""
+        raise NotImplementedError
+
+    def of(self, weight: torch.Tensor) -> object:
+        """The kept copy of ``weight`` ``[out, in]``, made again if the weight changed."""
+        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(),
+               0 if weight.is_inference() else weight._version)
         if self.packed is None or key != self.key:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            self.source = weight.detach()
+            self.packed = self.make(self.source)
             self.key = key
         return self.packed
 
     def __getstate__(self) -> dict[str, None]:
-        """A copy (``copy.deepcopy`` of a model, a framework serialising it) starts without the
-        packed copy, an opaque tensor that cannot be copied; it is made again at first use."""
-        return {"key": None, "packed": None}
+        """A copy (``copy.deepcopy`` of a model, a framework serialising it) starts without the kept
+        copy, an opaque object that cannot be copied; it is made again at first use."""
+        return {"key": None, "packed": None, "source": None}
+
+
+class OneDnnPack(KeptWeight):
+    """A weight's copy in oneDNN's blocked layout for :data:`PACK_ROWS` rows (an opaque tensor as
+    large as the weight; :class:`KeptWeight`)."""
+
+    def make(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
 def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -126,7 +162,7 @@ def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         kept = weight if pack is None else pack.of(weight)
         out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), kept, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
-    padded = max(padded_rows(rows) if pad else rows, 2)  # the concatenation is row-major too: one copy at most
+    padded = mkl_rows(rows, pad)  # the concatenation is row-major too: one copy at most
     flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1]))) if padded > rows else flat.contiguous()
     out = torch.mm(weight, flat.T)[:, :rows].T.contiguous().view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias

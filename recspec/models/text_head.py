@@ -51,7 +51,8 @@ from torch.nn import functional as F
 from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import Block, HeadKind, RMSNorm, load_head
-from recspec.models.small_rows import OneDnnPack, small_row_linear, use_small_row_products
+from recspec.models.int8_products import Int8Pack, int8_engine, int8_linear
+from recspec.models.small_rows import OneDnnPack, SmallRowForward, small_row_linear, use_small_row_products
 
 
 @dataclass(frozen=True)
@@ -240,21 +241,29 @@ class TextHeadDraft:
     one to a few rows through the fast CPU product (:mod:`recspec.models.small_rows`; binding gives
     the head's linear layers that forward): a drafting step over a cache of 360 inputs takes
     2.4 ms for one row and 2.9 ms for four, against 3.2 and 4.1 ms with ``F.linear`` (measured on
-    this project's CPU)."""
+    this project's CPU). With ``int8`` (decoding on the CPU; never for training, whose products
+    need gradients) the draft logits are int8 products (:mod:`recspec.models.int8_products`):
+    ``int8`` holds whether they are, where the device and build allow it."""
 
-    def __init__(self, head: TextHead, target) -> None:
+    def __init__(self, head: TextHead, target, int8: bool = False) -> None:
         expected = text_head_config(target, head.config.draft_vocab, head.config.fused_layers)
         if expected != head.config:
             raise RecspecError(f"this text head was built for another model (its shapes {head.config} are not the "
                                f"target's {expected})")
-        output = target.get_output_embeddings().weight.detach()
+        layer = target.get_output_embeddings()
+        output = layer.weight.detach()
+        # the draft logits in int8 where they can be (the head's layers stay float32: in int8 they cost acceptance)
+        self.int8 = int8 and output.device.type == "cpu" and int8_engine()
         self.head, self.embed = use_small_row_products(head), target.get_input_embeddings()
-        self.pack = OneDnnPack()  # the draft vocabulary's output rows, packed for 3 rows or more
         if head.config.draft_vocab:
             self.ids = head.vocab_ids.to(output.device)
             self.weight = output.index_select(0, self.ids)
         else:
             self.ids, self.weight = torch.arange(output.shape[0], device=output.device), output
+        # the output rows packed for 3 rows or more; the whole output layer shares the target's pack
+        shared = layer.forward.pack if isinstance(layer.forward, SmallRowForward) else None
+        self.pack = shared if shared is not None and not head.config.draft_vocab else OneDnnPack()
+        self.int8_pack = Int8Pack()
 
     @property
     def fused_layers(self) -> tuple[int, ...]:
@@ -276,7 +285,10 @@ class TextHeadDraft:
     def logits(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the target's output layer over the draft vocabulary at features
         ``guessed`` ``[..., H]``."""
-        return small_row_linear(guessed, self.weight.to(guessed.dtype), pack=self.pack).float()
+        weight = self.weight.to(guessed.dtype)
+        if self.int8:
+            return int8_linear(guessed, weight, None, self.int8_pack).float()
+        return small_row_linear(guessed, weight, pack=self.pack).float()
 
     def log_probs(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the draft distribution (log-softmax of :meth:`logits`)."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from recspec.auto import Choice, choose
-from recspec.data.splits import PAD_ITEM, Examples
+from recspec.data.splits import Examples
 from recspec.itemids.trie import ItemTrie
 from recspec.models.presets import MAX_POSITIONS
 from recspec.models.tokenizer import identifier_token_ids
