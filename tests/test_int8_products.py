@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from recspec.models.int8_products import Int8Pack, int8_computes, int8_engine, int8_linear, quantize_rows
+from recspec.models.int8_products import (Int8Pack, int8_computes, int8_engine, int8_linear, int8_serves,
+                                          quantize_rows)
 from recspec.models.small_rows import small_row_linear
 
 pytestmark = pytest.mark.skipif(not int8_engine(), reason="this build has no x86 / fbgemm / oneDNN quantized engine")
@@ -32,6 +33,11 @@ def test_int8_product_is_close_to_float32(rows: int, out: int, inp: int) -> None
     assert float((got - expected).abs().max()) < 0.03 * scale
     large = expected.abs() > 0.2 * scale
     assert bool((got.sign() == expected.sign())[large].all())
+
+
+def test_int8_serves_a_draft_on_the_cpu_only() -> None:
+    assert int8_serves("cpu") and int8_serves(torch.device("cpu"))
+    assert not int8_serves("cuda") and not int8_serves("cuda:1")
 
 
 def test_rows_are_quantized_with_their_own_scale() -> None:

@@ -100,6 +100,7 @@ def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_stor
     assert summary.requests == 2 and len(settings["head_sha256"]) == 64
     assert settings["head_tree"] == {"width": 2, "depth": 2, "nodes": 4, "gate": 2}
     assert settings["head_logits"] == "int8"  # the draft's precision changes a relaxed text, so it is recorded
+    assert task.store_settings(laser)["head_logits"] == "int8"  # known without binding the head
     fp32 = run_job(task, replace(laser, head_int8=False), tmp_path / "relaxed-fp32.db", pool=old_store, limit=2,
                    progress=False)
     assert fp32.requests == 2 and "head_logits" not in read_settings(tmp_path / "relaxed-fp32.db")

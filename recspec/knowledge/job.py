@@ -58,6 +58,7 @@ from recspec.knowledge.verify import Verification
 from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, head_dir
+from recspec.models.int8_products import int8_serves
 from recspec.models.hf import load_causal_lm
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
@@ -212,7 +213,7 @@ class KnowledgeTask:
         settings = {**self.identity, **config.settings()}
         if config.draft is not None and config.verification.kind == "relaxed":
             settings["head_sha256"] = weights_fingerprint(head_dir(config.draft, TEXT_HEAD), HEAD_WEIGHTS)
-            if self.head(config.draft, config.head_int8).int8:  # int8 logits change a relaxed text
+            if config.head_int8 and int8_serves(self.device):  # int8 logits change a relaxed text
                 settings["head_logits"] = "int8"
         return settings
 

@@ -41,6 +41,12 @@ def int8_engine() -> bool:
         hasattr(ops, name) for name in ("linear_prepack", "linear_dynamic"))
 
 
+def int8_serves(device: torch.device | str) -> bool:
+    """Whether a draft on ``device`` computes its int8 products in int8: the CPU, with
+    :func:`int8_engine`."""
+    return torch.device(device).type == "cpu" and int8_engine()
+
+
 def int8_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`int8_linear` computes ``x @ weight.T`` in int8: float32 on the CPU, an int8
     engine, no gradient asked for."""

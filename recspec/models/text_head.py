@@ -51,7 +51,7 @@ from torch.nn import functional as F
 from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import Block, HeadKind, RMSNorm, load_head
-from recspec.models.int8_products import Int8Pack, int8_engine, int8_linear
+from recspec.models.int8_products import Int8Pack, int8_linear, int8_serves
 from recspec.models.small_rows import OneDnnPack, SmallRowForward, small_row_linear, use_small_row_products
 
 
@@ -253,7 +253,7 @@ class TextHeadDraft:
         layer = target.get_output_embeddings()
         output = layer.weight.detach()
         # the draft logits in int8 where they can be (the head's layers stay float32: in int8 they cost acceptance)
-        self.int8 = int8 and output.device.type == "cpu" and int8_engine()
+        self.int8 = int8 and int8_serves(output.device)
         self.head, self.embed = use_small_row_products(head), target.get_input_embeddings()
         if head.config.draft_vocab:
             self.ids = head.vocab_ids.to(output.device)
