@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from recspec.models.small_rows import KeptWeight, small_row_linear
+from recspec.models.small_rows import KeptWeight, needs_grad, small_row_linear
 
 #: The quantized engines whose dynamic linear takes per-row int8 weights on x86 CPUs.
 INT8_ENGINES = ("x86", "fbgemm", "onednn")
@@ -50,10 +50,8 @@ def int8_serves(device: torch.device | str) -> bool:
 def int8_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`int8_linear` computes ``x @ weight.T`` in int8: float32 on the CPU, an int8
     engine, no gradient asked for."""
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                              or (bias is not None and bias.requires_grad))
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not needs_grad and int8_engine())
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and not needs_grad(x, weight, bias)
+            and int8_serves(x.device))
 
 
 def quantize_rows(weight: torch.Tensor) -> torch.Tensor:

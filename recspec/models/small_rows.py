@@ -96,13 +96,19 @@ def rows_computed(rows: int, pad: bool, onednn: bool, packed: bool) -> int:
     return rows if onednn and has_onednn(torch.float32) and onednn_rows(rows, packed) else mkl_rows(rows, pad)
 
 
+def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` must record a gradient (grad mode on and one of them
+    requires it): only an autograd product may compute it."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
 def onednn_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
                     packed: bool = False) -> bool:
     """Whether :func:`small_row_linear` computes ``rows`` rows of ``x`` with oneDNN: in
     :func:`onednn_rows`' range, :func:`has_onednn`, no gradient asked for."""
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                              or (bias is not None and bias.requires_grad))
-    return onednn_rows(rows, packed) and x.dtype == weight.dtype and has_onednn(x.dtype) and not needs_grad
+    return (onednn_rows(rows, packed) and x.dtype == weight.dtype and has_onednn(x.dtype)
+            and not needs_grad(x, weight, bias))
 
 
 class KeptWeight:
