@@ -1098,7 +1098,9 @@ def bench_sampling(
     text: Annotated[bool, typer.Option(help="Run the text half.")] = True,
     method: Annotated[Optional[list[str]], typer.Option(help="Text methods to run (repeatable; each with its "
                                                             "baseline; default: all, spec-sample-tree with a "
-                                                            "text head --draft).")] = None,
+                                                            "text head --draft; spec-sample-fp32 and "
+                                                            "dsbd-one-cache-fp32, the head in float32, only "
+                                                            "when named).")] = None,
     rec_target: Annotated[Optional[Path], typer.Option(help="Trained recommender target (recommendation "
                                                             "half).")] = None,
     rec_draft: Annotated[Optional[Path], typer.Option(help="Its draft.")] = None,

@@ -1,6 +1,7 @@
 """Int8 products for a draft (:mod:`recspec.models.int8_products`): close to the float32 product
-within the rounding of per-row int8 weights and 8-bit activations, the float32 product itself
-wherever int8 cannot serve, and a quantized weight that follows its weight."""
+within the rounding of per-row int8 weights and 8-bit activations on each row's own scale, the same
+for a row whatever shares its call, the float32 product itself wherever int8 cannot serve, and a
+quantized weight that follows its weight."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from recspec.models.int8_products import (Int8Pack, int8_computes, int8_engine, int8_linear, int8_serves,
-                                          quantize_rows)
+from recspec.models.int8_products import (Int8Forward, Int8Pack, int8_computes, int8_engine, int8_linear,
+                                          int8_serves, quantize_rows, use_int8_products)
 from recspec.models.small_rows import small_row_linear
 
 pytestmark = pytest.mark.skipif(not int8_engine(), reason="this build has no x86 / fbgemm / oneDNN quantized engine")
@@ -84,3 +85,35 @@ def test_a_quantized_weight_follows_its_weight() -> None:
     torch.testing.assert_close(flipped - bias, -(first - bias), rtol=0, atol=0.05 * float(first.abs().max()))
     copied = copy.deepcopy(pack)
     assert copied.packed is None and copied.key is None
+
+
+def test_each_row_is_quantized_on_its_own_scale_whatever_shares_the_call() -> None:
+    """Rows a million times apart in scale are each within 3% of their own output's scale (one
+    scale over the call would round the small row to nothing), and a row's product is the same,
+    bit for bit, alone or beside other rows."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 96, generator=generator) * 0.05
+    x = torch.randn(5, 96, generator=generator) * torch.tensor([1.0, 1e-3, 1e3, 1.0, 0.1])[:, None]
+    pack = Int8Pack()
+    with torch.inference_mode():
+        together = int8_linear(x, weight, None, pack)
+        alone = torch.cat([int8_linear(row[None], weight, None, pack) for row in x])
+    expected = F.linear(x, weight)
+    error = (together - expected).abs().amax(dim=1) / expected.abs().amax(dim=1)
+    assert float(error.max()) < 0.03
+    assert torch.equal(together, alone)
+
+
+def test_int8_layers_compute_their_product_in_int8() -> None:
+    """``use_int8_products`` gives a layer the int8 forward over its own weight and bias: close to
+    the float32 layer, its quantized weight kept, and the float32 product under a gradient."""
+    layer = torch.nn.Linear(64, 48)
+    x = torch.randn(3, 64)
+    expected = layer(x)
+    use_int8_products([layer])
+    assert isinstance(layer.forward, Int8Forward)
+    with torch.inference_mode():
+        got = layer(x)
+    assert layer.forward.pack.packed is not None
+    torch.testing.assert_close(got, expected.detach(), rtol=0, atol=0.03 * float(expected.abs().max()))
+    assert torch.equal(layer(x), small_row_linear(x, layer.weight, layer.bias))  # training: float32, with a gradient

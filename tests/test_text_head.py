@@ -30,6 +30,7 @@ from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
+from recspec.models.int8_products import Int8Forward
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, load_text_head, new_text_head,
                                       text_head_fingerprint)
 from recspec.statefile import load_state
@@ -483,6 +484,8 @@ def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_
             "trained-int8": lambda: load_text_head(runs[0], smollm2_dir)}[which]()
     bound = TextHeadDraft(head.eval(), model, int8=which.endswith("int8"))
     config = HeadTreeConfig(width=3, depth=4, nodes=10)
+    # in int8 the float noise of another row count can move an activation across a rounding step
+    tolerance = 1e-2 if bound.int8 else 1e-4
     drafter = Recorded(bound, config)
     for prompt, reference in zip(prompts, references):
         generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter)
@@ -490,8 +493,8 @@ def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_
         session = drafter.sessions[-1]
         keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
         assert session.cache is not None and len(prompt) <= session.length <= keys.shape[2]
-        torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=tolerance, atol=tolerance)
     allowed = set(bound.ids.tolist())
     assert sum(map(len, drafter.trees)) > 0
     for tree in drafter.trees:
@@ -515,6 +518,42 @@ def test_a_whole_vocabulary_head_shares_the_targets_packed_output_layer(lm) -> N
     assert packed is not None and bound.pack.packed is packed  # not packed again
     small = TextHeadDraft(new_text_head(model, torch.arange(100), seed=4).eval(), model)
     assert small.pack is not model.lm_head.forward.pack
+
+
+def test_an_int8_binding_computes_the_decoder_layer_in_int8_on_its_own_copy(runs, lm, greedy,
+                                                                            smollm2_dir) -> None:
+    """With ``int8`` the head's attention and MLP products are int8 (its input projections stay
+    float32) on a copy of the head: the head module and a float32 binding of it are unchanged. The
+    int8 head's next features stay close to the float32 ones (its attention and MLP outputs made
+    large, so that they matter), and its one-step-ahead draft over a teacher-forced text agrees
+    with the float32 draft's most likely token nearly everywhere."""
+    model, _, _ = lm
+    head = load_text_head(runs[0], smollm2_dir).eval()
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for linear in (head.o, head.mlp.down):
+            linear.weight.normal_(0.0, 0.05, generator=generator)
+    fp32 = TextHeadDraft(head, model)
+    text = torch.tensor(greedy[0][0] + greedy[1][0])
+    with torch.inference_mode():
+        states = model(text[None], output_hidden_states=True).hidden_states
+        features = fp32.read(layer_features(model, states, fp32.fused_layers))
+    count = len(text) - 1
+    inputs = (features[:, :-1], text[None, 1:], torch.arange(count)[None],
+              torch.ones(count, count, dtype=torch.bool).tril()[None])
+    with torch.inference_mode():
+        before = fp32.step(*inputs)[0]
+        int8 = TextHeadDraft(head, model, int8=True)
+        after, guessed = fp32.step(*inputs)[0], int8.step(*inputs)[0]
+        agree = (int8.logits(guessed).argmax(-1) == fp32.logits(before).argmax(-1)).float().mean()
+    assert int8.int8 and int8.head is not head and fp32.head is head
+    assert all(isinstance(linear.forward, Int8Forward) for linear in int8.head.decoder_linears())
+    assert not isinstance(int8.head.fc.forward, Int8Forward)
+    assert not any(isinstance(linear.forward, Int8Forward) for linear in head.decoder_linears())
+    assert torch.equal(before, after)
+    error = (guessed - before).norm(dim=-1) / before.norm(dim=-1)
+    assert float(error.max()) < 0.1 and float(agree) > 0.9
+    assert not TextHeadDraft(head, model, int8=False).int8
 
 
 def test_accepted_drafts_keep_the_head_cache_in_step(lm, greedy) -> None:

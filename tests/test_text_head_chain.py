@@ -400,9 +400,12 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     from recspec.bench.sampling import MOST_DRAFTED, TEXT_METHODS, bench_text, text_methods
 
     base = TextOptions(max_new_tokens=4, gamma=2)
-    result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"))
+    result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"),
+                        [*TEXT_METHODS, "spec-sample-fp32"])
     assert [row["method"] for row in result["rows"]][:5] == ["sample", "spec-sample", "spec-sample-dynamic",
                                                                "topk-imp", "beam-sample"]
+    precision = {row["method"]: row.get("head_int8") for row in result["rows"]}
+    assert precision["spec-sample"] is True and precision["spec-sample-fp32"] is False  # the same head, side by side
     dynamic = next(row for row in result["rows"] if row["method"] == "spec-sample-dynamic")
     assert 1 <= dynamic["drafted_per_round"] <= MOST_DRAFTED and "predicted_speedup" not in dynamic
     assert {row["method"] for row in result["rows"]} >= {"dsbd", "dsbd-dynamic", "dsbd-one-cache"}
@@ -411,4 +414,5 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     assert list(text_methods(["dsbd-dynamic"])) == ["beam-sample", "dsbd-dynamic"]  # a method comes with its baseline
     with pytest.raises(RecspecError, match="unknown sampling method 'greedy'"):
         text_methods(["spec-sample", "greedy"])
-    assert list(text_methods(None)) == list(TEXT_METHODS)
+    assert list(text_methods(None)) == list(TEXT_METHODS)  # the float32 rows only on request
+    assert list(text_methods(["dsbd-one-cache-fp32"])) == ["beam-sample", "dsbd-one-cache-fp32"]

@@ -13,8 +13,8 @@ of machine load hits all variants alike); per text the median wall time is kept.
 * draft tree size: ``laser@8``, ``laser@32``, ``laser@64`` (relaxed LASER with 8, 32, 64 draft
   nodes instead of the configured number);
 * with a text draft head (``--draft``): ``head`` (greedy speculative decoding with the head's
-  trees, its draft logits in int8 on the CPU), ``head-fp32`` (the same with float32 logits),
-  ``head-fixed`` (the same with every tree ``--head-nodes`` nodes), ``head-unpruned``
+  trees, its draft logits and decoder layer in int8 on the CPU), ``head-fp32`` (the same head in
+  float32), ``head-fixed`` (the same with every tree ``--head-nodes`` nodes), ``head-unpruned``
   (``head``'s trees grown level by level in full: what pruning saves), ``laser-greedy+head`` and
   ``laser+head`` (hybrid trees: LASER's retrieved continuations and the head's branches, greedy
   or relaxed), ``laser-greedy+head-gated`` and ``laser+head-gated`` (the head drafts only in
@@ -78,7 +78,7 @@ FIXED_TREES = ("head-fixed",)
 #: Variants whose head trees grow every level in full (the same trees as ``head``, more head calls).
 UNPRUNED = ("head-unpruned",)
 #: Variants whose head computes its draft logits in float32 (the others in int8 on the CPU).
-FLOAT32_LOGITS = ("head-fp32",)
+FLOAT32_HEAD = ("head-fp32",)
 #: Hybrid variants whose head drafts only where retrieval is shallow (``--head-gate``); the other
 #: hybrids draft with the head every round.
 GATED = ("laser-greedy+head-gated", "laser+head-gated")
@@ -101,7 +101,7 @@ def variant_config(base: KnowledgeConfig, name: str) -> KnowledgeConfig:
     return replace(base, method=method, grouping=grouping, retrieval=retrieval,
                    verification=replace(base.verification, kind="relaxed") if relaxed else GREEDY,
                    draft=base.draft if head else None, head_tree=tree,
-                   head_int8=name not in FLOAT32_LOGITS and base.head_int8)
+                   head_int8=name not in FLOAT32_HEAD and base.head_int8)
 
 
 def check_variants(variants: Sequence[str], has_head: bool, sides: dict[str, Path | None],

@@ -2,8 +2,9 @@
 
 **Text** (knowledge generation: MovieLens user-profile prompts, SmolLM2-135M-Instruct as the
 target, a draft of its own layers, a distilled draft or a text head with ``draft_spec``): ``sample``, ``spec-sample``,
-``topk-imp``, ``beam-sample`` and DSBD (fixed width, dynamic width, one KV cache), every prompt
-decoded alone (batch 1), the
+``topk-imp``, ``beam-sample`` and DSBD (fixed width, dynamic width, one KV cache), and on request
+``spec-sample-fp32`` and ``dsbd-one-cache-fp32`` (a text head drafting in float32, side by side
+with its int8 products), every prompt decoded alone (batch 1), the
 methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token,
 the speed ratio against the non-speculative method of the same output distribution
 (``spec-sample`` against ``sample``; DSBD against ``beam-sample``; ``topk-imp``, which samples
@@ -66,6 +67,12 @@ TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
     "dsbd-one-cache": ("dsbd", {"one_cache": True}, "beam-sample"),
     "sample-tree": ("sample", {}, "sample"),
     "spec-sample-tree": ("spec-sample", {}, "sample"),
+}
+#: Rows run only when asked for (``--method``): the head's rows drafted by the same head in float32,
+#: side by side with its int8 products (:mod:`recspec.models.int8_products`).
+FLOAT32_HEAD: dict[str, tuple[str, dict[str, Any], str]] = {
+    "spec-sample-fp32": ("spec-sample", {}, "sample"),
+    "dsbd-one-cache-fp32": ("dsbd", {"one_cache": True}, "beam-sample"),
 }
 #: Labels run in the tree loop (:mod:`recspec.knowledge.sampled`: one uniform per text position;
 #: ``spec-sample-tree`` verifies a text head's trees by the target's draw at every node).
@@ -181,12 +188,12 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
     return_freed_memory()
     torch.set_num_threads(1)
     model = load_causal_lm(target)
-    draft = text_draft_model(model, draft_spec, layers, resolve_model_dir(target))
+    draft, row_draft = row_drafts(model, target, draft_spec, layers, [label for label, _, _ in runs])
     drafter = _head_drafter(model, target, draft) if any(label in TREE_LABELS for label, _, _ in runs) else None
     ids = torch.tensor(prompt)
     peaks = []
     for label, method, options in runs:
-        decode = text_call(label, method, options, model, draft, pad, eos, drafter)
+        decode = text_call(label, method, options, model, row_draft[label], pad, eos, drafter)
         decode([ids])
         peaks.append(peak_memory(lambda: decode([ids])))  # noqa: B023 (called at once)
     return peaks
@@ -208,11 +215,24 @@ def text_methods(chosen: Sequence[str] | None) -> dict[str, tuple[str, dict[str,
     """The rows of :data:`TEXT_METHODS` to run: ``chosen`` (all for None) and each one's baseline."""
     if chosen is None:
         return dict(TEXT_METHODS)
-    unknown = sorted(set(chosen) - set(TEXT_METHODS))
+    known = {**TEXT_METHODS, **FLOAT32_HEAD}
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
-        raise RecspecError(f"unknown sampling method {unknown[0]!r}; choose from {', '.join(TEXT_METHODS)}")
-    wanted = set(chosen) | {TEXT_METHODS[label][2] for label in chosen}
-    return {label: row for label, row in TEXT_METHODS.items() if label in wanted}
+        raise RecspecError(f"unknown sampling method {unknown[0]!r}; choose from {', '.join(known)}")
+    wanted = set(chosen) | {known[label][2] for label in chosen}
+    return {label: row for label, row in known.items() if label in wanted}
+
+
+def row_drafts(model, target: str, draft_spec: str | None, layers: str, labels: Sequence[str]
+               ) -> tuple[Any, dict[str, Any]]:
+    """The bench's draft (:func:`~recspec.models.layer_draft.text_draft_model`, a text head's
+    products in int8 on the CPU) and each of ``labels``' draft: the same head in float32 for
+    :data:`FLOAT32_HEAD`'s rows."""
+    model_dir = resolve_model_dir(target)
+    draft = text_draft_model(model, draft_spec, layers, model_dir)
+    fp32 = text_draft_model(model, draft_spec, layers, model_dir, int8=False) if set(labels) & set(FLOAT32_HEAD) \
+        else draft
+    return draft, {label: fp32 if label in FLOAT32_HEAD else draft for label in labels}
 
 
 def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], prompts: int, base: TextOptions,
@@ -234,7 +254,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))
     drafts = [{"layers": layers, **_draft_probe(model, text_draft_model(model, None, layers), ids, probe, pad, eos)}
               for layers in candidate_layers]
-    draft = text_draft_model(model, draft_spec, draft_layers, resolve_model_dir(target))
+    draft, row_draft = row_drafts(model, target, draft_spec, draft_layers, list(table))
     costs = call_cost(model, draft, ids[0], base.gamma)  # probe.gamma is base.gamma
     if draft_spec is not None:
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos, costs)})
@@ -247,7 +267,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     if "spec-sample-tree" in runs and not isinstance(draft, TextHeadDraft):
         raise RecspecError("spec-sample-tree drafts with a text head: pass --draft HEAD")
     drafter = _head_drafter(model, target, draft) if "spec-sample-tree" in runs else None
-    calls = {label: text_call(label, method, options, model, draft, pad, eos, drafter)
+    calls = {label: text_call(label, method, options, model, row_draft[label], pad, eos, drafter)
              for label, (method, options) in runs.items()}
     times, outputs = time_per_user(calls, ids, repeats)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -261,8 +281,9 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         per_token = statistics.median(times[label]) / generated
         stats = [result.stats for result in outputs[label] if result.stats is not None]
         quality = log_likelihood(model, ids, texts, pad)
+        head_int8 = {"head_int8": row_draft[label].int8} if isinstance(row_draft[label], TextHeadDraft) else {}
         rows.append({"method": label, "runs_s": times[label], "tokens": generated, "ms_per_token": 1e3 * per_token,
-                     "baseline": baseline, "quality": float(quality.nanmean()), "peak_mib": peaks[label] / 2**20,
+                     "baseline": baseline, **head_int8, "quality": float(quality.nanmean()), "peak_mib": peaks[label] / 2**20,
                      **_acceptance(method, type(stats[0]).cat(stats) if stats else None, runs[label][1], cost,
                                      verify_ratio)})
         if label in TREE_LABELS:

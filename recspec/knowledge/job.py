@@ -58,7 +58,7 @@ from recspec.knowledge.verify import Verification
 from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, head_dir
-from recspec.models.int8_products import int8_serves
+from recspec.models.int8_products import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.models.hf import load_causal_lm
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
@@ -90,7 +90,7 @@ class KnowledgeConfig:
     batch_size: int = 1
     draft: str | None = None
     head_tree: HeadTreeConfig = field(default_factory=HeadTreeConfig)
-    head_int8: bool = True  # the head's draft logits in int8 on the CPU (recspec.models.int8_products)
+    head_int8: bool = True  # the head's draft logits and decoder layer in int8 on the CPU (recspec.models.int8_products)
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)
@@ -213,12 +213,12 @@ class KnowledgeTask:
         settings = {**self.identity, **config.settings()}
         if config.draft is not None and config.verification.kind == "relaxed":
             settings["head_sha256"] = weights_fingerprint(head_dir(config.draft, TEXT_HEAD), HEAD_WEIGHTS)
-            if config.head_int8 and int8_serves(self.device):  # int8 logits change a relaxed text
-                settings["head_logits"] = "int8"
+            if config.head_int8 and int8_serves(self.device):  # the draft's int8 products change a relaxed text
+                settings["head_int8"] = INT8_PRODUCTS_VERSION
         return settings
 
     def head(self, path: str, int8: bool = True) -> TextHeadDraft:
-        """The text head in ``path`` bound to the model, its logits in int8 where they can be with
+        """The text head in ``path`` bound to the model, its products in int8 where they can be with
         ``int8`` (loaded once per path and precision), refused unless it was trained for this
         model."""
         if (path, int8) not in self._heads:

@@ -1,35 +1,52 @@
 """Int8 products for a draft on the CPU: a faster draft, never a different target.
 
-A text head's drafting step is bound by reading its weights, as a target call is; the largest
-of them are the output rows of its draft vocabulary (8,192 x 576, 19 MB in float32 for the
-SmolLM2 head). Quantized to int8 per row they are a quarter of the bytes, and the quantized
-engine's dynamic linear (activations quantized per call over 8 bits, int8 products, float32 out)
-computes a 1-4 row product over them in 60-90 us alone and about 240 us inside a drafting step,
-against 470-1,000 us in float32: a step of the head takes 1.9 ms instead of 2.5 (BENCHMARKS.md
-"Int8 draft logits"). The head's own layers stay float32: quantizing their activations (the
-target's features, with outlier dimensions) cost the head's acceptance 0.68 -> 0.61, the logits
-0.6805 -> 0.6792.
+A text head's drafting step is bound by reading its weights, as a target call is. Quantized to
+int8 per row its weights are a quarter of the bytes, and the quantized engine's dynamic linear
+(activations quantized per call over 8 bits, int8 products, float32 out) computes a 1-4 row
+product in 40-110 us where float32 takes 90-830 us (the 8,192 x 576 draft logits: 70-110 against
+490-830 us). With the draft logits and the head's decoder layer in int8, a drafting step of the
+SmolLM2 head takes 1.4 ms for one row instead of 2.6 (int8 logits only) and 3.2 (float32)
+(BENCHMARKS.md "The head's decoder layer in int8").
+
+**Per-row activation scales.** The engine quantizes a product's activations with one scale over
+all its rows. A head reads the target's features, whose rows differ in scale (outlier dimensions
+at some positions): one scale over 355 prompt positions cost the head's acceptance 0.68 -> 0.61.
+:func:`int8_linear` therefore divides each row by its largest magnitude before the product and
+multiplies its output row back (``(x / m) W^T m = x W^T``), and adds a row ``[1, -1, 0, ...]``
+that pins the call's range to ``[-1, 1]``: every row is quantized on its own scale, the same
+whatever other rows share the call (a request's draft does not depend on its batch). With the decoder layer and logits in int8 the held-out acceptance is 0.6451 against 0.6472
+in float32 and 0.6428 with int8 logits alone. The head's input projection stays float32: its input
+joins the target's features with a token embedding of another scale (in int8 with the rest:
+0.6307).
 
 Only a draft may use it: the draft's distribution ``q`` changes by the rounding, which
 speculative decoding's verification corrects (exact decoders' outputs are the target's whatever
 ``q`` is); the target's products stay float32.
 
 :func:`int8_linear` computes a product in int8 with the weight kept quantized in an
-:class:`Int8Pack` (made at the first call and again when the weight changes). Where int8 cannot
-serve a product (not on the CPU, not float32, a gradient asked for, no x86 / fbgemm / oneDNN
-quantized engine) the small-row float32 product computes it.
+:class:`Int8Pack` (made at the first call and again when the weight changes);
+:func:`use_int8_products` gives linear layers that forward. Where int8 cannot serve a product
+(not on the CPU, not float32, a gradient asked for, no x86 / fbgemm / oneDNN quantized engine) the
+small-row float32 product computes it.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from recspec.models.small_rows import KeptWeight, needs_grad, small_row_linear
 
 #: The quantized engines whose dynamic linear takes per-row int8 weights on x86 CPUs.
 INT8_ENGINES = ("x86", "fbgemm", "onednn")
+
+#: What a draft's int8 products are, recorded where the draft shapes a text (relaxed knowledge
+#: stores): 1 was the draft logits with one activation scale per call, 2 the logits and the head's
+#: decoder layer with per-row scales.
+INT8_PRODUCTS_VERSION = 2
 
 
 def int8_engine() -> bool:
@@ -49,8 +66,8 @@ def int8_serves(device: torch.device | str) -> bool:
 
 def int8_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`int8_linear` computes ``x @ weight.T`` in int8: float32 on the CPU, an int8
-    engine, no gradient asked for."""
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and not needs_grad(x, weight, bias)
+    engine, no gradient asked for, at least two input features."""
+    return (x.dtype == torch.float32 and x.shape[-1] > 1 and weight.dtype == torch.float32 and not needs_grad(x, weight, bias)
             and int8_serves(x.device))
 
 
@@ -74,11 +91,34 @@ class Int8Pack(KeptWeight):
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: Int8Pack) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[..., in]`` and ``weight`` ``[out, in]``: in int8 where
-    :func:`int8_computes` (``weight`` kept quantized in ``pack``; ``x`` quantized per call), else
-    the float32 small-row product; returns ``[..., out]`` float32."""
+    :func:`int8_computes` (``weight`` kept quantized in ``pack``; each row of ``x`` quantized on its
+    own scale, module doc), else the float32 small-row product; returns ``[..., out]`` float32."""
     if not int8_computes(x, weight, bias) or x.numel() == 0:
         return small_row_linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = x.reshape(-1, x.shape[-1])
+    largest = flat.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(flat.dtype).tiny)
+    pin = flat.new_zeros(1, flat.shape[1])
+    pin[0, :2] = torch.tensor([1.0, -1.0])  # the call's range is [-1, 1] whatever rows share it
     # reduce_range=False: 8-bit activations (7 bits cost the head's acceptance 0.68 -> 0.21, its layers in int8)
-    out = torch.ops.quantized.linear_dynamic(flat, pack.of(weight), False).view(*x.shape[:-1], weight.shape[0])
+    out = torch.ops.quantized.linear_dynamic(torch.cat((flat / largest, pin)), pack.of(weight), False)
+    out = out[:-1].mul_(largest).view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
+
+
+class Int8Forward:
+    """The forward :func:`use_int8_products` gives a linear layer: :func:`int8_linear` with the
+    layer's weight and bias, the weight kept quantized in the layer's own :class:`Int8Pack`."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer, self.pack = layer, Int8Pack()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.layer.weight, self.layer.bias, self.pack)
+
+
+def use_int8_products(layers: Iterable[nn.Linear]) -> None:
+    """Give each of ``layers`` (a draft's linear layers, in place) the int8 forward
+    (:class:`Int8Forward`); a quantized copy of each weight (a quarter of its bytes) is made at its
+    first call."""
+    for layer in layers:
+        layer.forward = Int8Forward(layer)

@@ -56,16 +56,18 @@ def layer_draft(model, layers: Sequence[int]):
     return draft
 
 
-def text_draft_model(model, draft: str | None, layers: str | None = None, target_dir: Path | None = None):
+def text_draft_model(model, draft: str | None, layers: str | None = None, target_dir: Path | None = None,
+                     int8: bool = True):
     """The draft of the text decoders: a text head folder ``draft`` (`recspec distill --head`,
     bound to ``model``; ``target_dir``: the model's folder, whose weights the head must have been
-    trained on; its draft logits in int8 on the CPU, :mod:`recspec.models.int8_products`), the
+    trained on; with ``int8`` its draft logits and decoder layer in int8 on the CPU,
+    :mod:`recspec.models.int8_products`), the
     causal-LM folder or asset ``draft`` (e.g. `recspec distill`'s ``OUT/best``), else ``layers``
     of ``model`` (default :data:`DEFAULT_DRAFT_LAYERS`) as :func:`layer_draft`."""
     if draft is not None and is_head_dir(draft, TEXT_HEAD):
         if target_dir is None:
             raise RecspecError(f"{draft}: a text head is checked against its target's folder; none was given")
-        return TextHeadDraft(load_text_head(draft, target_dir, model.device), model, int8=True)
+        return TextHeadDraft(load_text_head(draft, target_dir, model.device), model, int8)
     if draft is not None:
         from recspec.models.hf import load_causal_lm
 
