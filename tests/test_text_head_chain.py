@@ -397,13 +397,21 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--method", "dsbd", "--gamma", "2", "--overwrite"])
     assert exit_info.value.code == 0 and "with dsbd" in capsys.readouterr().out
-    from recspec.bench.sampling import MOST_DRAFTED, TEXT_METHODS, bench_text, text_methods
+    from recspec.bench.sampling import MOST_DRAFTED, TEXT_METHODS, bench_text, decode_ms_per_token, text_methods
+
+    # T = F + n d from the medians: (11 s - 2 s) over 100 - 10 tokens; nothing where the cut runs are not shorter
+    assert decode_ms_per_token([10.0, 12.0, 11.0], 100, [2.0, 3.0, 2.0], 10) == pytest.approx(100.0)
+    assert decode_ms_per_token([1.0], 10, [1.5], 4) is None and decode_ms_per_token([2.0], 4, [1.0], 4) is None
 
     base = TextOptions(max_new_tokens=4, gamma=2)
     result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"),
                         [*TEXT_METHODS, "spec-sample-fp32"])
     assert [row["method"] for row in result["rows"]][:5] == ["sample", "spec-sample", "spec-sample-dynamic",
                                                                "topk-imp", "beam-sample"]
+    assert all("decode_ms_per_token" in row and (row["decode_speed_ratio"] is None or row["decode_speed_ratio"] > 0)
+               for row in result["rows"])
+    assert set(result["head_acceptance"]) == {"float32", "int8"}
+    assert all(0 < value <= 1 for value in result["head_acceptance"].values())
     precision = {row["method"]: row.get("head_int8") for row in result["rows"]}
     assert precision["spec-sample"] is True and precision["spec-sample-fp32"] is False  # the same head, side by side
     dynamic = next(row for row in result["rows"] if row["method"] == "spec-sample-dynamic")

@@ -5,12 +5,15 @@ target, a draft of its own layers, a distilled draft or a text head with ``draft
 ``topk-imp``, ``beam-sample`` and DSBD (fixed width, dynamic width, one KV cache), and on request
 ``spec-sample-fp32`` and ``dsbd-one-cache-fp32`` (a text head drafting in float32, side by side
 with its int8 products), every prompt decoded alone (batch 1), the
-methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token,
-the speed ratio against the non-speculative method of the same output distribution
-(``spec-sample`` against ``sample``; DSBD against ``beam-sample``; ``topk-imp``, which samples
-another distribution, against ``sample``), the acceptance (Leviathan's ``alpha``: the mean of
-``sum min(p, q)`` over the tested positions; the share of drafted tokens or layers accepted),
-the average accepted length (drafted tokens or layers accepted per round), the quality (the
+methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token
+over whole requests and past each request's fixed part (``decode ms/token``: the runs timed again
+cut at ``gamma + 1`` new tokens, :func:`decode_ms_per_token`; whole-request ratios move with the
+texts' lengths, which differ between methods), the speed ratios of both against the
+non-speculative method of the same output distribution (``spec-sample`` against ``sample``; DSBD
+against ``beam-sample``; ``topk-imp``, which samples another distribution, against ``sample``),
+the acceptance (Leviathan's ``alpha``: the mean of ``sum min(p, q)`` over the tested positions;
+the share of drafted tokens or layers accepted), the average accepted length (drafted tokens or
+layers accepted per round), the quality (the
 target's mean log-likelihood per generated token), the peak memory of one prompt (measured in a
 separate process, :mod:`recspec.bench.memory`), and the speed-up predicted from the measured
 acceptance and cost ratio ``c`` (speculative_decoding.txt Theorem 3.8, its denominator's 1 replaced
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from recspec.align.distill import acceptance
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.bench.spec import time_per_user
 from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call
@@ -223,6 +227,41 @@ def text_methods(chosen: Sequence[str] | None) -> dict[str, tuple[str, dict[str,
     return {label: row for label, row in known.items() if label in wanted}
 
 
+def decode_ms_per_token(runs_s: Sequence[float], tokens: int, short_runs_s: Sequence[float],
+                        short_tokens: int) -> float | None:
+    """ms per generated token past a request's fixed part: the medians of whole runs (``tokens``
+    generated) and of the same runs cut short (``short_tokens``) as ``T = F + n d`` (None where the
+    cut runs are not shorter in tokens and time). Whole-request ratios move with the texts'
+    lengths, which differ between methods (the fixed part is spread over more tokens); this one
+    does not."""
+    extra_s = statistics.median(runs_s) - statistics.median(short_runs_s)
+    return 1e3 * extra_s / (tokens - short_tokens) if tokens > short_tokens and extra_s > 0 else None
+
+
+def teacher_forced_acceptance(model, head: TextHeadDraft, prompts: Sequence[torch.Tensor],
+                              texts: Sequence[Sequence[int]]) -> float:
+    """The head's mean acceptance ``sum_x min(p, q)`` one step ahead over ``texts`` (int token ids,
+    each generated after its 1-D prompt in ``prompts``), teacher-forced: the target's features
+    over prompt and text, the head reading them causally in one call. Deterministic, so a change in
+    the head's precision shows at the fourth decimal, where sampled runs' alpha moves by 0.06."""
+    accepted = []
+    with torch.inference_mode():
+        for prompt, text in zip(prompts, texts):
+            tokens = torch.cat((prompt, torch.tensor(text, dtype=prompt.dtype)))[None].to(model.device)
+            out = model(tokens, output_hidden_states=True)
+            features = head.read(layer_features(model, out.hidden_states, head.fused_layers))
+            count = tokens.shape[1] - 1
+            visible = torch.ones(count, count, dtype=torch.bool, device=tokens.device).tril()[None]
+            guessed = head.step(features[:, :-1], tokens[:, 1:], torch.arange(count, device=tokens.device)[None],
+                                visible)[0][0]
+            # guessed[i] drafts token i + 2, which the target's logits at i + 1 predict: the text's tokens
+            drafted = slice(len(prompt) - 2, count - 1)
+            log_p = torch.log_softmax(out.logits[0, len(prompt) - 1:count].float(), dim=-1)
+            log_q = head.vocabulary_log_probs(guessed[drafted])
+            accepted.append(acceptance(log_p, log_q, torch.ones(len(log_p), dtype=torch.bool, device=log_p.device)))
+    return float(torch.cat(accepted).mean())
+
+
 def row_drafts(model, target: str, draft_spec: str | None, layers: str, labels: Sequence[str]
                ) -> tuple[Any, dict[str, Any]]:
     """The bench's draft (:func:`~recspec.models.layer_draft.text_draft_model`, a text head's
@@ -270,6 +309,12 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     calls = {label: text_call(label, method, options, model, row_draft[label], pad, eos, drafter)
              for label, (method, options) in runs.items()}
     times, outputs = time_per_user(calls, ids, repeats)
+    # each row's fixed part of a request (the prefills, setup), timed on the same calls cut at gamma + 1 tokens
+    short_runs = {label: (method, replace(options, max_new_tokens=base.gamma + 1))
+                  for label, (method, options) in runs.items()}
+    short_times, short_outputs = time_per_user(
+        {label: text_call(label, method, options, model, row_draft[label], pad, eos, drafter)
+         for label, (method, options) in short_runs.items()}, ids, repeats)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
                                                            [(label, *run) for label, run in runs.items()], pad,
@@ -288,10 +333,23 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
                                      verify_ratio)})
         if label in TREE_LABELS:
             rows[-1]["tokens_per_target_call"] = generated / sum(result.calls or 0 for result in outputs[label])
+        rows[-1]["decode_ms_per_token"] = decode_ms_per_token(
+            times[label], generated, short_times[label],
+            sum(len(tokens) for result in short_outputs[label] for tokens in result.tokens))
     by_label = {row["method"]: row for row in rows}
     for row in rows:
         row["speed_ratio"] = by_label[row["baseline"]]["ms_per_token"] / row["ms_per_token"]
-    return {"prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost,
+        base_decode = by_label[row["baseline"]]["decode_ms_per_token"]
+        row["decode_speed_ratio"] = base_decode / row["decode_ms_per_token"] \
+            if base_decode is not None and row["decode_ms_per_token"] is not None else None
+    precision = {}
+    if isinstance(draft, TextHeadDraft) and "sample" in outputs:  # on `sample`'s texts, the head in both precisions
+        texts = [tokens for result in outputs["sample"] for tokens in result.tokens]
+        fp32 = text_draft_model(model, draft_spec, draft_layers, resolve_model_dir(target), int8=False)
+        precision = {"float32": teacher_forced_acceptance(model, fp32, ids, texts)}
+        if draft.int8:
+            precision["int8"] = teacher_forced_acceptance(model, draft, ids, texts)
+    return {"head_acceptance": precision, "prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost,
             "target_ms": 1e3 * target_s, "verify_ratio": verify_ratio, "drafts": drafts, "rows": rows,
             "tree_round_cost": None if drafter is None or drafter.cost is None else drafter.cost.to_json()}
 
@@ -369,14 +427,20 @@ def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_
                f" spec-sample-tree's rounds are sized by the cost model F = {1e3 * t['tree_round_cost']['fixed_s']:.1f}"
                f" ms (the head's drafting included) + r = {1e3 * t['tree_round_cost']['per_token_s']:.2f} ms per "
                f"verified token."),
+            *(["The head's acceptance one step ahead, teacher-forced on `sample`'s texts: "
+               + ", ".join(f"{value:.4f} in {name}" for name, value in t["head_acceptance"].items()) + "."]
+              if t.get("head_acceptance") else []),
             "### Draft choice (spec-sample on 3 prompts, 32 tokens)",
             markdown_table(["draft (target layers)", "alpha", "c", "predicted speed-up (Thm 3.8)"],
                            [[d["layers"], d["alpha"], d["c"], f"{d['predicted_speedup']:.2f}x"] for d in t["drafts"]]),
             "### Methods",
             markdown_table(
-                ["method", "ms/token", "vs", "speed ratio", "predicted", "alpha", "accepted share", "accepted/round",
-                 "tokens/call", "steps/round (pred.)", "log-lik/token", "peak MiB"],
-                [[r["method"], r["ms_per_token"], r["baseline"], f"{r['speed_ratio']:.2f}x",
+                ["method", "tokens", "ms/token", "vs", "speed ratio", "decode ms/token", "decode ratio", "predicted",
+                 "alpha", "accepted share", "accepted/round", "tokens/call", "steps/round (pred.)", "log-lik/token",
+                 "peak MiB"],
+                [[r["method"], r["tokens"], r["ms_per_token"], r["baseline"], f"{r['speed_ratio']:.2f}x",
+                  r["decode_ms_per_token"] or "",
+                  f"{r['decode_speed_ratio']:.2f}x" if r["decode_speed_ratio"] is not None else "",
                   f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "", r.get("alpha", ""),
                   r.get("accept_share", ""), r.get("accepted_per_round", ""), r.get("tokens_per_target_call", ""),
                   f"{r['steps_per_round']:.2f} ({r['predicted_steps_per_round']:.2f})" if "steps_per_round" in r
