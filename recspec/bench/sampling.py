@@ -328,7 +328,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         quality = log_likelihood(model, ids, texts, pad)
         head_int8 = {"head_int8": row_draft[label].int8} if isinstance(row_draft[label], TextHeadDraft) else {}
         rows.append({"method": label, "runs_s": times[label], "tokens": generated, "ms_per_token": 1e3 * per_token,
-                     "baseline": baseline, **head_int8, "quality": float(quality.nanmean()), "peak_mib": peaks[label] / 2**20,
+                     "baseline": baseline, **head_int8, "quality": float(quality.nanmean()),
+                     "peak_mib": peaks[label] / 2**20,
                      **_acceptance(method, type(stats[0]).cat(stats) if stats else None, runs[label][1], cost,
                                      verify_ratio)})
         if label in TREE_LABELS:
@@ -349,8 +350,8 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
         precision = {"float32": teacher_forced_acceptance(model, fp32, ids, texts)}
         if draft.int8:
             precision["int8"] = teacher_forced_acceptance(model, draft, ids, texts)
-    return {"head_acceptance": precision, "prompts": messages, "draft": draft_spec or f"layers {draft_layers}", "c": cost,
-            "target_ms": 1e3 * target_s, "verify_ratio": verify_ratio, "drafts": drafts, "rows": rows,
+    return {"head_acceptance": precision, "prompts": messages, "draft": draft_spec or f"layers {draft_layers}",
+            "c": cost, "target_ms": 1e3 * target_s, "verify_ratio": verify_ratio, "drafts": drafts, "rows": rows,
             "tree_round_cost": None if drafter is None or drafter.cost is None else drafter.cost.to_json()}
 
 

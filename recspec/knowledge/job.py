@@ -90,7 +90,7 @@ class KnowledgeConfig:
     batch_size: int = 1
     draft: str | None = None
     head_tree: HeadTreeConfig = field(default_factory=HeadTreeConfig)
-    head_int8: bool = True  # the head's draft logits and decoder layer in int8 on the CPU (recspec.models.int8_products)
+    head_int8: bool = True  # the head's logits and decoder layer in int8 on the CPU (recspec.models.int8_products)
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)

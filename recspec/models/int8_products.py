@@ -5,8 +5,8 @@ int8 per row its weights are a quarter of the bytes, and the quantized engine's 
 (activations quantized per call over 8 bits, int8 products, float32 out) computes a 1-4 row
 product in 40-110 us where float32 takes 90-830 us (the 8,192 x 576 draft logits: 70-110 against
 490-830 us). With the draft logits and the head's decoder layer in int8, a drafting step of the
-SmolLM2 head takes 1.4 ms for one row instead of 2.6 (int8 logits only) and 3.2 (float32)
-(BENCHMARKS.md "The head's decoder layer in int8").
+SmolLM2 head takes 2.1 ms for one row instead of 3.3 in float32 (2.6 with int8 logits alone;
+BENCHMARKS.md "The head's decoder layer in int8").
 
 **Per-row activation scales.** The engine quantizes a product's activations with one scale over
 all its rows. A head reads the target's features, whose rows differ in scale (outlier dimensions
@@ -14,10 +14,10 @@ at some positions): one scale over 355 prompt positions cost the head's acceptan
 :func:`int8_linear` therefore divides each row by its largest magnitude before the product and
 multiplies its output row back (``(x / m) W^T m = x W^T``), and adds a row ``[1, -1, 0, ...]``
 that pins the call's range to ``[-1, 1]``: every row is quantized on its own scale, the same
-whatever other rows share the call (a request's draft does not depend on its batch). With the decoder layer and logits in int8 the held-out acceptance is 0.6451 against 0.6472
-in float32 and 0.6428 with int8 logits alone. The head's input projection stays float32: its input
-joins the target's features with a token embedding of another scale (in int8 with the rest:
-0.6307).
+whatever other rows share the call (a request's draft does not depend on its batch). With the
+decoder layer and logits in int8 the held-out acceptance is 0.6451 against 0.6472 in float32 and
+0.6428 with int8 logits alone. The head's input projection stays float32: its input joins the
+target's features with a token embedding of another scale (in int8 with the rest: 0.6307).
 
 Only a draft may use it: the draft's distribution ``q`` changes by the rounding, which
 speculative decoding's verification corrects (exact decoders' outputs are the target's whatever
@@ -68,8 +68,8 @@ def int8_serves(device: torch.device | str) -> bool:
 def int8_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`int8_linear` computes ``x @ weight.T`` in int8: float32 on the CPU, an int8
     engine, no gradient asked for, at least two input features."""
-    return (x.dtype == torch.float32 and x.shape[-1] > 1 and weight.dtype == torch.float32 and not needs_grad(x, weight, bias)
-            and int8_serves(x.device))
+    return (x.dtype == torch.float32 and x.shape[-1] > 1 and weight.dtype == torch.float32
+            and not needs_grad(x, weight, bias) and int8_serves(x.device))
 
 
 def quantize_rows(weight: torch.Tensor) -> torch.Tensor:
