@@ -3,28 +3,52 @@ tests/exactness.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from recspec.itemids.collisions import collision_groups
+from recspec.itemids.index import ItemIndex
 from recspec.recommend import Recommender
 from tests.exactness import MODELS, reference_or_trained
 from tests.exactness import beams, test_beam_decoders_equal_hf, test_strict_speculative_equals_beam  # noqa: F401
+from tests.test_cli import recspec
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
-def model(ml100k, smollm2_dir: Path, tmp_path_factory) -> Recommender:
-    root = tmp_path_factory.mktemp("trained")
-    ids = MODELS / "ml-ids"
-    if not (ids / "item_index.json").is_file():
-        from recspec.itemids.build import build_identifiers, write_identifiers
+def built_ids(ml100k, smollm2_dir: Path, tmp_path_factory) -> Path:
+    """MovieLens identifiers built by ``recspec ids build`` from SmolLM2 embeddings (the embedding
+    pass is the slow part: built once for this module's check and its models)."""
+    out = tmp_path_factory.mktemp("built") / "ids"
+    result = recspec("ids", "build", "--dataset", "ml-100k", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
 
-        index, stats = build_identifiers(ml100k, progress=False)
-        write_identifiers(root / "ml-ids", index, stats)
-        ids = root / "ml-ids"
+
+@pytest.fixture(scope="module")
+def model(built_ids: Path, tmp_path_factory) -> Recommender:
+    root = tmp_path_factory.mktemp("trained")
+    ids = MODELS / "ml-ids" if (MODELS / "ml-ids" / "item_index.json").is_file() else built_ids
     recommender = reference_or_trained("ml", root, dataset_spec="ml-100k", ids=ids, split_kind="loo")
     assert len(recommender.examples("test")) == 943
     return recommender
 
+
+def test_ids_build_on_movielens(ml100k, built_ids: Path) -> None:
+    index = ItemIndex.load(built_ids / "item_index.json")
+    stats = json.loads((built_ids / "stats.json").read_text())
+    assert len(index) == 1682 and index.length == 3
+    assert index.item_keys == ml100k.item_ids
+    assert collision_groups(index.codes) == [] and stats["collisions_after"]["rate"] == 0
+    assert stats["collisions_before"]["rate"] > 0 and stats["codebook_sizes"] == [32, 32, 32]
+    # the output folder is refused a second time, and nothing is half-written
+    again = recspec("ids", "build", "--dataset", "ml-100k", "--out", str(built_ids))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    assert sorted(p.name for p in built_ids.parent.iterdir()) == ["ids"]
+    # every MovieLens item has an identifier; the trie accepts them all
+    trie = index.trie()
+    assert (trie.items(trie.walk(torch.as_tensor(index.codes))) == torch.arange(1682)).all()

@@ -192,7 +192,7 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
     return_freed_memory()
     torch.set_num_threads(1)
     model = load_causal_lm(target)
-    draft, row_draft = row_drafts(model, target, draft_spec, layers, [label for label, _, _ in runs])
+    draft, _, row_draft = row_drafts(model, target, draft_spec, layers, [label for label, _, _ in runs])
     drafter = _head_drafter(model, target, draft) if any(label in TREE_LABELS for label, _, _ in runs) else None
     ids = torch.tensor(prompt)
     peaks = []
@@ -262,16 +262,18 @@ def teacher_forced_acceptance(model, head: TextHeadDraft, prompts: Sequence[torc
     return float(torch.cat(accepted).mean())
 
 
-def row_drafts(model, target: str, draft_spec: str | None, layers: str, labels: Sequence[str]
-               ) -> tuple[Any, dict[str, Any]]:
+def row_drafts(model, target: str, draft_spec: str | None, layers: str, labels: Sequence[str],
+               float32: bool = False) -> tuple[Any, Any, dict[str, Any]]:
     """The bench's draft (:func:`~recspec.models.layer_draft.text_draft_model`, a text head's
-    products in int8 on the CPU) and each of ``labels``' draft: the same head in float32 for
-    :data:`FLOAT32_HEAD`'s rows."""
+    products in int8 on the CPU), its float32 form (the draft itself unless it is an int8 head;
+    that head bound in float32 where :data:`FLOAT32_HEAD`'s rows or ``float32`` ask for it, else
+    None) and each of ``labels``' draft: the float32 form for :data:`FLOAT32_HEAD`'s rows."""
     model_dir = resolve_model_dir(target)
     draft = text_draft_model(model, draft_spec, layers, model_dir)
-    fp32 = text_draft_model(model, draft_spec, layers, model_dir, int8=False) if set(labels) & set(FLOAT32_HEAD) \
-        else draft
-    return draft, {label: fp32 if label in FLOAT32_HEAD else draft for label in labels}
+    wanted = float32 or bool(set(labels) & set(FLOAT32_HEAD))
+    fp32 = draft if not getattr(draft, "int8", False) else \
+        text_draft_model(model, draft_spec, layers, model_dir, int8=False) if wanted else None
+    return draft, fp32, {label: fp32 if label in FLOAT32_HEAD else draft for label in labels}
 
 
 def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], prompts: int, base: TextOptions,
@@ -293,7 +295,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     probe = replace(base, max_new_tokens=min(base.max_new_tokens, 32))
     drafts = [{"layers": layers, **_draft_probe(model, text_draft_model(model, None, layers), ids, probe, pad, eos)}
               for layers in candidate_layers]
-    draft, row_draft = row_drafts(model, target, draft_spec, draft_layers, list(table))
+    draft, fp32, row_draft = row_drafts(model, target, draft_spec, draft_layers, list(table), "sample" in table)
     costs = call_cost(model, draft, ids[0], base.gamma)  # probe.gamma is base.gamma
     if draft_spec is not None:
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos, costs)})
@@ -314,7 +316,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
                   for label, (method, options) in runs.items()}
     short_times, short_outputs = time_per_user(
         {label: text_call(label, method, options, model, row_draft[label], pad, eos, drafter)
-         for label, (method, options) in short_runs.items()}, ids, repeats)
+         for label, (method, options) in short_runs.items()}, ids, repeats, warmup=False)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         peaks = dict(zip(runs, pool.apply(_memory_worker, (target, draft_spec, draft_layers, ids[0].tolist(),
                                                            [(label, *run) for label, run in runs.items()], pad,
@@ -346,7 +348,6 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     precision = {}
     if isinstance(draft, TextHeadDraft) and "sample" in outputs:  # on `sample`'s texts, the head in both precisions
         texts = [tokens for result in outputs["sample"] for tokens in result.tokens]
-        fp32 = text_draft_model(model, draft_spec, draft_layers, resolve_model_dir(target), int8=False)
         precision = {"float32": teacher_forced_acceptance(model, fp32, ids, texts)}
         if draft.int8:
             precision["int8"] = teacher_forced_acceptance(model, draft, ids, texts)

@@ -60,10 +60,11 @@ def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
 
 
 def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
-                   repeats: int) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
+                   repeats: int, warmup: bool = True) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
     """Per decoder: total seconds of each run over all users (one call per user) and the last
-    run's outputs. The ceiling counts only its verification phase (see the module doc)."""
-    for decode in decoders.values():  # warm-up
+    run's outputs, after one warm-up call each unless ``warmup`` is False (decoders already
+    warm). The ceiling counts only its verification phase (see the module doc)."""
+    for decode in decoders.values() if warmup else ():
         decode(prompts[:1])
     runs: dict[str, list[float]] = {name: [] for name in decoders}
     outputs: dict[str, list[Decoded]] = {}

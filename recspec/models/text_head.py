@@ -262,11 +262,11 @@ class TextHeadDraft:
         layer = target.get_output_embeddings()
         output = layer.weight.detach()
         self.int8 = int8 and int8_serves(output.device)
+        head = use_small_row_products(head)
         if self.int8:  # on a copy: the head module, and other bindings of it, keep their float32 layers
             head = copy.deepcopy(head)
-        self.head, self.embed = use_small_row_products(head), target.get_input_embeddings()
-        if self.int8:
             use_int8_products(head.decoder_linears())
+        self.head, self.embed = head, target.get_input_embeddings()
         if head.config.draft_vocab:
             self.ids = head.vocab_ids.to(output.device)
             self.weight = output.index_select(0, self.ids)
