@@ -169,3 +169,33 @@ def test_compact_tail_equals_gathering_the_prefix_and_the_path() -> None:
         logits = [model(input_ids=step, position_ids=torch.tensor([[10]]), past_key_values=cache).logits
                   for cache in (gathered, compacted)]
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("lead", [0, 5, 12])
+def test_compact_copies_only_past_what_every_row_keeps_and_equals_a_gather(lead: int) -> None:
+    """``compact`` keeps, row by row, what one gather of every kept position keeps (fills at
+    position 0 included), whether the rows all keep a leading run of positions (copied from its
+    end on) or not."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recspec.decoding.cache import compact, gather_positions
+
+    torch.manual_seed(lead)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    keep = torch.rand(3, 12) < 0.5
+    keep[:, :lead] = True
+    keep[0, lead:lead + 1] = False  # a drop right after the run (none when every row keeps all)
+    keep[1, -1] = True
+    with torch.inference_mode():
+        cache = model(input_ids=torch.randint(50, (3, 12)), use_cache=True).past_key_values
+        gathered = copy.deepcopy(cache)
+        positions, filled = compact([cache], keep)
+        gather_positions(gathered, positions)
+    assert positions.shape == (3, int(keep.sum(1).max()))
+    assert all(torch.equal(positions[b, filled[b]], keep[b].nonzero()[:, 0]) for b in range(3))
+    for a, b in zip(gathered.layers, cache.layers):
+        assert a.keys.shape == b.keys.shape and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

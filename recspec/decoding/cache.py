@@ -76,11 +76,12 @@ def drop_tail(cache, count: int) -> None:
 def compact_tail(cache, kept: int, positions: torch.Tensor) -> None:
     """Keep the first ``kept`` cached positions of every row, then the positions ``positions``.
 
-    ``positions``: int64 ``[B, S']`` (on the cache's device), each ``>= kept``, e.g. the accepted
-    path of a tree appended after ``kept`` positions. The same result as :func:`gather_positions`
-    over ``arange(kept)`` followed by ``positions``, but in place: only the ``S'`` kept tail
-    positions are copied (down to ``kept .. kept + S'``) and every layer's keys and values become a
-    view of their first ``kept + S'`` positions, so the cost does not grow with the prefix.
+    ``positions``: int64 ``[B, S']`` (on the cache's device), e.g. the accepted path of a tree
+    appended after ``kept`` positions (any cached position may be read: the tail is gathered
+    before it is written). The same result as :func:`gather_positions` over ``arange(kept)``
+    followed by ``positions``, but in place: only the ``S'`` kept tail positions are copied (down
+    to ``kept .. kept + S'``) and every layer's keys and values become a view of their first
+    ``kept + S'`` positions, so the cost does not grow with the prefix.
     """
     for layer in _kv_layers(cache):
         for name in ("keys", "values"):
@@ -94,6 +95,10 @@ def compact(caches, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     where ``keep[b]`` (bool ``[B, W]``, ``W`` at most the cache width) is True, in order; drop the
     rest. Rows with fewer kept positions than the most are filled up with position 0.
 
+    The leading positions that every row keeps (the prompt, and what no later round dropped) stay
+    where they are: only the positions after them are copied (:func:`compact_tail`), so a round's
+    compaction costs what its tail holds, not the whole cache.
+
     Returns ``positions`` int64 ``[B, W']``, the old position now at each new one, and ``filled``
     bool ``[B, W']``, False on the fill (which the caller must hide from every later token).
     """
@@ -102,8 +107,10 @@ def compact(caches, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :count]
     filled = torch.arange(count, device=positions.device)[None, :] < counts[:, None]
     positions = positions.masked_fill_(~filled, 0)
-    for cache in caches:
-        gather_positions(cache, positions)
+    lead = int(keep.all(dim=0).cumprod(dim=0).sum())  # kept by every row, up to the first drop
+    if lead < keep.shape[1]:
+        for cache in caches:
+            compact_tail(cache, lead, positions[:, lead:])
     return positions, filled
 
 
