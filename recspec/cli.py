@@ -567,8 +567,8 @@ def generate_command(
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_k: Annotated[Optional[int], typer.Option(help="Top-k warping.")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Top-p warping, in (0, 1].")] = None,
-    gamma: Annotated[int, typer.Option(help="Tokens (spec-sample, topk-imp) or layers (dsbd) drafted per "
-                                            "round.")] = 4,
+    gamma: Annotated[Optional[int], typer.Option(help="Tokens (spec-sample, topk-imp) or layers (dsbd) drafted "
+                                                      "per round (default 2 for dsbd, 4 otherwise).")] = None,
     draft_stop: Annotated[Optional[float], typer.Option(help="spec-sample: a dynamic draft length; a round drafts "
                                                              "up to --gamma tokens and stops once the draft's "
                                                              "probability of its chain falls below this, in (0, 1) "
@@ -592,7 +592,7 @@ def generate_command(
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
-    from recspec.decoding.text import DRAFTED, TextOptions, check_request, generate, log_likelihood
+    from recspec.decoding.text import DRAFTED, TextOptions, check_request, default_gamma, generate, log_likelihood
     from recspec.decoding.warp import Warp
     from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
@@ -600,6 +600,7 @@ def generate_command(
     from recspec.models.hf import load_causal_lm
     from recspec.models.layer_draft import text_draft_model
 
+    gamma = default_gamma(method) if gamma is None else gamma
     options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
                           draft_stop=draft_stop, lenience=lenience, candidates=candidates, beams=beams,
                           draft_width=draft_width, threshold=threshold, one_cache=one_cache, seed=seed)

@@ -21,6 +21,8 @@ from tests.test_cli import recspec
     (["--method", "sample", "--top-p", "1.5"], r"top-p must lie in (0, 1]"),
     (["--method", "dsbd", "--beams", "3", "--draft-width", "2"], "draft width W_S=2 is below W_min=3"),
     (["--method", "dsbd", "--threshold", "1.5"], "threshold t must lie in [0, 1]"),
+    (["--method", "dsbd", "--max-new-tokens", "2"], "gamma=2 is outside [1, 1]"),  # dsbd's own default gamma
+    (["--method", "dsbd", "--max-new-tokens", "2", "--gamma", "3"], "gamma=3 is outside [1, 1]"),
     (["--method", "nucleus"], "unknown method"),
 ])
 def test_generate_bad_input(tmp_path: Path, extra: list[str], message: str) -> None:

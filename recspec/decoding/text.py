@@ -50,6 +50,10 @@ from recspec.models.text_head import TextHeadDraft
 METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
 #: Methods that need a draft model.
 DRAFTED = ("spec-sample", "topk-imp", "dsbd")
+#: ``gamma`` where a method's fastest differs from :class:`TextOptions`' default (measured with
+#: the H100 text head on this project's CPU: DSBD's third drafted layer is accepted 0.29 of the
+#: time given the second, BENCHMARKS.md "DSBD: tail-only compaction and two drafted layers").
+DEFAULT_GAMMA = {"dsbd": 2}
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,11 @@ class Generated:
     stats: SpecStats | None = None
     seconds: float = 0.0
     calls: int | None = None
+
+
+def default_gamma(method: str) -> int:
+    """Drafted tokens (or layers) per round for ``method`` when none is asked for."""
+    return DEFAULT_GAMMA.get(method, TextOptions.gamma)
 
 
 def check_request(method: str, options: TextOptions, has_draft: bool) -> None:
