@@ -14,6 +14,7 @@ import torch
 
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.acceptance import acceptance_counts, layer_widths, verify_layer
+from recspec.decoding.support import DraftSupport
 from recspec.decoding.text import TextOptions, generate
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -66,6 +67,37 @@ def test_dead_parents_need_the_renormalised_proposal() -> None:
         counts[name] = torch.bincount(verdict.chosen[:, 0], minlength=6).numpy()
     assert fit(counts["renormalised"][live.numpy()], p[live]) > 1e-3
     assert fit(counts["raw"][live.numpy()], p[live]) < 1e-6
+
+
+def test_verifying_over_a_drafts_support_decides_as_over_the_whole_layout() -> None:
+    """A draft over 2 of 5 tokens a beam (2 beams): verified over its support plus the other column
+    (:class:`DraftSupport`), the same uniforms accept the same drafts in the same slots as over the
+    whole layout, with the same residual chain, and the output beams (redraws that leave the
+    support included) are independent draws from p, 100,000 rows."""
+    generator = torch.Generator().manual_seed(2)
+    rows, beams, vocab = 100_000, 2, 5
+    tokens = torch.tensor([1, 3])
+    support = DraftSupport.of(tokens, beams, vocab)
+    p = torch.tensor([0.05, 0.20, 0.05, 0.15, 0.05, 0.10, 0.05, 0.10, 0.20, 0.05])
+    q_support = torch.tensor([0.10, 0.40, 0.30, 0.20])  # over the drafted layout [beam 0: 1, 3; beam 1: 1, 3]
+    q = torch.zeros(beams * vocab).index_copy_(0, support.columns, q_support)
+    drafted = drafts_from(q_support, rows, 3, generator)
+    survive, width = torch.ones(rows, 3, dtype=torch.bool), torch.full((rows,), 2)
+    state = generator.get_state()
+    whole = verify_layer(p.expand(rows, -1), q.expand(rows, -1), support.columns[drafted], survive, width, 2, generator)
+    generator.set_state(state)
+    projected = support.project(p.expand(rows, -1))
+    assert torch.allclose(projected[0, -1], p.masked_fill(support.inside, 0.0).sum())
+    verdict = verify_layer(projected, torch.nn.functional.pad(q_support, (0, 1)).expand(rows, -1), drafted, survive,
+                           width, 2, generator)
+    assert torch.equal(verdict.accepted, whole.accepted) and torch.equal(verdict.slot, whole.slot)
+    assert torch.allclose(verdict.alpha, whole.alpha)
+    chosen = support.expand(verdict.chosen, p.expand(rows, -1), generator)
+    from_drafts = verdict.slot >= 0
+    assert torch.equal(chosen[from_drafts], whole.chosen[from_drafts])
+    assert bool((verdict.chosen == len(support.columns)).any())  # some redraws leave the support
+    pairs = chosen[:, 0] * 10 + chosen[:, 1]
+    assert fit(torch.bincount(pairs, minlength=100), (p[:, None] * p[None, :]).flatten()) > 1e-3
 
 
 def test_acceptance_counts_match_the_verification() -> None:

@@ -285,11 +285,13 @@ def test_a_head_only_drafts_for_its_target(target, heads) -> None:
             generate(method, other, heads["trained"], [PROMPT], TextOptions(), pad_token_id=0, eos=None)
 
 
-@pytest.mark.parametrize("vocab", [None, (0, 2, 3)], ids=["whole", "reduced"])
+@pytest.mark.parametrize("vocab", [None, (0, 2, 3), (0, 2), (1,)], ids=["whole", "reduced", "no-end", "one-token"])
 def test_dsbd_with_a_head_samples_the_targets_beam_sampling(vocab) -> None:
     """dsbd.txt Theorem 3.1 with a text head drafting the forest: the output beam pairs follow the
     enumerated text beam sampling (W = 2, end token absorbing), for a head over the whole
-    vocabulary and one whose ``q`` is zero on a token."""
+    vocabulary and heads whose ``q`` is zero on some tokens (drafted over their support,
+    :mod:`recspec.decoding.support`): on one, on the end token (which the draft space adds), on
+    all but one."""
     from collections import Counter
 
     from recspec.decoding.dsbd import dsbd_batch

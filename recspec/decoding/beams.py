@@ -196,6 +196,13 @@ class Candidates:
                      margin=torch.full_like(beams.margin, torch.inf))
 
 
+def possible(log_weights: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, 1]``: the rows of ``log_weights`` (float ``[B, M]``, ``M >= 1``, never ``+inf``) with a
+    finite entry (one max instead of ``isfinite().any()``: 14 against 200 microseconds over
+    SmolLM2's two-beam candidates on this project's CPU)."""
+    return log_weights.amax(dim=1, keepdim=True) > -torch.inf
+
+
 def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, warp: Warp, draws: int = 1) -> Candidates:
     """The step's candidates and their beam-sampling distribution.
 
@@ -208,8 +215,8 @@ def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, warp: Warp
     tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=-(-draws // width))  # [B*S, C]
     fanout = tokens.shape[1]
     log_joint = (beams.scores.reshape(-1, 1) + log_probs.reshape(batch * width, -1).gather(1, tokens))
-    log_joint = log_joint.masked_fill_(~real, -torch.inf).view(batch, width * fanout)
-    some = log_joint.isfinite().any(dim=1, keepdim=True)  # a user with no candidate draws dead beams
+    log_joint = torch.where(real, log_joint, -torch.inf).view(batch, width * fanout)
+    some = possible(log_joint)  # a user with no candidate draws dead beams
     warped = warp(torch.where(some, log_joint, 0.0))
     log_beam = torch.where(some, warped, -torch.inf)
     return Candidates(tokens=tokens.view(batch, width * fanout), log_joint=log_joint, log_beam=log_beam,
@@ -221,7 +228,7 @@ def draw(log_weights: torch.Tensor, k: int, generator: torch.Generator, replacem
     least one finite entry): independent draws, or distinct ones (Gumbel-top-k; where a row has
     fewer than ``k`` finite entries the extra draws land on ``-inf`` slots). int64 ``[B, k]``."""
     if replacement:
-        some = log_weights.isfinite().any(dim=1, keepdim=True)  # rows without any: arbitrary (dead) slots
+        some = possible(log_weights)  # rows without any: arbitrary (dead) slots
         weights = torch.where(some, torch.softmax(log_weights, dim=1), 1.0)
         return categorical(weights, k, generator)
     uniform = torch.rand(log_weights.shape, generator=generator, device=log_weights.device)

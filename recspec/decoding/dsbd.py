@@ -46,6 +46,11 @@ or over the free vocabulary for text (:mod:`recspec.decoding.text`).
    output beam with the best target score (lowest perplexity: all beams have the same length)
    goes on, so the caches hold one sequence. That mode no longer samples ``p_beam``'s
    distribution: it is the paper's memory trade-off, measured by the benchmark.
+6. *A draft's support* (text, a head with a reduced vocabulary ``D``): the draft samples its
+   forest over ``D`` and the end token only (:func:`drafted_space`), and each layer is verified
+   over those candidates plus one column for all the others, which the draft never proposes
+   (:mod:`recspec.decoding.support`: the same decisions and draws, over ``W |D| + 1`` columns
+   instead of ``W V``).
 
 The verification rules are :func:`~recspec.decoding.acceptance.verify_layer` and its helpers, the
 layer loop :class:`~recspec.decoding.verifiers.ForestVerifier`, the draft forest
@@ -72,6 +77,7 @@ from recspec.decoding.verifiers import ForestVerifier
 from recspec.decoding.warp import Warp
 from recspec.decoding.draft_sources import HybridPair
 from recspec.models.head import HeadDraft
+from recspec.models.text_head import TextHeadDraft
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
@@ -133,6 +139,15 @@ class DSBDResult:
     stats: DSBDStats
 
 
+def drafted_space(draft, space, ends: Ends | None):
+    """The candidate space ``draft`` drafts over: over free text (``ends`` given), a text head with a
+    reduced vocabulary drafts over it (:meth:`~recspec.decoding.space.FreeText.restricted`, verified
+    over its :class:`~recspec.decoding.support.DraftSupport`); else ``space`` itself."""
+    if ends is None or not isinstance(draft, TextHeadDraft) or len(draft.ids) == space.vocab_size:
+        return space
+    return space.restricted(draft.ids)
+
+
 def dsbd_batch(target, draft, prompts: Prompts, space, k: int, config: DSBDConfig, generator: torch.Generator,
                ends: Ends | None = None) -> DSBDResult:
     """DSBD for one left-padded batch over ``space`` (an :class:`~recspec.itemids.trie.ItemTrie`, or
@@ -149,9 +164,11 @@ def dsbd_batch(target, draft, prompts: Prompts, space, k: int, config: DSBDConfi
         scores[rows, :width], tokens[rows, :width], nodes[rows, :width] = front.beams.scores, front.paths, \
             front.beams.nodes
 
-    drafter = SampledDrafter(space, config.warp, config.draft_width, generator, replacement=True, ends=ends)
+    draft_space = drafted_space(draft, space, ends)
+    drafter = SampledDrafter(draft_space, config.warp, config.draft_width, generator, replacement=True, ends=ends)
     verifier = ForestVerifier(space, ends, config.warp, k, config.min_width, config.draft_width, config.threshold,
-                              config.one_cache, out_width, generator)
+                              config.one_cache, out_width, generator,
+                              None if draft_space is space else draft_space.tokens)
     stats = DSBDStats.zeros(batch)
     run_rounds(target, draft, prompts, space, config.gamma, drafter, verifier, stats, finish)
     return DSBDResult(scores=scores, tokens=tokens, nodes=nodes, stats=stats)

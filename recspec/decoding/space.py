@@ -4,6 +4,10 @@ beam sampling, DSBD's rounds) runs over a vocabulary instead of an item trie.
 Every live prefix may continue with any token; a prefix that ends with the end token is
 *finished* and continues with it at probability 1 (so finished beams keep their score and keep
 competing); generation stops at ``depth`` tokens or when every beam of a row is finished.
+
+A draft whose distribution is zero outside a draft vocabulary (a text head's reduced output layer)
+drafts over :meth:`FreeText.restricted`: the same text with only those tokens (and the end token)
+as candidates, so that its per-layer work runs over ``|D|`` instead of ``V`` tokens a beam.
 """
 
 from __future__ import annotations
@@ -19,9 +23,23 @@ class FreeText:
 
     root = 0
 
-    def __init__(self, vocab_size: int, depth: int, eos: int | None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, vocab_size: int, depth: int, eos: int | None, device: torch.device | str = "cpu",
+                 tokens: torch.Tensor | None = None) -> None:
         self.vocab_size, self.depth, self.eos = vocab_size, depth, eos
-        self._tokens = torch.arange(vocab_size, device=device)
+        self._tokens = torch.arange(vocab_size, device=device) if tokens is None else tokens.to(device)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """int64 ``[C]``: the candidate tokens after every live node, ascending (``C = V`` unless
+        :meth:`restricted`)."""
+        return self._tokens
+
+    def restricted(self, tokens: torch.Tensor) -> FreeText:
+        """The same text with only ``tokens`` (int64 ``[D]``, distinct ids) and the end token as
+        candidates, ascending."""
+        keep = tokens.to(self.device) if self.eos is None else torch.cat(
+            (tokens.to(self.device), torch.tensor([self.eos], device=self.device)))
+        return FreeText(self.vocab_size, self.depth, self.eos, self.device, torch.unique(keep))
 
     @property
     def device(self) -> torch.device:
@@ -49,7 +67,8 @@ class FreeText:
     def kept(self, k: int, fanout: int) -> torch.Tensor:
         """int64 ``[k]``: in the ``[k * fanout]`` candidate layout of ``k`` beams, each beam's end
         token (what a finished beam continues with)."""
-        return torch.arange(k, device=self.device) * fanout + self.eos
+        column = torch.searchsorted(self._tokens, torch.tensor(self.eos, device=self.device))
+        return torch.arange(k, device=self.device) * fanout + column
 
     def complete(self, nodes: torch.Tensor) -> torch.Tensor:
         """bool ``[B]``: every beam of the row (``nodes`` ``[B, K]``) is finished or dead."""

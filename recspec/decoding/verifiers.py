@@ -23,10 +23,12 @@ import torch
 
 from recspec.decoding.acceptance import (RelaxedSampler, acceptance_counts, layer_widths, residual_chain,
                                          strict_accepted, verify_layer)
-from recspec.decoding.beams import Beams, Candidates, Ends, candidates, select_top_k
+from recspec.decoding.beams import Beams, Candidates, Ends, candidates, possible, select_top_k
+from recspec.decoding.categorical import categorical
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.frontier import Frontier, keep_beams, level_beams, level_offsets, where_beams
 from recspec.decoding.rounds import RoundOutcome
+from recspec.decoding.support import DraftSupport
 from recspec.decoding.warp import Warp
 from recspec.itemids.trie import ItemTrie
 
@@ -105,7 +107,10 @@ class _Layer:
 class ForestVerifier:
     """DSBD's verification over ``space`` (an item trie, or the text vocabulary with ``ends``):
     layers of ``W_L`` beams, fixed (``threshold`` None: ``min_width``) or dynamic, ``k`` in a
-    trie's last layer; ``out_width`` columns of beams; ``one_cache``: section 3.4's mode."""
+    trie's last layer; ``out_width`` columns of beams; ``one_cache``: section 3.4's mode;
+    ``draft_tokens``: over free text, the tokens the draft drafted over (its proposals are laid
+    out over them: :meth:`~recspec.decoding.space.FreeText.restricted`), verified over their
+    :class:`~recspec.decoding.support.DraftSupport`; None: the whole vocabulary."""
 
     space: ItemTrie  # or the text vocabulary (recspec.decoding.space.FreeText) with ``ends``
     ends: Ends | None
@@ -117,6 +122,7 @@ class ForestVerifier:
     one_cache: bool
     out_width: int
     generator: torch.Generator
+    draft_tokens: torch.Tensor | None = None
 
     def _layer(self, step: Candidates, previous: Beams, alive: torch.Tensor, drafted: Level | None,
                width: torch.Tensor, last: torch.Tensor) -> _Layer:
@@ -125,28 +131,36 @@ class ForestVerifier:
         batch, device = p.shape[0], p.device
         if drafted is None:  # the bonus layer: straight from p_beam
             width = torch.where(last, self.k, width if self.threshold is not None else self.min_width)
-            verdict = verify_layer(p, torch.zeros_like(p), torch.zeros(batch, 0, dtype=torch.int64, device=device),
-                                   torch.zeros(batch, 0, dtype=torch.bool, device=device), width, self.out_width,
-                                   self.generator)
+            chosen = categorical(torch.where(p.sum(dim=1, keepdim=True) > 0, p, 1.0), self.out_width, self.generator)
+            slot = torch.full_like(chosen, -1)
             ok, beta = torch.zeros(batch, dtype=torch.bool, device=device), None
         else:
-            parent_alive = alive[:, torch.arange(p.shape[1], device=device) // step.fanout]
+            support = None if self.draft_tokens is None else \
+                DraftSupport.of(self.draft_tokens, previous.nodes.shape[1], step.fanout)
+            fanout = step.fanout if support is None else len(self.draft_tokens)  # of the drafted layout
+            parent_alive = alive[:, torch.arange(drafted.proposal.shape[1], device=device) // fanout]
             restricted = drafted.proposal.masked_fill(~parent_alive, -torch.inf)
-            some = restricted.isfinite().any(dim=1, keepdim=True)
+            some = possible(restricted)
             q = torch.where(some, torch.softmax(torch.where(some, restricted, 0.0), dim=1), 0.0)
+            verified = p if support is None else support.project(p)
+            if support is not None:
+                q = torch.nn.functional.pad(q, (0, 1))  # the draft proposes nothing outside its support
             survive = alive.gather(1, drafted.parents) & drafted.real
             count = survive.sum(dim=1)
-            chain = residual_chain(p, q, self.draft_width + 1)
+            chain = residual_chain(verified, q, self.draft_width + 1)
             outcomes = acceptance_counts(chain[0], count)
             width = torch.where(last, self.k, layer_widths(outcomes, count, self.threshold, self.min_width))
-            verdict = verify_layer(p, q, drafted.choice, survive, width, self.out_width, self.generator, chain)
+            verdict = verify_layer(verified, q, drafted.choice, survive, width, self.out_width, self.generator, chain)
+            chosen, slot = verdict.chosen, verdict.slot
+            if support is not None:
+                chosen = support.expand(chosen, p, self.generator)
             ok = verdict.accepted >= width
             beta = outcomes.flip(1).cumsum(dim=1).flip(1)[:, self.min_width]
-        new = step.extend(previous, verdict.chosen, self.space)
+        new = step.extend(previous, chosen, self.space)
         dead = torch.arange(self.out_width, device=device)[None, :] >= width[:, None]
         new = Beams(scores=new.scores.masked_fill(dead, -torch.inf), nodes=new.nodes.masked_fill(dead, -1),
                     tokens=new.tokens, parents=new.parents, margin=new.margin)
-        return _Layer(new, width, ok, verdict.slot, beta)
+        return _Layer(new, width, ok, slot, beta)
 
     def verify(self, front: Frontier, levels: list[Level], log_p: torch.Tensor) -> RoundOutcome:
         """Layers ``1, 2, ...`` of the round; ``log_p`` float32 ``[B, N, V]`` at the fed nodes."""
