@@ -577,7 +577,8 @@ def generate_command(
     candidates: Annotated[int, typer.Option(help="topk-imp: K candidates.")] = 10,
     beams: Annotated[int, typer.Option(help="beam-sample: W; dsbd: W_min (the fixed width without "
                                             "--threshold).")] = 2,
-    draft_width: Annotated[int, typer.Option(help="dsbd: W_S, draft beams per layer.")] = 4,
+    draft_width: Annotated[Optional[int], typer.Option(help="dsbd: W_S, draft beams per layer (default: --beams, "
+                                                            "the fastest with a text head on a CPU).")] = None,
     threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
     one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
     tree: Annotated[bool, typer.Option(help="sample / spec-sample in the tree loop, one prompt at a time and one "

@@ -190,6 +190,13 @@ def test_dynamic_width_and_one_cache(tiny) -> None:
     assert bool((full.tree_nodes > 4 + (full.rounds - 1) + 4 * (full.drafted_steps - 1)).any())
 
 
+def test_text_dsbd_drafts_as_many_beams_a_layer_as_it_keeps_unless_told() -> None:
+    """W_S defaults to W (the fastest with a text head on a CPU, where every drafted node costs
+    the target a row); an explicit W_S stands."""
+    assert TextOptions(beams=3).dsbd().draft_width == 3
+    assert TextOptions(beams=3, draft_width=5).dsbd().draft_width == 5
+
+
 def test_bad_dsbd_settings_fail_before_any_work(tiny) -> None:
     target, draft, trie, prompt = tiny
     for config, message in ((DSBDConfig(draft_width=1, min_width=2), "W_S=1 is below W_min=2"),

@@ -63,7 +63,9 @@ class TextOptions:
     ``draft_stop`` (``spec-sample``'s dynamic draft length: :class:`~recspec.decoding.drafters.
     ChainDrafter`'s ``stop``); ``lenience`` (``spec-sample``, speculative_decoding.txt A.5);
     ``candidates`` (TopK-ImpSpecDec's K); ``beams`` (``W`` of ``beam-sample``, and ``W_min`` of
-    ``dsbd``); ``draft_width``, ``threshold``, ``one_cache`` (``dsbd``); ``seed``."""
+    ``dsbd``); ``draft_width`` (``W_S`` of ``dsbd``; None: ``beams``, the fastest with a text head on
+    this project's CPU, where each drafted node costs the target about 3 ms), ``threshold``,
+    ``one_cache`` (``dsbd``); ``seed``."""
 
     max_new_tokens: int = 64
     warp: Warp = Warp()
@@ -72,13 +74,14 @@ class TextOptions:
     lenience: float = 1.0
     candidates: int = 10
     beams: int = 2
-    draft_width: int = 4
+    draft_width: int | None = None
     threshold: float | None = None
     one_cache: bool = False
     seed: int = 0
 
     def dsbd(self) -> DSBDConfig:
-        return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width, min_width=self.beams,
+        draft_width = self.beams if self.draft_width is None else self.draft_width
+        return DSBDConfig(gamma=self.gamma, draft_width=draft_width, min_width=self.beams,
                           threshold=self.threshold, one_cache=self.one_cache, warp=self.warp, seed=self.seed)
 
 
