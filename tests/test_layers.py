@@ -21,7 +21,7 @@ ROOT = Path(recspec.__file__).parent
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
 #: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
 DECODING = (
-    ("warp", "categorical", "cache", "tree", "space", "beams", "cost", "tree_plan"),
+    ("warp", "categorical", "support", "cache", "tree", "space", "beams", "cost", "tree_plan"),
     ("prompts",),
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),
