@@ -86,13 +86,13 @@ def test_verifying_over_a_drafts_support_decides_as_over_the_whole_layout() -> N
     state = generator.get_state()
     whole = verify_layer(p.expand(rows, -1), q.expand(rows, -1), support.columns[drafted], survive, width, 2, generator)
     generator.set_state(state)
-    projected = support.project(p.expand(rows, -1))
+    projected, outside = support.project(p.expand(rows, -1))
     assert torch.allclose(projected[0, -1], p.masked_fill(support.inside, 0.0).sum())
     verdict = verify_layer(projected, torch.nn.functional.pad(q_support, (0, 1)).expand(rows, -1), drafted, survive,
                            width, 2, generator)
     assert torch.equal(verdict.accepted, whole.accepted) and torch.equal(verdict.slot, whole.slot)
     assert torch.allclose(verdict.alpha, whole.alpha)
-    chosen = support.expand(verdict.chosen, p.expand(rows, -1), generator)
+    chosen = support.expand(verdict.chosen, outside, generator)
     from_drafts = verdict.slot >= 0
     assert torch.equal(chosen[from_drafts], whole.chosen[from_drafts])
     assert bool((verdict.chosen == len(support.columns)).any())  # some redraws leave the support

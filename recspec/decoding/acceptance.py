@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from recspec.decoding.beams import Beams, candidates, draw
-from recspec.decoding.categorical import categorical
+from recspec.decoding.categorical import categorical, or_uniform
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -278,7 +278,7 @@ def verify_layer(p: torch.Tensor, q: torch.Tensor, choice: torch.Tensor, survive
         accepted = accepted + ok.long()
         state = torch.where(ok, 0, torch.where(live, state + 1, state))
     residual = (p - shift.gather(1, state[:, None]) * q).clamp_(min=0)
-    target = torch.where(p.sum(1, keepdim=True) > 0, p, 1.0)  # rows already out of the round draw anything
+    target = or_uniform(p)  # rows already out of the round draw anything
     redraw = categorical(torch.where(residual.sum(1, keepdim=True) > 0, residual, target), 1, generator)
     fresh = categorical(target, out_width, generator)
     columns = torch.arange(out_width, device=p.device)[None, :]

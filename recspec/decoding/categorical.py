@@ -21,6 +21,12 @@ def categorical(weights: torch.Tensor, samples: int, generator: torch.Generator)
     return inverse_transform(weights, uniform)
 
 
+def or_uniform(weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` (float ``[B, V]``, non-negative) with every row of zero mass made uniform: what
+    :func:`categorical` can draw from where such rows' draws are unused (rows out of a round)."""
+    return torch.where(weights.sum(dim=1, keepdim=True) > 0, weights, 1.0)
+
+
 def inverse_transform(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The entries of each row of ``weights`` (float ``[B, V]``, non-negative, at least one
     positive entry per row) at its quantiles ``uniform`` (float64 ``[B, S]`` in ``[0, 1)``): int64

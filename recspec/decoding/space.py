@@ -27,6 +27,8 @@ class FreeText:
                  tokens: torch.Tensor | None = None) -> None:
         self.vocab_size, self.depth, self.eos = vocab_size, depth, eos
         self._tokens = torch.arange(vocab_size, device=device) if tokens is None else tokens.to(device)
+        # the end token's column among the candidates (its id over the whole vocabulary)
+        self._eos_column = None if eos is None else int(torch.searchsorted(self._tokens, eos))
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -67,8 +69,7 @@ class FreeText:
     def kept(self, k: int, fanout: int) -> torch.Tensor:
         """int64 ``[k]``: in the ``[k * fanout]`` candidate layout of ``k`` beams, each beam's end
         token (what a finished beam continues with)."""
-        column = torch.searchsorted(self._tokens, torch.tensor(self.eos, device=self.device))
-        return torch.arange(k, device=self.device) * fanout + column
+        return torch.arange(k, device=self.device) * fanout + self._eos_column
 
     def complete(self, nodes: torch.Tensor) -> torch.Tensor:
         """bool ``[B]``: every beam of the row (``nodes`` ``[B, K]``) is finished or dead."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.categorical import categorical
+from recspec.decoding.categorical import categorical, or_uniform
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,20 @@ class DraftSupport:
         inside = torch.zeros(beams * vocab, dtype=torch.bool, device=tokens.device).index_fill_(0, columns, True)
         return DraftSupport(columns=columns, inside=inside)
 
-    def project(self, p: torch.Tensor) -> torch.Tensor:
-        """``p`` float32 ``[B, W * V]`` over the drafted layout and the other column: ``[B, W * C_q
-        + 1]``, the last column the mass of every candidate outside the support."""
-        outside = p.masked_fill(self.inside, 0.0).sum(dim=1, keepdim=True)
-        return torch.cat((p.index_select(1, self.columns), outside), dim=1)
+    def project(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``p`` float32 ``[B, W * V]`` over the drafted layout and the other column, ``[B, W * C_q
+        + 1]`` (the last column the mass of every candidate outside the support), and ``p`` outside
+        the support, ``[B, W * V]`` (zero inside it), which :meth:`expand` draws from."""
+        outside = p.masked_fill(self.inside, 0.0)
+        return torch.cat((p.index_select(1, self.columns), outside.sum(dim=1, keepdim=True)), dim=1), outside
 
-    def expand(self, chosen: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def expand(self, chosen: torch.Tensor, outside: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Candidates ``chosen`` of the projected layout (int64 ``[B, K]``) in the whole one: a
-        drafted-layout index maps to its column, the other column to a draw from ``p`` (float32
-        ``[B, W * V]``) over the candidates outside the support (rows without mass there, which
-        never choose it, draw anything)."""
+        drafted-layout index maps to its column, the other column to a draw from ``outside``
+        (:meth:`project`'s, float32 ``[B, W * V]``; rows without mass there, which never choose it,
+        draw anything)."""
         other = chosen == len(self.columns)
         whole = self.columns[chosen.clamp(max=len(self.columns) - 1)]
         if not bool(other.any()):
             return whole
-        outside = p.masked_fill(self.inside, 0.0)
-        weights = torch.where(outside.sum(dim=1, keepdim=True) > 0, outside, 1.0)
-        return torch.where(other, categorical(weights, chosen.shape[1], generator), whole)
+        return torch.where(other, categorical(or_uniform(outside), chosen.shape[1], generator), whole)

@@ -24,7 +24,7 @@ import torch
 from recspec.decoding.acceptance import (RelaxedSampler, acceptance_counts, layer_widths, residual_chain,
                                          strict_accepted, verify_layer)
 from recspec.decoding.beams import Beams, Candidates, Ends, candidates, possible, select_top_k
-from recspec.decoding.categorical import categorical
+from recspec.decoding.categorical import categorical, or_uniform
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.frontier import Frontier, keep_beams, level_beams, level_offsets, where_beams
 from recspec.decoding.rounds import RoundOutcome
@@ -131,7 +131,7 @@ class ForestVerifier:
         batch, device = p.shape[0], p.device
         if drafted is None:  # the bonus layer: straight from p_beam
             width = torch.where(last, self.k, width if self.threshold is not None else self.min_width)
-            chosen = categorical(torch.where(p.sum(dim=1, keepdim=True) > 0, p, 1.0), self.out_width, self.generator)
+            chosen = categorical(or_uniform(p), self.out_width, self.generator)
             slot = torch.full_like(chosen, -1)
             ok, beta = torch.zeros(batch, dtype=torch.bool, device=device), None
         else:
@@ -142,9 +142,10 @@ class ForestVerifier:
             restricted = drafted.proposal.masked_fill(~parent_alive, -torch.inf)
             some = possible(restricted)
             q = torch.where(some, torch.softmax(torch.where(some, restricted, 0.0), dim=1), 0.0)
-            verified = p if support is None else support.project(p)
-            if support is not None:
-                q = torch.nn.functional.pad(q, (0, 1))  # the draft proposes nothing outside its support
+            if support is None:
+                verified, outside = p, None
+            else:
+                (verified, outside), q = support.project(p), torch.nn.functional.pad(q, (0, 1))  # q is 0 outside
             survive = alive.gather(1, drafted.parents) & drafted.real
             count = survive.sum(dim=1)
             chain = residual_chain(verified, q, self.draft_width + 1)
@@ -153,7 +154,7 @@ class ForestVerifier:
             verdict = verify_layer(verified, q, drafted.choice, survive, width, self.out_width, self.generator, chain)
             chosen, slot = verdict.chosen, verdict.slot
             if support is not None:
-                chosen = support.expand(chosen, p, self.generator)
+                chosen = support.expand(chosen, outside, self.generator)
             ok = verdict.accepted >= width
             beta = outcomes.flip(1).cumsum(dim=1).flip(1)[:, self.min_width]
         new = step.extend(previous, chosen, self.space)
