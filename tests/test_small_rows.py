@@ -148,9 +148,9 @@ def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
     markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4, 14), repeats=1, rounds=2, name="rows")
     cells = json.loads((tmp_path / "rows.json").read_text())["cells"]
     assert [(c["nodes"], c["rows_computed"]) for c in cells] == [
-        (1, {"mkl": 2, "mkl_padded": 2, "onednn_plain": 2, "unpacked": 2, "recspec": 2}),
-        (4, {"mkl": 4, "mkl_padded": 4, "onednn_plain": 4, "unpacked": 4, "recspec": 4}),
-        (14, {"mkl": 14, "mkl_padded": 16, "onednn_plain": 14, "unpacked": 14, "recspec": 14})]
+        (1, {"mkl": 2, "mkl_padded": 2, "onednn_plain": 2, "unfused": 2, "unpacked": 2, "recspec": 2}),
+        (4, {"mkl": 4, "mkl_padded": 4, "onednn_plain": 4, "unfused": 4, "unpacked": 4, "recspec": 4}),
+        (14, {"mkl": 14, "mkl_padded": 16, "onednn_plain": 14, "unfused": 14, "unpacked": 14, "recspec": 14})]
     assert all(set(c["runs_ms"]) == set(SETTINGS) and all(len(t) == 2 for t in c["runs_ms"].values())
                and min(c["ms"].values()) > 0 for c in cells)
     assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 |" in markdown

@@ -3,9 +3,10 @@ setting of the small-row products (:mod:`recspec.models.small_rows`): MKL's prod
 count, unpadded and over :func:`~recspec.models.small_rows.padded_rows` rows, oneDNN's linear over
 the plain weights from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on (version 3), and
 recspec's default, oneDNN's linear over packed weights from
-:data:`~recspec.models.small_rows.PACKED_ROWS` rows on; the default also with transformers' own SDPA
-attention instead of recspec's packed grouped-query attention (:mod:`recspec.models.attention`),
-which shows what the attention's packing is worth.
+:data:`~recspec.models.small_rows.PACKED_ROWS` rows on with sibling projections fused
+(:mod:`recspec.models.fused_projections`); the default also without the fusion (version 4), and
+with transformers' own SDPA attention instead of recspec's packed grouped-query attention
+(:mod:`recspec.models.attention`), which show what each is worth.
 
 MKL's products cost a step function of ``n`` on this CPU (multiples of 8 fast, 16 fastest, counts
 in between up to twice as slow), so a tree call's cost is not ``F + r n``; padding computes them
@@ -27,21 +28,22 @@ from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory
                                   write_results)
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
+from recspec.models.fused_projections import use_fused_projections
 from recspec.models.hf import load_causal_lm
 from recspec.models.small_rows import ONEDNN_ROWS, PACKED_ROWS, rows_computed, use_small_row_products
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
-#: Name -> (pad, onednn, pack) of :func:`~recspec.models.small_rows.use_small_row_products` and
-#: whether the attention is packed; "recspec" is the default.
-SETTINGS = {"mkl": (False, False, False, True), "mkl_padded": (True, False, False, True),
-            "onednn_plain": (True, True, False, True), "unpacked": (True, True, True, False),
-            "recspec": (True, True, True, True)}
+#: Name -> (pad, onednn, pack) of :func:`~recspec.models.small_rows.use_small_row_products`,
+#: whether the attention is packed and whether sibling projections are fused; "recspec" is the default.
+SETTINGS = {"mkl": (False, False, False, True, False), "mkl_padded": (True, False, False, True, False),
+            "onednn_plain": (True, True, False, True, False), "unfused": (True, True, True, True, False),
+            "unpacked": (True, True, True, False, True), "recspec": (True, True, True, True, True)}
 
 
 def computed(n: int) -> dict[str, int]:
     """The rows each setting computes a float32 call over ``n`` nodes with
     (:func:`~recspec.models.small_rows.rows_computed`)."""
-    return {setting: rows_computed(n, pad, onednn, pack) for setting, (pad, onednn, pack, _) in SETTINGS.items()}
+    return {setting: rows_computed(n, pad, onednn, pack) for setting, (pad, onednn, pack, _, _) in SETTINGS.items()}
 
 
 def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, repeats: int = 5,
@@ -55,8 +57,10 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
         runs: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
         for r in range(rounds):
             for setting in turn_order(tuple(SETTINGS), r):
-                pad, onednn, pack, packed = SETTINGS[setting]
+                pad, onednn, pack, packed, fused = SETTINGS[setting]
                 use_small_row_products(lm, pad, onednn, pack)
+                if fused:
+                    use_fused_projections(lm)
                 lm.set_attn_implementation(PACKED_SDPA if packed else "sdpa")
                 runs[setting].append(1e3 * measure_call_cost(lm, 1, n, repeats, past_len=past))
         ms = {setting: statistics.median(times) for setting, times in runs.items()}
@@ -64,18 +68,21 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                       "speedup_over_mkl": ms["mkl"] / ms["recspec"],
                       "speedup_over_mkl_padded": ms["mkl_padded"] / ms["recspec"],
                       "speedup_over_onednn_plain": ms["onednn_plain"] / ms["recspec"],
+                      "speedup_over_unfused": ms["unfused"] / ms["recspec"],
                       "speedup_over_unpacked": ms["unpacked"] / ms["recspec"]})
-    use_small_row_products(lm)
+    use_fused_projections(use_small_row_products(lm))
     lm.set_attn_implementation(PACKED_SDPA)
     one = cells[0]["ms"]["recspec"] if sizes[0] == 1 else None
-    table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "oneDNN plain ms", "unpacked attention ms",
-                            "recspec ms", "x MKL", "x MKL padded", "x oneDNN plain", "x unpacked"]
+    table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "oneDNN plain ms", "unfused ms",
+                            "unpacked attention ms", "recspec ms", "x MKL", "x MKL padded", "x oneDNN plain",
+                            "x unfused", "x unpacked"]
                            + (["recspec x one node"] if one else []),
                            [[c["nodes"], round(c["ms"]["mkl"], 1),
                              f"{c['ms']['mkl_padded']:.1f} ({c['rows_computed']['mkl_padded']})",
-                             round(c["ms"]["onednn_plain"], 1), round(c["ms"]["unpacked"], 1),
-                             round(c["ms"]["recspec"], 1), f"{c['speedup_over_mkl']:.2f}x",
-                             f"{c['speedup_over_mkl_padded']:.2f}x", f"{c['speedup_over_onednn_plain']:.2f}x",
+                             round(c["ms"]["onednn_plain"], 1), round(c["ms"]["unfused"], 1),
+                             round(c["ms"]["unpacked"], 1), round(c["ms"]["recspec"], 1),
+                             f"{c['speedup_over_mkl']:.2f}x", f"{c['speedup_over_mkl_padded']:.2f}x",
+                             f"{c['speedup_over_onednn_plain']:.2f}x", f"{c['speedup_over_unfused']:.2f}x",
                              f"{c['speedup_over_unpacked']:.2f}x"]
                             + ([f"{c['ms']['recspec'] / one:.2f}"] if one else []) for c in cells])
     markdown = (f"# One call of {model} by rows fed, under each setting of the small-row products\n\n"
@@ -83,8 +90,10 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                 f"{rounds} rounds, settings in turn. MKL: `W @ x.T` for every row count (one row as two), "
                 f"padded: over `padded_rows` rows; oneDNN plain: oneDNN's linear over the plain weights from "
                 f"{ONEDNN_ROWS} rows on (version 3); recspec: oneDNN's linear over packed weights from "
-                f"{PACKED_ROWS} rows on, MKL below; every setting with recspec's packed grouped-query attention "
-                f"but 'unpacked', recspec's products with transformers' SDPA attention.\n\n{table}\n")
+                f"{PACKED_ROWS} rows on, MKL below, sibling projections (q, k, v; gate, up) fused over "
+                f"{PACKED_ROWS} rows or more; unfused: the same without the fusion (version 4); every setting "
+                f"with recspec's packed grouped-query attention but 'unpacked', recspec's products with "
+                f"transformers' SDPA attention.\n\n{table}\n")
     results: dict[str, Any] = {"model": model, "past": past, "repeats": repeats, "rounds": rounds,
                                "onednn_rows": ONEDNN_ROWS, "packed_rows": PACKED_ROWS, "cells": cells}
     write_results(out, name, results, markdown)
@@ -97,6 +106,7 @@ def _plot(path: Path, cells: list[dict[str, Any]], model: str) -> None:
     nodes = [c["nodes"] for c in cells]
     for setting, style, label in (("mkl", ":^", "MKL"), ("mkl_padded", "--s", "MKL, padded rows"),
                                   ("onednn_plain", "--d", f"oneDNN over plain weights from {ONEDNN_ROWS} rows"),
+                                  ("unfused", "-+", "recspec without fused projections"),
                                   ("unpacked", "-.x", "recspec products, transformers' attention"),
                                   ("recspec", "-o", f"recspec (oneDNN over packed weights from {PACKED_ROWS} rows, "
                                                     "packed attention)")):

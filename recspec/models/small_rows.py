@@ -55,8 +55,9 @@ PACK_ROWS = 16
 #: The version of the small-row forward. Kept timing records (:mod:`recspec.calibration`) carry it,
 #: so a change to how calls are computed has them measured again: 2 made products row-major and one
 #: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN; 4 computes
-#: 3..128 rows with oneDNN over packed weights.
-PRODUCTS_VERSION = 4
+#: 3..128 rows with oneDNN over packed weights; 5 fuses sibling projections
+#: (:mod:`recspec.models.fused_projections`).
+PRODUCTS_VERSION = 5
 
 
 def padded_rows(rows: int) -> int:
@@ -118,25 +119,26 @@ class KeptWeight:
 
     The key is the weight's memory (data pointer, shape, strides) and version, not the tensor
     object, so views of one weight share a copy (``weight.detach()`` shares the version counter: a
-    text head over the target's own output layer uses the target's pack). The weight the copy was
-    made from is held, so its memory cannot be given to another tensor while the key stands."""
+    text head over the target's own output layer uses the target's pack). The weights the copy was
+    made from are held, so their memory cannot be given to another tensor while the key stands."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.packed: object | None = None
-        self.source: torch.Tensor | None = None
+        self.source: list[torch.Tensor] | None = None
 
     def make(self, weight: torch.Tensor) -> object:
         """The copy of ``weight`` (detached) this kind keeps."""
         raise NotImplementedError
 
-    def of(self, weight: torch.Tensor) -> object:
-        """The kept copy of ``weight`` ``[out, in]``, made again if the weight changed."""
-        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(),
-               0 if weight.is_inference() else weight._version)
+    def of(self, *weights: torch.Tensor) -> object:
+        """The kept copy of ``weights`` ``[out_i, in]`` (one weight, or several concatenated along
+        their outputs), made again if one of them changed."""
+        key = tuple((weight.data_ptr(), tuple(weight.shape), weight.stride(),
+                     0 if weight.is_inference() else weight._version) for weight in weights)
         if self.packed is None or key != self.key:
-            self.source = weight.detach()
-            self.packed = self.make(self.source)
+            self.source = [weight.detach() for weight in weights]
+            self.packed = self.make(self.source[0] if len(weights) == 1 else torch.cat(self.source))
             self.key = key
         return self.packed
 

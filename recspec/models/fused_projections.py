@@ -1,0 +1,100 @@
+"""Sibling linear layers that read the same input, computed as one product over 3 or more rows.
+
+A decoder layer of a Llama-family model projects the same hidden states three times for attention
+(``q_proj``, ``k_proj``, ``v_proj``) and twice for its MLP (``gate_proj``, ``up_proj``). Over 3-128
+rows on the CPU each is oneDNN's product over its packed weight (:mod:`recspec.models.small_rows`),
+and the small ones stream their weights badly: SmolLM2's 192 x 576 key and value products take
+4x the time their weights take to read (BENCHMARKS.md "Packed oneDNN weights"). One product over
+the concatenated weights, packed once, streams them together: a SmolLM2 call over 3-16 rows is
+1.05-1.08x faster (BENCHMARKS.md "Fused projections", paired calls side by side). The outputs
+are bit-identical: oneDNN computes every output column with the same summation whatever columns
+share the product. One and two rows (MKL's product, every plain decoding step) are computed by
+each sibling alone: fused there, they were 1.03x slower.
+
+transformers calls the siblings one after another on the same tensor (``self.q_proj(hidden_states)``,
+then ``k_proj``, then ``v_proj``), so :class:`FusedProjections` needs no change to the model's own
+code: the first sibling's forward computes every sibling's output and keeps the others' for their
+own calls on that same tensor object; any other call (another input, 1-2 rows, a product that
+needs a gradient, a sibling called first out of turn) is computed by the sibling alone, as before.
+The kept outputs and the tensor they belong to are replaced in one assignment, so two threads
+running the same model never take each other's outputs. The packed concatenation replaces the
+siblings' own packs: no memory is added.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from recspec.models.small_rows import MAX_SMALL_ROWS, PACKED_ROWS, OneDnnPack, SmallRowForward, has_onednn, needs_grad
+
+#: The sibling groups fused, by attribute name.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedProjections:
+    """``layers`` (linear layers with the small-row forward, one input width, all with a bias or
+    none) computed as one product where :meth:`fuses` says so (module doc)."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self.layers = layers
+        self.own = [layer.forward for layer in layers]  # each sibling alone
+        self.widths = [layer.out_features for layer in layers]
+        self.pack = OneDnnPack()
+        self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+
+    def fuses(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether a call over ``x`` (``rows`` rows) is one product: oneDNN's packed product computes
+        it (the CPU, float32, :data:`~recspec.models.small_rows.PACKED_ROWS` to 128 rows) and no
+        gradient is asked for."""
+        weight, bias = self.layers[0].weight, self.layers[0].bias
+        return (PACKED_ROWS <= rows <= MAX_SMALL_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype
+                and has_onednn(x.dtype) and not needs_grad(x, weight, bias))
+
+    def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Sibling ``index``'s output over ``x`` ``[..., in]``: ``[..., out_index]``."""
+        kept = self.kept
+        if kept is not None and kept[0] is x:
+            part = kept[1].pop(index, None)
+            if part is not None:
+                return part
+        rows = x.numel() // x.shape[-1] if index == 0 and x.shape[-1] else 0
+        if not self.fuses(x, rows):
+            return self.own[index](x)
+        bias = None if self.layers[0].bias is None else torch.cat([layer.bias for layer in self.layers])
+        packed = self.pack.of(*(layer.weight for layer in self.layers))
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias, "none",
+                                                 [], "")
+        parts = [part.contiguous().view(*x.shape[:-1], width) for part, width in
+                 zip(out.split(self.widths, dim=1), self.widths)]
+        self.kept = (x, dict(enumerate(parts[1:], start=1)))
+        return parts[0]
+
+    def __getstate__(self) -> dict:
+        """A copy of the model (``copy.deepcopy``, a framework serialising it) keeps no outputs."""
+        return {**self.__dict__, "kept": None}
+
+
+def fusable(layers: list[object]) -> bool:
+    """Whether ``layers`` can be one product: linear layers with the small-row forward, one input
+    width, each with a bias or none of them."""
+    return (all(isinstance(layer, nn.Linear) and isinstance(layer.forward, SmallRowForward) for layer in layers)
+            and len({layer.in_features for layer in layers}) == 1
+            and len({layer.bias is None for layer in layers}) == 1)
+
+
+def use_fused_projections(model: nn.Module) -> nn.Module:
+    """Fuse every group of :data:`SIBLINGS` of ``model`` (in place, after
+    :func:`~recspec.models.small_rows.use_small_row_products`; groups whose layers do not qualify,
+    :func:`fusable`, are left as they are): each sibling's forward becomes its group's call with
+    its index; returns ``model``."""
+    for module in list(model.modules()):
+        for names in SIBLINGS:
+            layers = [getattr(module, name, None) for name in names]
+            if fusable(layers):
+                group = FusedProjections(layers)
+                for index, layer in enumerate(layers):
+                    layer.forward = functools.partial(group, index)
+    return model
