@@ -180,50 +180,14 @@ def test_dynamic_width_and_one_cache(tiny) -> None:
     _, random = dsbd_beam_search(target, draft, [prompt] * 50, trie, 2, PAD, config)
     inner = lambda s: (s.width_sum - 2) / (s.steps - 1)  # noqa: E731  mean width before the last layer
     assert (inner(perfect) == 4).all() and float(inner(random).mean()) < 4 and bool((inner(random) < 4).any())
-    one = DSBDConfig(gamma=1, draft_width=4, min_width=2, one_cache=True, merge=False)
+    one = DSBDConfig(gamma=1, draft_width=4, min_width=2, one_cache=True)
     topk, stats = dsbd_beam_search(target, draft, [prompt] * 50, trie, 2, PAD, one)
     assert (topk.items >= 0).all()
     # the first round feeds the prompt and one drafted layer of 4; every later round one input beam and
     # the layers it drafts
     assert torch.equal(stats.tree_nodes, 4 + (stats.rounds - 1) + 4 * (stats.drafted_steps - 1))
-    _, full = dsbd_beam_search(target, draft, [prompt] * 50, trie, 2, PAD, DSBDConfig(gamma=1, draft_width=4,
-                                                                                     merge=False))
+    _, full = dsbd_beam_search(target, draft, [prompt] * 50, trie, 2, PAD, DSBDConfig(gamma=1, draft_width=4))
     assert bool((full.tree_nodes > 4 + (full.rounds - 1) + 4 * (full.drafted_steps - 1)).any())
-
-
-@pytest.mark.parametrize("one_cache", (False, True), ids=["beams", "one-cache"])
-def test_repeats_fed_once_decide_as_the_whole_tree(tiny, one_cache: bool) -> None:
-    """Feeding each repeated beam and draft once (``merge``, the default) changes no decision: the
-    same items, scores and counters as the unmerged tree for the same seed, over prompts of
-    different lengths in one batch (rows with different numbers of distinct nodes), with fewer
-    tree nodes fed (the tiny trie's draws repeat often)."""
-    target, draft, trie, prompt = tiny
-    prompts = [prompt, prompt[:3], prompt[1:], prompt[2:]] * 10
-    runs = {}
-    for merge in (True, False):
-        config = DSBDConfig(gamma=2, draft_width=4, min_width=2, threshold=0.3, one_cache=one_cache, seed=5,
-                            merge=merge)
-        runs[merge] = dsbd_beam_search(target, draft, prompts, trie, 2, PAD, config, batch_size=20)
-    (merged, merged_stats), (whole, whole_stats) = runs[True], runs[False]
-    assert torch.equal(merged.items, whole.items) and torch.equal(merged.tokens, whole.tokens)
-    torch.testing.assert_close(merged.scores, whole.scores)
-    for name in ("accepted_steps", "drafted_steps", "rounds", "width_sum", "steps"):
-        assert torch.equal(getattr(merged_stats, name), getattr(whole_stats, name)), name
-    torch.testing.assert_close(merged_stats.beta_sum, whole_stats.beta_sum)
-    assert float(merged_stats.tree_nodes.sum()) < 0.9 * float(whole_stats.tree_nodes.sum())
-
-
-def test_merging_repeats_numbers_nodes_by_first_draw() -> None:
-    """Two rows of five draws: equal live keys share a node, dead draws share one, nodes are numbered
-    in the order of their first draws, and the row with fewer nodes is padded."""
-    from recspec.decoding.draft_tree import merge_repeats
-
-    keys = torch.tensor([[7, 3, 7, 3, 9], [4, 4, 4, 1, 4]])
-    live = torch.tensor([[True, True, True, True, True], [True, False, True, False, True]])
-    draws, sources, padding = merge_repeats(keys, live)
-    assert draws.tolist() == [[0, 1, 0, 1, 2], [0, 1, 0, 1, 0]]
-    assert sources.tolist() == [[0, 1, 4], [0, 1, 0]]
-    assert padding.tolist() == [[False, False, False], [False, False, True]]
 
 
 def test_text_dsbd_drafts_as_many_beams_a_layer_as_it_keeps_unless_told() -> None:

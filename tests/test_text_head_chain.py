@@ -375,35 +375,6 @@ def test_spec_sample_with_a_head_on_smollm2(monkeypatch, smollm2_dir) -> None:
     assert_true_inputs(model, head, prompts, result.tokens, recording)
 
 
-def test_dsbd_on_smollm2_feeds_repeats_once_and_writes_the_same_texts(smollm2_dir) -> None:
-    """The real SmolLM2 drafted by an untrained head over a reduced vocabulary, a batch of three
-    prompts of different lengths, three seeds: DSBD feeding each repeated beam and draft once (the
-    default) writes the texts that feeding every draw writes, with the same rounds and accepted
-    layers, and feeds the target fewer tree nodes."""
-    from recspec.hub import load_tokenizer
-    from recspec.models.hf import load_causal_lm
-
-    model, tokenizer = load_causal_lm(smollm2_dir), load_tokenizer(smollm2_dir)
-    prompts = [torch.tensor(tokenizer.encode(words)) for words in
-               ("The film is a quiet drama about", "My favourite movie is",
-                "Tell me about a science fiction movie set on a ship where")]
-    head = TextHeadDraft(new_text_head(model, torch.arange(4096), seed=5).eval(), model)
-    nodes = {True: 0.0, False: 0.0}
-    for seed in (1, 2, 3):
-        runs = {merge: generate("dsbd", model, head, prompts, TextOptions(max_new_tokens=12, gamma=2, beams=2,
-                                                                           seed=seed, merge=merge),
-                                pad_token_id=tokenizer.pad_token_id, eos=tokenizer.eos_token_id)
-                for merge in (True, False)}
-        assert runs[True].tokens == runs[False].tokens, seed
-        merged, whole = runs[True].stats, runs[False].stats
-        assert merged is not None and whole is not None
-        for name in ("rounds", "accepted_steps", "steps"):
-            assert torch.equal(getattr(merged, name), getattr(whole, name)), (seed, name)
-        nodes[True] += float(merged.tree_nodes.sum())
-        nodes[False] += float(whole.tree_nodes.sum())
-    assert nodes[True] < nodes[False]
-
-
 def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_path, capsys) -> None:
     """`recspec generate --draft HEAD`: a head folder is loaded against the target and drafts for
     spec-sample and dsbd; `bench sampling --draft HEAD` measures every drafted method with the head

@@ -78,9 +78,6 @@ FLOAT32_HEAD: dict[str, tuple[str, dict[str, Any], str]] = {
     "spec-sample-fp32": ("spec-sample", {}, "sample"),
     "dsbd-one-cache-fp32": ("dsbd", {"one_cache": True}, "beam-sample"),
 }
-#: Rows run only when asked for (``--method``): DSBD feeding every draw as its own node, side by side
-#: with the default, which feeds repeated beams and drafts once (the same texts).
-UNMERGED = {"dsbd-unmerged": ("dsbd", {"merge": False}, "beam-sample")}
 #: Labels run in the tree loop (:mod:`recspec.knowledge.sampled`: one uniform per text position;
 #: ``spec-sample-tree`` verifies a text head's trees by the target's draw at every node).
 TREE_LABELS = ("sample-tree", "spec-sample-tree")
@@ -222,7 +219,7 @@ def text_methods(chosen: Sequence[str] | None) -> dict[str, tuple[str, dict[str,
     """The rows of :data:`TEXT_METHODS` to run: ``chosen`` (all for None) and each one's baseline."""
     if chosen is None:
         return dict(TEXT_METHODS)
-    known = {**TEXT_METHODS, **FLOAT32_HEAD, **UNMERGED}
+    known = {**TEXT_METHODS, **FLOAT32_HEAD}
     unknown = sorted(set(chosen) - set(known))
     if unknown:
         raise RecspecError(f"unknown sampling method {unknown[0]!r}; choose from {', '.join(known)}")

@@ -194,7 +194,7 @@ class TextTreeDraft:
         features = self.head.read(features)
         tokens, visible, positions, _ = fed_block(levels, prompts)
         if prompts is None:
-            nodes, parents = features, [self.head.read(levels[0].per_node(front.features))]
+            nodes, parents = features, [self.head.read(front.features)]
             first = torch.zeros_like(front.lengths)
         else:  # the first round: every prompt column's parent is the column before it
             prompt_len = prompts.input_ids.shape[1]
@@ -214,14 +214,13 @@ class TextTreeDraft:
 
 def parent_features(levels: list[Level], front: Frontier, guessed: list[torch.Tensor]) -> torch.Tensor:
     """The features a head's inputs at the round's newest level take, ``[B, n, H]``: the target's
-    at the beams' parents on level 0 (:attr:`Frontier.features`, per beam: a merged level 0 takes
-    each node's first beam's), the head's own guesses at the nodes' parents (``guessed``: per
-    earlier level of the round, ``[B, n_j, H]``) deeper."""
+    at the beams' parents on level 0 (:attr:`Frontier.features`), the head's own guesses at the
+    nodes' parents (``guessed``: per earlier level of the round, ``[B, n_j, H]``) deeper."""
     j = len(levels) - 1
     if j == 0:
         if front.features is None:
             raise RuntimeError("a head drafts from the target's features: the first round must draft nothing")
-        return levels[0].per_node(front.features)
+        return front.features
     previous = guessed[j - 1]
     return previous.gather(1, levels[j].parents[:, :, None].expand(-1, -1, previous.shape[2]))
 

@@ -11,15 +11,6 @@ Node visibility is the decoders' one representation (:mod:`recspec.decoding.tree
 ``visible[b, i]`` over the ``T`` cached positions plus the nodes fed so far, True for the user's
 real prompt tokens, the node's cached and in-tree ancestors, and the node itself. Level ``j``'s
 rows are its parents' rows plus the new diagonal (:func:`~recspec.decoding.tree.child_rows`).
-
-**Draws and nodes.** A level is a set of *draws* (a drafter's proposals, a round's input beams),
-each the child of one draw of the level before it. Sampled draws repeat (DSBD draws its beams and
-drafts independently, with replacement): a *merged* level feeds each distinct sequence once, as
-one node, and keeps which node each draw is (``draws``) and which draw of the previous level it
-continues (``drawn_from``). The target's and the draft's distributions at a node are those of
-every draw of it, so verification reads them per draw (:meth:`Level.at_draws`) and decides
-exactly as over the unmerged level; only the fed rows, the caches and the visibility are per
-node.
 """
 
 from __future__ import annotations
@@ -45,11 +36,8 @@ class Level:
     ``positions``: int64 ``[B, n]``; ``paths``: int64 ``[B, n, L]``, the node's whole identifier
     prefix (zeros past its depth). Sampled levels (relaxed verification) also keep the draft's
     step distribution they were drawn from: ``proposal``, float32 ``[B, n_prev * C]``, log q_beam
-    over the previous level's *draws'* candidates (:class:`~recspec.decoding.beams.Candidates`
-    layout), and ``choice``, int64 ``[B, c]``, each draw's index in it. A merged level (module doc)
-    keeps ``draws``, int64 ``[B, c]``, the node of each of its ``c`` draws, and ``drawn_from``,
-    int64 ``[B, c]``, the draw of the previous level each continues (``-1`` on level 0); None: one
-    draw per node (``c = n``), the node's parent its draw's.
+    over the previous level's candidates (:class:`~recspec.decoding.beams.Candidates` layout),
+    and ``choice``, int64 ``[B, n]``, each node's index in it.
     """
 
     tokens: torch.Tensor
@@ -61,40 +49,10 @@ class Level:
     paths: torch.Tensor
     proposal: torch.Tensor | None = None
     choice: torch.Tensor | None = None
-    draws: torch.Tensor | None = None
-    drawn_from: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
-        """``n``, the level's nodes (fed rows)."""
         return self.tokens.shape[1]
-
-    @property
-    def count(self) -> int:
-        """``c``, the level's draws."""
-        return self.width if self.draws is None else self.draws.shape[1]
-
-    @property
-    def draw_parents(self) -> torch.Tensor:
-        """int64 ``[B, c]``: the draw of the previous level each draw continues."""
-        return self.parents if self.drawn_from is None else self.drawn_from
-
-    def at_draws(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-node ``values`` ``[B, n, ...]`` per draw, ``[B, c, ...]``."""
-        return values if self.draws is None else rows_at(values, self.draws)
-
-    def node_of(self, draws: torch.Tensor) -> torch.Tensor:
-        """int64: the node of each of the level's draws ``draws`` (int64 ``[B, k]``)."""
-        return draws if self.draws is None else self.draws.gather(1, draws)
-
-    def per_node(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-draw ``values`` ``[B, c, ...]`` per node, ``[B, n, ...]``: each node's first draw's
-        (a padding node's: draw 0's)."""
-        if self.draws is None:
-            return values
-        draws = torch.arange(self.count, device=values.device).expand_as(self.draws)
-        first = torch.zeros_like(self.nodes).scatter_reduce_(1, self.draws, draws, "amin", include_self=False)
-        return rows_at(values, first)
 
     @property
     def real(self) -> torch.Tensor:
@@ -102,57 +60,22 @@ class Level:
         return self.nodes >= 0
 
 
-def rows_at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``values`` ``[B, n, ...]`` at the rows ``index`` (int64 ``[B, k]``) of each batch row:
-    ``[B, k, ...]``."""
-    return values.gather(1, index.view(*index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:]))
-
-
-def merge_repeats(keys: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Repeated draws as one node each: ``keys`` int64 ``[B, c, ...]`` (two live draws of a row
-    with equal keys are the same sequence), ``live`` bool ``[B, c]`` (the dead draws of a row are
-    one node). Returns each draw's node, int64 ``[B, c]`` (nodes numbered in the order of their
-    first draws), each node's first draw, int64 ``[B, n]`` (``n``: the most nodes of a row), and
-    ``padding``, bool ``[B, n]``: the nodes past a row's own count (their first draw is draw 0)."""
-    equal = (keys[:, :, None] == keys[:, None, :]).view(*keys.shape[:2], keys.shape[1], -1).all(dim=3)
-    same = (equal & live[:, :, None] & live[:, None, :]) | (~live[:, :, None] & ~live[:, None, :])
-    batch, count = live.shape
-    order = torch.arange(count, device=live.device)
-    first = same.to(torch.uint8).argmax(dim=2)  # the first draw of the same sequence
-    new = first == order
-    rank = new.cumsum(dim=1) - 1
-    nodes = int(new.sum(dim=1).max())
-    sources = torch.zeros(batch, nodes + 1, dtype=torch.int64, device=live.device).scatter_(
-        1, torch.where(new, rank, nodes), order.expand(batch, count))[:, :nodes]
-    return rank.gather(1, first), sources, order[None, :nodes] > rank[:, -1:]
-
-
 def child_level(parent: Level, parents: torch.Tensor, tokens: torch.Tensor, nodes: torch.Tensor,
                 scores: torch.Tensor, depth: torch.Tensor, proposal: torch.Tensor | None = None,
-                choice: torch.Tensor | None = None, merge: bool = False) -> Level:
-    """The next level: draw ``i`` continues ``parent``'s draw ``parents[b, i]`` with ``tokens[b, i]``.
+                choice: torch.Tensor | None = None) -> Level:
+    """The next level: node ``i`` continues ``parent`` node ``parents[b, i]`` with ``tokens[b, i]``.
 
     ``depth``: int64 ``[B]``, each user's depth of the *new* level (its tokens go to column
-    ``depth - 1`` of the paths). ``parents``, ``tokens``, ``nodes``, ``scores`` are ``[B, c]``;
-    ``proposal`` and ``choice`` as in :class:`Level`; ``merge``: repeated draws (the same parent
-    node and token) become one node (see the module doc), else each draw is a node.
+    ``depth - 1`` of the paths). ``parents``, ``tokens``, ``nodes``, ``scores`` are ``[B, n]``;
+    ``proposal`` and ``choice`` as in :class:`Level`.
     """
-    node_parents = parent.node_of(parents)
-    draws = drawn_from = None
-    if merge:
-        draws, sources, padding = merge_repeats(torch.stack((node_parents, tokens), dim=2), nodes >= 0)
-        node_parents, tokens = node_parents.gather(1, sources), tokens.gather(1, sources)
-        nodes = nodes.gather(1, sources).masked_fill(padding, -1)
-        scores = scores.gather(1, sources).masked_fill(padding, -torch.inf)
-        drawn_from = parents
     n = tokens.shape[1]
-    paths = rows_at(parent.paths, node_parents).clone()
+    paths = parent.paths.gather(1, parents[:, :, None].expand(-1, -1, parent.paths.shape[2])).clone()
     column = (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, n, 1)
     paths.scatter_(2, column, tokens[:, :, None])
-    return Level(tokens=tokens, nodes=nodes, parents=node_parents, scores=scores,
-                 visible=child_rows(parent.visible, node_parents),
-                 positions=parent.positions.gather(1, node_parents) + 1, paths=paths, proposal=proposal,
-                 choice=choice, draws=draws, drawn_from=drawn_from)
+    return Level(tokens=tokens, nodes=nodes, parents=parents, scores=scores,
+                 visible=child_rows(parent.visible, parents), positions=parent.positions.gather(1, parents) + 1,
+                 paths=paths, proposal=proposal, choice=choice)
 
 
 def stacked(levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

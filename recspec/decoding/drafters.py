@@ -63,9 +63,9 @@ from recspec.itemids.trie import ItemTrie
 
 
 def _child(parent: Level, chosen: Beams, depth: torch.Tensor, proposal: torch.Tensor | None = None,
-           choice: torch.Tensor | None = None, merge: bool = False) -> Level:
+           choice: torch.Tensor | None = None) -> Level:
     return child_level(parent, chosen.parents, chosen.tokens[:, :, -1], chosen.nodes, chosen.scores, depth, proposal,
-                       choice, merge)
+                       choice)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,6 @@ class TopNDrafter:
     trie: ItemTrie
     n: int
     planner: Callable[[bool, int], tuple[int, ...]] | None = None
-    merge = False  # top-N children are distinct
 
     def widths(self, first: bool, remaining: int, drafted: int) -> tuple[int, ...]:
         return self.planner(first, remaining) if self.planner is not None else (self.n,) * drafted
@@ -92,9 +91,7 @@ class TopNDrafter:
 class SampledDrafter:
     """``count`` draws per level from the draft's warped ``q_beam`` over ``space`` (an item trie or
     :class:`~recspec.decoding.space.FreeText`; independent with ``replacement``, else distinct);
-    ``ends`` (text): finished prefixes continue with the end token at probability 1; ``merge``:
-    repeated draws, and repeated beams of a round's level 0, are fed as one node
-    (:mod:`~recspec.decoding.draft_tree`)."""
+    ``ends`` (text): finished prefixes continue with the end token at probability 1."""
 
     space: ItemTrie
     warp: Warp
@@ -102,22 +99,19 @@ class SampledDrafter:
     generator: torch.Generator
     replacement: bool
     ends: Ends | None = None
-    merge: bool = False
 
     def widths(self, first: bool, remaining: int, drafted: int) -> tuple[int, ...]:
         return (self.count,) * drafted
 
     def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor,
                 width: int) -> Level:
-        """``width`` is :meth:`widths`' ``count`` (a sampled level's draws); ``log_q`` is per node of
-        ``parent``, the draws are made from its draws' candidates."""
-        start = level_beams(parent, front.beams.margin)
-        log_q = parent.at_draws(log_q)
+        """``width`` is :meth:`widths`' ``count`` (a sampled level's draws)."""
         if self.ends is not None:
-            log_q = self.ends.absorb(start.nodes, log_q)
+            log_q = self.ends.absorb(parent.nodes, log_q)
+        start = level_beams(parent, front.beams.margin)
         step = candidates(start, log_q, self.space, self.warp, self.count)
         choice = draw(step.log_beam, self.count, self.generator, self.replacement)
-        return _child(parent, step.extend(start, choice, self.space), depth, step.log_beam, choice, self.merge)
+        return _child(parent, step.extend(start, choice, self.space), depth, step.log_beam, choice)
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,6 @@ or over the free vocabulary for text (:mod:`recspec.decoding.text`).
    over those candidates plus one column for all the others, which the draft never proposes
    (:mod:`recspec.decoding.support`: the same decisions and draws, over ``W |D| + 1`` columns
    instead of ``W V``).
-7. *Repeats fed once*: beams and drafts are independent draws, so they repeat (on SmolLM2 with the
-   text head, about a fifth of a round's input beams and an eighth of its drafts). A repeated draw
-   is the same sequence as an earlier one, so both models give it the same distributions: each
-   distinct sequence is one node of the round's tree (one row of each call, one cache column), and
-   verification reads every draw's distributions from its node
-   (:mod:`~recspec.decoding.draft_tree`). Every decision is the one the unmerged tree makes.
 
 The verification rules are :func:`~recspec.decoding.acceptance.verify_layer` and its helpers, the
 layer loop :class:`~recspec.decoding.verifiers.ForestVerifier`, the draft forest
@@ -94,8 +88,7 @@ class DSBDConfig:
     ``draft_width``: ``W_S``, draft beams per layer; ``min_width``: ``W_min``, and the fixed width
     ``W_L`` when ``threshold`` is None; ``threshold``: ``t`` in [0, 1] of the dynamic width (Eq.
     7); ``one_cache``: section 3.4's memory mode; ``warp``: the sampling warping of both models'
-    joint distributions; ``seed``: of every draw; ``merge``: feed repeated beams and drafts once
-    (the same decisions, fewer rows; point 7 of the module doc)."""
+    joint distributions; ``seed``: of every draw."""
 
     gamma: int | None = None
     draft_width: int = 4
@@ -104,7 +97,6 @@ class DSBDConfig:
     one_cache: bool = False
     warp: Warp = Warp()
     seed: int = 0
-    merge: bool = True
 
     def check(self, max_gamma: int) -> None:
         """Raise :class:`RecspecError` for settings DSBD cannot run with (before any work)."""
@@ -173,8 +165,7 @@ def dsbd_batch(target, draft, prompts: Prompts, space, k: int, config: DSBDConfi
             front.beams.nodes
 
     draft_space = drafted_space(draft, space, ends)
-    drafter = SampledDrafter(draft_space, config.warp, config.draft_width, generator, replacement=True, ends=ends,
-                             merge=config.merge)
+    drafter = SampledDrafter(draft_space, config.warp, config.draft_width, generator, replacement=True, ends=ends)
     verifier = ForestVerifier(space, ends, config.warp, k, config.min_width, config.draft_width, config.threshold,
                               config.one_cache, out_width, generator,
                               None if draft_space is space else draft_space.tokens)

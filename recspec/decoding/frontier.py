@@ -13,7 +13,7 @@ import torch
 from recspec.decoding.beams import Beams
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.cache import compact, select_rows
-from recspec.decoding.draft_tree import Level, merge_repeats, rows_at, stacked
+from recspec.decoding.draft_tree import Level, stacked
 from recspec.decoding.tree import child_rows
 
 
@@ -50,29 +50,19 @@ def root_frontier(prompts: Prompts, space) -> Frontier:
                     users=torch.arange(batch, device=space.device))
 
 
-def level_zero(front: Frontier, prompts: Prompts | None, merge: bool = False) -> Level:
+def level_zero(front: Frontier, prompts: Prompts | None) -> Level:
     """The round's first level: the pending beams, or (``prompts`` given, first round) the root,
-    which is the prompt's last token and sees the prompt. ``merge``: beams that repeat an earlier
-    one (the same prefix) are one node (:mod:`~recspec.decoding.draft_tree`: each beam a draw)."""
+    which is the prompt's last token and sees the prompt."""
     batch, k = front.beams.nodes.shape
     if prompts is not None:
         return Level(tokens=prompts.input_ids[:, -1:], nodes=front.beams.nodes, parents=torch.full_like(
             front.beams.nodes, -1), scores=front.beams.scores, visible=front.visible,
             positions=(front.lengths - 1)[:, None], paths=front.paths)
     tokens = front.paths.gather(2, (front.depth - 1)[:, None, None].expand(-1, k, 1))[:, :, 0]
-    nodes, scores, paths = front.beams.nodes, front.beams.scores, front.paths
-    draws = drawn_from = None
     own = torch.arange(k, device=tokens.device).expand(batch, k)  # each beam continues itself
-    if merge:
-        draws, own, padding = merge_repeats(paths, scores.isfinite())
-        tokens, paths = tokens.gather(1, own), rows_at(paths, own)
-        nodes, scores = nodes.gather(1, own).masked_fill(padding, -1), scores.gather(1, own).masked_fill(
-            padding, -torch.inf)
-        drawn_from = torch.full_like(draws, -1)
-    return Level(tokens=tokens, nodes=nodes, parents=torch.full_like(tokens, -1), scores=scores,
-                 visible=child_rows(front.visible, own),
-                 positions=(front.lengths + front.depth - 1)[:, None].expand(-1, tokens.shape[1]), paths=paths,
-                 draws=draws, drawn_from=drawn_from)
+    return Level(tokens=tokens, nodes=front.beams.nodes, parents=torch.full_like(tokens, -1),
+                 scores=front.beams.scores, visible=child_rows(front.visible, own),
+                 positions=(front.lengths + front.depth - 1)[:, None].expand(-1, k), paths=front.paths)
 
 
 def level_offsets(levels: Sequence[Level]) -> list[int]:
@@ -84,9 +74,9 @@ def level_offsets(levels: Sequence[Level]) -> list[int]:
 
 
 def level_beams(level: Level, margin: torch.Tensor) -> Beams:
-    """A level's draws as beams (one-token histories: the last token; ``margin`` ``[B]``)."""
-    return Beams(scores=level.at_draws(level.scores), nodes=level.at_draws(level.nodes),
-                 tokens=level.at_draws(level.tokens)[:, :, None], parents=level.draw_parents, margin=margin)
+    """A level's nodes as beams (one-token histories: the last token; ``margin`` ``[B]``)."""
+    return Beams(scores=level.scores, nodes=level.nodes, tokens=level.tokens[:, :, None], parents=level.parents,
+                 margin=margin)
 
 
 def where_beams(rows: torch.Tensor, new: Beams, old: Beams) -> Beams:
@@ -122,7 +112,7 @@ def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch
 def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
     """The frontier with, per user, the beams ``order`` (int64 ``[B, K']``) in that order."""
     def pick(t: torch.Tensor) -> torch.Tensor:  # [B, K, ...] -> the chosen beams
-        return rows_at(t, order)
+        return t.gather(1, order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
 
     b = front.beams
     beams = Beams(scores=pick(b.scores), nodes=pick(b.nodes), tokens=pick(b.tokens), parents=pick(b.parents),

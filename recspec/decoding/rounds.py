@@ -166,12 +166,9 @@ class RoundOutcome:
 class Drafter(Protocol):
     """Says how many levels a round drafts and how wide (``widths``: given whether it is the first
     round, the levels left and the round's default count ``drafted``), and proposes the round's
-    level ``j`` of ``width`` draws from level ``j - 1`` (``parent``) and the draft's log-probs at
+    level ``j`` of ``width`` nodes from level ``j - 1`` (``parent``) and the draft's log-probs at
     its nodes (``log_q``, float32 ``[B, n, V]``); ``depth``: int64 ``[B]``, each user's depth of
-    the new level. ``merge``: repeated draws are one node, level 0's repeated beams too
-    (:mod:`~recspec.decoding.draft_tree`)."""
-
-    merge: bool
+    the new level."""
 
     def widths(self, first: bool, remaining: int, drafted: int) -> tuple[int, ...]: ...
 
@@ -311,7 +308,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
         users = front.users.cpu()
         own_drafted = drafted_per_row(front.depth, space.depth, len(plan.widths))
         mark = clock.now()
-        levels = draft_levels(source, level_zero(front, prompts if first else None, drafter.merge),
+        levels = draft_levels(source, level_zero(front, prompts if first else None),
                               root_log_q if first else None, front, drafter, plan.widths, plan.feed_last)
         mark = clock.add("draft", mark)
         log_p, features = score_levels(target, target_cache, levels, prompts if first else None,

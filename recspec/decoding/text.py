@@ -65,7 +65,7 @@ class TextOptions:
     ``candidates`` (TopK-ImpSpecDec's K); ``beams`` (``W`` of ``beam-sample``, and ``W_min`` of
     ``dsbd``); ``draft_width`` (``W_S`` of ``dsbd``; None: ``beams``, the fastest with a text head on
     this project's CPU, where each drafted node costs the target about 3 ms), ``threshold``,
-    ``one_cache``, ``merge`` (``dsbd``: :class:`~recspec.decoding.dsbd.DSBDConfig`); ``seed``."""
+    ``one_cache`` (``dsbd``); ``seed``."""
 
     max_new_tokens: int = 64
     warp: Warp = Warp()
@@ -77,14 +77,12 @@ class TextOptions:
     draft_width: int | None = None
     threshold: float | None = None
     one_cache: bool = False
-    merge: bool = True
     seed: int = 0
 
     def dsbd(self) -> DSBDConfig:
         draft_width = self.beams if self.draft_width is None else self.draft_width
         return DSBDConfig(gamma=self.gamma, draft_width=draft_width, min_width=self.beams,
-                          threshold=self.threshold, one_cache=self.one_cache, warp=self.warp, seed=self.seed,
-                          merge=self.merge)
+                          threshold=self.threshold, one_cache=self.one_cache, warp=self.warp, seed=self.seed)
 
 
 @dataclass

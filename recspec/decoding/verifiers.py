@@ -146,7 +146,7 @@ class ForestVerifier:
                 verified, outside = p, None
             else:
                 (verified, outside), q = support.project(p), torch.nn.functional.pad(q, (0, 1))  # q is 0 outside
-            survive = alive.gather(1, drafted.draw_parents) & drafted.at_draws(drafted.real)
+            survive = alive.gather(1, drafted.parents) & drafted.real
             count = survive.sum(dim=1)
             chain = residual_chain(verified, q, self.draft_width + 1)
             outcomes = acceptance_counts(chain[0], count)
@@ -173,12 +173,12 @@ class ForestVerifier:
         counters = {name: torch.zeros(batch, device=device)
                     for name in ("accepted_steps", "verified_layers", "beta_sum", "width_sum")}
         for j in range(1, len(levels) + 1):
-            parent = levels[j - 1]  # verified per draw: a merged level's nodes give each of their draws
-            previous = replace(level_beams(parent, front.beams.margin), scores=score.masked_fill(~alive, -torch.inf))
-            step_log_p = parent.at_draws(log_p[:, offsets[j - 1]:offsets[j]])
+            parent = levels[j - 1]
+            step_log_p = log_p[:, offsets[j - 1]:offsets[j]]
             if self.ends is not None:
-                step_log_p = self.ends.absorb(previous.nodes, step_log_p)
-            draws = 1 if j == len(levels) else levels[j].count  # padded as the drafted level was
+                step_log_p = self.ends.absorb(parent.nodes, step_log_p)
+            previous = replace(level_beams(parent, front.beams.margin), scores=score.masked_fill(~alive, -torch.inf))
+            draws = 1 if j == len(levels) else levels[j].choice.shape[1]  # padded as the drafted level was
             step = candidates(previous, step_log_p, self.space, self.warp, draws)
             last = front.depth + j >= self.space.depth
             drafted = levels[j] if j < len(levels) else None
@@ -193,7 +193,7 @@ class ForestVerifier:
                 last = last | self.ends.complete(layer.beams.nodes)
             go_on = active & layer.ok & ~last
             stop = active & ~go_on
-            parent_at = offsets[j - 1] + parent.node_of(layer.beams.parents)
+            parent_at = offsets[j - 1] + layer.beams.parents
             if j == 1:
                 out, out_parent_at = layer.beams, parent_at
                 steps = torch.full((batch,), 1, dtype=torch.int64, device=device)
@@ -203,8 +203,8 @@ class ForestVerifier:
                 steps = torch.where(stop, j, steps)
             if not bool(go_on.any()):
                 break
-            into = layer.slot.masked_fill(layer.slot < 0, drafted.count)  # unused slots land in a spare column
-            score = torch.full((batch, drafted.count + 1), -torch.inf, device=device).scatter_(
+            into = layer.slot.masked_fill(layer.slot < 0, drafted.width)  # unused slots land in a spare column
+            score = torch.full((batch, drafted.width + 1), -torch.inf, device=device).scatter_(
                 1, into, layer.beams.scores)[:, :-1]
             alive = score.isfinite()
             active = go_on
