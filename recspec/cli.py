@@ -1045,19 +1045,26 @@ def bench_rows(
     size: Annotated[Optional[list[int]], typer.Option(help="Tree nodes of a call (repeatable; default: 26 sizes "
                                                            "from 1 to 64).")] = None,
     name: ResultNameOpt = "rows",
+    pairs: Annotated[Optional[int], typer.Option(help="Compare recspec's default with the unfused products call by "
+                                                      "call instead: this many pairs per size (median of the pairs' "
+                                                      "ratios).")] = None,
 ) -> None:
     """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not), oneDNN over the plain
-    weights from 7 rows, recspec's default (oneDNN over packed weights from 3 rows), and packed grouped-query
-    attention against transformers' own."""
+    weights from 7 rows, recspec's default (oneDNN over packed weights from 3 rows, sibling projections fused), the
+    default unfused, and packed grouped-query attention against transformers' own; with --pairs, the default against
+    the unfused products pair by pair."""
     import torch
 
-    from recspec.bench.rows import SIZES, run
+    from recspec.bench.rows import SIZES, paired, run
 
-    if min(past, repeats, rounds, threads, *(size or [1])) < 1:
-        raise RecspecError("--past, --repeats, --rounds, --threads and --size must be positive")
+    if min(past, repeats, rounds, threads, pairs or 2, *(size or [1])) < 1 or pairs == 1:
+        raise RecspecError("--past, --repeats, --rounds, --threads and --size must be positive and --pairs at least 2")
     torch.set_num_threads(threads)
-    typer.echo(run(_results_dir(out), model, past, sizes=tuple(size or SIZES), repeats=repeats, rounds=rounds,
-                   name=name))
+    sizes = tuple(size or SIZES)
+    if pairs is not None:
+        typer.echo(paired(_results_dir(out), model, past, sizes, pairs, name=name))
+        return
+    typer.echo(run(_results_dir(out), model, past, sizes=sizes, repeats=repeats, rounds=rounds, name=name))
 
 
 @bench_app.command("cost")

@@ -154,3 +154,20 @@ def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
     assert all(set(c["runs_ms"]) == set(SETTINGS) and all(len(t) == 2 for t in c["runs_ms"].values())
                and min(c["ms"].values()) > 0 for c in cells)
     assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 |" in markdown
+
+
+def test_bench_rows_pairs_two_settings_call_by_call(smollm2_dir, tmp_path) -> None:
+    """`recspec bench rows --pairs`: per size, the unfused products and recspec's default timed pair by
+    pair, the median ratio within its quartiles, JSON, Markdown and plot written."""
+    import json
+
+    from recspec.bench.rows import paired
+
+    markdown = paired(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4), pairs=3, name="pairs")
+    results = json.loads((tmp_path / "pairs.json").read_text())
+    assert results["settings"] == ["unfused", "recspec"] and [c["nodes"] for c in results["cells"]] == [1, 4]
+    for cell in results["cells"]:
+        low, _, high = cell["ratio_quartiles"]
+        assert min(cell["ms"].values()) > 0 and low <= cell["ratio"] <= high
+    assert (tmp_path / "pairs.png").stat().st_size > 0 and "| 4 |" in markdown
+

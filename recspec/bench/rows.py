@@ -15,14 +15,19 @@ weights it is nearly flat from 3 to 16 rows. For each
 ``n`` the settings are timed in turn (:func:`~recspec.decoding.cost.measure_call_cost` over a
 cache of ``past`` tokens, median of ``repeats`` calls), ``rounds`` times, each figure the median
 over rounds; the ratios are side-by-side speed-ups of the default. Writes JSON, Markdown and a plot.
+:func:`paired` compares two settings call by call, pair by pair, where a small difference hides
+in this host's drift (``--pairs``).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory, save_figure, turn_order,
                                   write_results)
@@ -57,11 +62,7 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
         runs: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
         for r in range(rounds):
             for setting in turn_order(tuple(SETTINGS), r):
-                pad, onednn, pack, packed, fused = SETTINGS[setting]
-                use_small_row_products(lm, pad, onednn, pack)
-                if fused:
-                    use_fused_projections(lm)
-                lm.set_attn_implementation(PACKED_SDPA if packed else "sdpa")
+                _install(lm, setting)
                 runs[setting].append(1e3 * measure_call_cost(lm, 1, n, repeats, past_len=past))
         ms = {setting: statistics.median(times) for setting, times in runs.items()}
         cells.append({"nodes": n, "rows_computed": computed(n), "ms": ms, "runs_ms": runs,
@@ -70,8 +71,7 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                       "speedup_over_onednn_plain": ms["onednn_plain"] / ms["recspec"],
                       "speedup_over_unfused": ms["unfused"] / ms["recspec"],
                       "speedup_over_unpacked": ms["unpacked"] / ms["recspec"]})
-    use_fused_projections(use_small_row_products(lm))
-    lm.set_attn_implementation(PACKED_SDPA)
+    _install(lm, "recspec")
     one = cells[0]["ms"]["recspec"] if sizes[0] == 1 else None
     table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "oneDNN plain ms", "unfused ms",
                             "unpacked attention ms", "recspec ms", "x MKL", "x MKL padded", "x oneDNN plain",
@@ -98,6 +98,90 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                                "onednn_rows": ONEDNN_ROWS, "packed_rows": PACKED_ROWS, "cells": cells}
     write_results(out, name, results, markdown)
     _plot(out / f"{name}.png", cells, model)
+    return markdown
+
+
+def _install(lm, setting: str) -> None:
+    """Give ``lm`` the products and attention of ``setting`` (:data:`SETTINGS`)."""
+    pad, onednn, pack, packed, fused = SETTINGS[setting]
+    use_small_row_products(lm, pad, onednn, pack)
+    if fused:
+        use_fused_projections(lm)
+    lm.set_attn_implementation(PACKED_SDPA if packed else "sdpa")
+
+
+def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, pairs: int = 100,
+           settings: tuple[str, str] = ("unfused", "recspec"), name: str = "rows-paired") -> str:
+    """Two settings side by side call by call: for every size, ``pairs`` pairs of one call under each
+    (the first of a pair alternating), each pair's time ratio, their median and quartiles. On a host
+    whose call time drifts by 20% between runs, medians taken apart hide a 5% difference that the
+    pairs' ratios show. The new tokens are dropped from the cache after each call, outside its timing
+    (:meth:`transformers.DynamicCache.crop`). Writes ``name.{json,md,png}`` into ``out``; returns the
+    Markdown."""
+    from transformers import DynamicCache
+
+    reuse_freed_memory()
+    lm = load_causal_lm(model)
+    linears = [module for module in lm.modules() if isinstance(module, torch.nn.Linear)]
+    forwards = {}
+    for setting in settings:  # each setting's forwards made once: its packs are kept between calls
+        _install(lm, setting)
+        forwards[setting] = ([layer.forward for layer in linears], PACKED_SDPA if SETTINGS[setting][3] else "sdpa")
+
+    def use(setting: str) -> None:
+        for layer, forward in zip(linears, forwards[setting][0]):
+            layer.forward = forward
+        lm.set_attn_implementation(forwards[setting][1])
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = lm.config.get_text_config().vocab_size
+    cells = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=lm.config)
+        lm(torch.randint(0, vocab, (1, past), generator=generator), past_key_values=cache, use_cache=True)
+        for n in sizes:
+            new = torch.randint(0, vocab, (1, n), generator=generator)
+            positions = torch.arange(past, past + n)[None]
+
+            def call() -> float:
+                start = time.perf_counter()
+                lm(input_ids=new, position_ids=positions, past_key_values=cache, use_cache=True)
+                seconds = time.perf_counter() - start
+                cache.crop(-n)
+                return seconds
+
+            for setting in (*settings, *settings):  # warm-up: packs made, caches grown
+                use(setting)
+                call()
+            times: dict[str, list[float]] = {setting: [] for setting in settings}
+            for i in range(pairs):
+                for setting in settings if i % 2 == 0 else settings[::-1]:
+                    use(setting)
+                    times[setting].append(1e3 * call())
+            ratios = sorted(a / b for a, b in zip(*times.values()))
+            cells.append({"nodes": n, "ms": {setting: statistics.median(t) for setting, t in times.items()},
+                          "ratio": statistics.median(ratios),
+                          "ratio_quartiles": statistics.quantiles(ratios, n=4, method="inclusive")})
+    first, second = settings
+    table = markdown_table(["nodes", f"{first} ms", f"{second} ms", f"{first} / {second}, median of pairs",
+                            "quartiles"],
+                           [[c["nodes"], round(c["ms"][first], 1), round(c["ms"][second], 1), f"{c['ratio']:.3f}x",
+                             f"{c['ratio_quartiles'][0]:.3f}-{c['ratio_quartiles'][2]:.3f}"] for c in cells])
+    markdown = (f"# One call of {model}, {first} against {second}, pair by pair\n\n"
+                f"One row of {past} cached tokens, n new tree nodes; {pairs} pairs of one call under each setting "
+                f"per size, the first of a pair alternating; ms are medians, the ratio the median of the pairs' "
+                f"ratios (above 1: {second} faster).\n\n{table}\n")
+    write_results(out, name, {"model": model, "past": past, "pairs": pairs, "settings": list(settings),
+                              "cells": cells}, markdown)
+    figure, axis = new_figure(figsize=(6, 3.5))
+    axis.plot([c["nodes"] for c in cells], [c["ratio"] for c in cells], "-o")
+    axis.fill_between([c["nodes"] for c in cells], [c["ratio_quartiles"][0] for c in cells],
+                      [c["ratio_quartiles"][2] for c in cells], alpha=0.2)
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_xlabel("tree nodes fed in one call")
+    axis.set_ylabel(f"{first} / {second} time")
+    axis.set_title(f"{model}: {second} against {first}, pair by pair")
+    save_figure(figure, out / f"{name}.png")
     return markdown
 
 

@@ -45,23 +45,24 @@ class FusedProjections:
         self.pack = OneDnnPack()
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
-    def fuses(self, x: torch.Tensor, rows: int) -> bool:
-        """Whether a call over ``x`` (``rows`` rows) is one product: oneDNN's packed product computes
-        it (the CPU, float32, :data:`~recspec.models.small_rows.PACKED_ROWS` to 128 rows) and no
-        gradient is asked for."""
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether a call over ``x`` (:data:`~recspec.models.small_rows.PACKED_ROWS` to 128 rows) is
+        one product: oneDNN's packed product computes it (the CPU, float32) and no gradient is asked
+        for."""
         weight, bias = self.layers[0].weight, self.layers[0].bias
-        return (PACKED_ROWS <= rows <= MAX_SMALL_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype
-                and has_onednn(x.dtype) and not needs_grad(x, weight, bias))
+        return (x.device.type == "cpu" and x.dtype == weight.dtype and has_onednn(x.dtype)
+                and not needs_grad(x, weight, bias))
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Sibling ``index``'s output over ``x`` ``[..., in]``: ``[..., out_index]``."""
+        """Sibling ``index``'s output over ``x`` ``[..., in]``: ``[..., out_index]``. The common calls
+        of 1-2 rows cost a few attribute reads more than the sibling's own forward."""
         kept = self.kept
         if kept is not None and kept[0] is x:
             part = kept[1].pop(index, None)
             if part is not None:
                 return part
         rows = x.numel() // x.shape[-1] if index == 0 and x.shape[-1] else 0
-        if not self.fuses(x, rows):
+        if not (PACKED_ROWS <= rows <= MAX_SMALL_ROWS and self.fuses(x)):
             return self.own[index](x)
         bias = None if self.layers[0].bias is None else torch.cat([layer.bias for layer in self.layers])
         packed = self.pack.of(*(layer.weight for layer in self.layers))
