@@ -6,10 +6,11 @@ rows on the CPU each is oneDNN's product over its packed weight (:mod:`recspec.m
 and the small ones stream their weights badly: SmolLM2's 192 x 576 key and value products take
 4x the time their weights take to read (BENCHMARKS.md "Packed oneDNN weights"). One product over
 the concatenated weights, packed once, streams them together: a SmolLM2 call over 3-16 rows is
-1.05-1.08x faster (BENCHMARKS.md "Fused projections", paired calls side by side). The outputs
-are bit-identical: oneDNN computes every output column with the same summation whatever columns
+1.07-1.10x faster (BENCHMARKS.md "Fused projections", calls timed pair by pair). The outputs are
+bit-identical: oneDNN computes every output column with the same summation whatever columns
 share the product. One and two rows (MKL's product, every plain decoding step) are computed by
-each sibling alone: fused there, they were 1.03x slower.
+each sibling alone: fused as MKL products over a plain concatenated copy, whole calls ran
+0.97-0.98x as fast.
 
 transformers calls the siblings one after another on the same tensor (``self.q_proj(hidden_states)``,
 then ``k_proj``, then ``v_proj``), so :class:`FusedProjections` needs no change to the model's own
