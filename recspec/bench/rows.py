@@ -101,13 +101,18 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
     return markdown
 
 
+def _attention(setting: str) -> str:
+    """The attention implementation of ``setting`` (:data:`SETTINGS`)."""
+    return PACKED_SDPA if SETTINGS[setting][3] else "sdpa"
+
+
 def _install(lm, setting: str) -> None:
     """Give ``lm`` the products and attention of ``setting`` (:data:`SETTINGS`)."""
-    pad, onednn, pack, packed, fused = SETTINGS[setting]
+    pad, onednn, pack, _, fused = SETTINGS[setting]
     use_small_row_products(lm, pad, onednn, pack)
     if fused:
         use_fused_projections(lm)
-    lm.set_attn_implementation(PACKED_SDPA if packed else "sdpa")
+    lm.set_attn_implementation(_attention(setting))
 
 
 def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, pairs: int = 100,
@@ -126,12 +131,12 @@ def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[i
     forwards = {}
     for setting in settings:  # each setting's forwards made once: its packs are kept between calls
         _install(lm, setting)
-        forwards[setting] = ([layer.forward for layer in linears], PACKED_SDPA if SETTINGS[setting][3] else "sdpa")
+        forwards[setting] = [layer.forward for layer in linears]
 
     def use(setting: str) -> None:
-        for layer, forward in zip(linears, forwards[setting][0]):
+        for layer, forward in zip(linears, forwards[setting]):
             layer.forward = forward
-        lm.set_attn_implementation(forwards[setting][1])
+        lm.set_attn_implementation(_attention(setting))
 
     generator = torch.Generator().manual_seed(0)
     vocab = lm.config.get_text_config().vocab_size
@@ -158,7 +163,7 @@ def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[i
                 for setting in settings if i % 2 == 0 else settings[::-1]:
                     use(setting)
                     times[setting].append(1e3 * call())
-            ratios = sorted(a / b for a, b in zip(*times.values()))
+            ratios = [a / b for a, b in zip(*times.values())]
             cells.append({"nodes": n, "ms": {setting: statistics.median(t) for setting, t in times.items()},
                           "ratio": statistics.median(ratios),
                           "ratio_quartiles": statistics.quantiles(ratios, n=4, method="inclusive")})
