@@ -13,6 +13,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from recspec.models.fused_projections import FusedProjections, use_fused_projections
+from recspec.models.int8_products import int8_engine, use_int8_products
 from recspec.models.small_rows import PACKED_ROWS, use_small_row_products
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,3 +125,63 @@ def test_smollm2_calls_over_three_or_more_rows_are_bit_identical(smollm2_dir) ->
         for rows in (1, 2, 3, 6, 16):
             new = torch.randint(0, 49152, (1, rows), generator=torch.Generator().manual_seed(rows))
             assert torch.equal(logits_after_prefix(model, prefix, new), logits_after_prefix(reference, prefix, new))
+
+
+class Siblings(nn.Module):
+    """Three linear layers over one input, called one after another on the same tensor (as a
+    head's attention calls q, k and v)."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.q, self.k, self.v = nn.Linear(48, 64, bias=bias), nn.Linear(48, 16, bias=bias), nn.Linear(48, 16, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.q(x), self.k(x), self.v(x)), dim=-1)
+
+
+@pytest.mark.skipif(not int8_engine(), reason="this build has no x86 / fbgemm / oneDNN quantized engine")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_int8_siblings_fused_give_each_siblings_int8_output_bit_for_bit(bias: bool) -> None:
+    """Int8 siblings (a draft's) fused: over 1..20 rows the same bits as each sibling's own int8
+    product (per-row activation and weight scales: a column does not depend on its neighbours),
+    from one product (the group's other outputs kept and taken); under a gradient each sibling alone."""
+    model = Siblings(bias)
+    use_int8_products([model.q, model.k, model.v])
+    reference = copy.deepcopy(model)
+    use_fused_projections(model, (("q", "k", "v"),), int8=True)
+    group = groups(model)
+    assert len(group) == 1 and group[0].int8
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 20):
+            x = torch.randn(2, rows, 48, generator=generator) * torch.linspace(0.1, 10, rows)[None, :, None]
+            assert torch.equal(model(x), reference(x))
+            assert group[0].kept is not None and group[0].kept[0] is x and not group[0].kept[1]
+    x = torch.randn(3, 48, requires_grad=True)
+    torch.testing.assert_close(model(x), reference(x))  # float32 products, each sibling alone
+    assert group[0].kept[0] is not x
+
+
+@pytest.mark.skipif(not int8_engine(), reason="this build has no x86 / fbgemm / oneDNN quantized engine")
+def test_an_int8_text_heads_siblings_are_fused() -> None:
+    """An int8 text head binding computes q, k, v and gate, up as one int8 product each, and its step
+    is the unfused int8 head's, bit for bit."""
+    from recspec.models.int8_products import Int8Forward
+    from recspec.models.text_head import TextHeadDraft, new_text_head
+    from tests.test_speculative import small_llama
+
+    target = small_llama(12, seed=0, width=16, init=0.5).requires_grad_(False)
+    bound = TextHeadDraft(new_text_head(target, None, seed=2), target, int8=True)
+    assert bound.int8 and len(groups(bound.head)) == 2
+    plain = copy.deepcopy(bound.head)
+    for layer in plain.decoder_linears():
+        layer.forward = Int8Forward(layer)
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 5, 16, generator=generator)
+    tokens = torch.randint(0, 12, (1, 5), generator=generator)
+    visible = torch.ones(5, 5, dtype=torch.bool).tril()[None]
+    with torch.inference_mode():
+        fused = bound.step(features, tokens, torch.arange(5)[None], visible)
+        alone = plain(features, bound.embed(tokens), torch.arange(5)[None], visible)
+    assert all(torch.equal(a, b) for a, b in zip(fused, alone))

@@ -30,6 +30,7 @@ from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
+from recspec.models.fused_projections import FusedProjections
 from recspec.models.int8_products import Int8Forward
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, load_text_head, new_text_head,
                                       text_head_fingerprint)
@@ -132,13 +133,18 @@ class OracleDrafter(HeadDrafter):
 
 def teacher_cache(model, head: TextHeadDraft, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's keys and values over ``text`` fed in one call with the target's own features."""
+    return teacher_inputs(model, head, text)[1:]
+
+
+def teacher_inputs(model, head: TextHeadDraft, text: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's guesses ``[1, n, H]``, keys and values ``[1, kv, n, d]`` over ``text`` (its ``n =
+    len(text) - 1`` inputs) fed in one call with the target's own features."""
     with torch.inference_mode():
         states = model(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states
         features = head.read(layer_features(model, states, head.fused_layers))
         count = len(text) - 1
-        _, keys, values = head.step(features[:, :-1], torch.tensor([text[1:]]), torch.arange(count)[None],
-                                    torch.ones(count, count, dtype=torch.bool).tril()[None])
-    return keys, values
+        return head.step(features[:, :-1], torch.tensor([text[1:]]), torch.arange(count)[None],
+                         torch.ones(count, count, dtype=torch.bool).tril()[None])
 
 
 def test_hidden_states_are_what_the_output_layer_reads(lm) -> None:
@@ -547,7 +553,10 @@ def test_an_int8_binding_computes_the_decoder_layer_in_int8_on_its_own_copy(runs
         after, guessed = fp32.step(*inputs)[0], int8.step(*inputs)[0]
         agree = (int8.logits(guessed).argmax(-1) == fp32.logits(before).argmax(-1)).float().mean()
     assert int8.int8 and int8.head is not head and fp32.head is head
-    assert all(isinstance(linear.forward, Int8Forward) for linear in int8.head.decoder_linears())
+    fused = int8.head.q, int8.head.k, int8.head.v, int8.head.mlp.gate, int8.head.mlp.up  # int8 groups of siblings
+    assert all(isinstance(linear.forward.func, FusedProjections) and linear.forward.func.int8
+               and isinstance(linear.forward.func.own[linear.forward.args[0]], Int8Forward) for linear in fused)
+    assert all(isinstance(linear.forward, Int8Forward) for linear in (int8.head.o, int8.head.mlp.down))
     assert not isinstance(int8.head.fc.forward, Int8Forward)
     assert not any(isinstance(linear.forward, Int8Forward) for linear in head.decoder_linears())
     assert torch.equal(before, after)

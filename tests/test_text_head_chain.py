@@ -26,7 +26,7 @@ from recspec.errors import RecspecError
 from recspec.models.text_head import TextHead, TextHeadDraft, new_text_head
 from tests.test_speculative import goodness_of_fit, small_llama
 from tests.test_specsample import LENGTH, PROMPT, VOCAB, next_table, sampled, sequence_distribution
-from tests.test_text_head import teacher_cache
+from tests.test_text_head import teacher_cache, teacher_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -319,12 +319,16 @@ def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, targ
                                                                 which: str) -> None:
     """After every round, each beam's view of the head's tree cache (the prompt and its ancestors)
     holds exactly the inputs of its text with the target's true features, as one teacher-forced
-    call over that text computes them (column 0, the placeholder, aside); rows of different
-    prompt lengths in one batch; the run is DSBD's with the head drafting (also one reading fused
-    layers)."""
+    call over that text computes them (column 0, the placeholder, aside), and the input of its
+    pending token, computed ahead in the round's last head call, is that call's next input (guess,
+    key and value); rows of different prompt lengths in one batch; the run is DSBD's with the head
+    drafting (also one reading fused layers)."""
     from recspec.decoding import rounds
 
+    from recspec.decoding.draft_sources import TextTreeDraft
+
     target, head = fused if which == "fused" else (target, heads["trained"])
+    source = TextTreeDraft(head)  # unpacks a frontier's state
     checked: list[int] = []
     compact = rounds.compact_frontier
 
@@ -337,11 +341,15 @@ def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, targ
                 if int(front.beams.nodes[b, k]) < 0:
                     continue
                 columns = front.visible[b, k].nonzero()[:, 0]
-                text = prompt.tolist() + front.paths[b, k, :int(front.depth[b]) - 1].tolist()
-                assert len(columns) == len(text)
-                expected_keys, expected_values = teacher_cache(target, head, text)
-                torch.testing.assert_close(keys[b][:, columns[1:]], expected_keys[0], rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(values[b][:, columns[1:]], expected_values[0], rtol=1e-4, atol=1e-4)
+                text = prompt.tolist() + front.paths[b, k, :int(front.depth[b])].tolist()  # the pending token last
+                assert len(columns) == len(text) - 1
+                expected = teacher_inputs(target, head, text)
+                torch.testing.assert_close(keys[b][:, columns[1:]], expected[1][0, :, :-1], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(values[b][:, columns[1:]], expected[2][0, :, :-1], rtol=1e-4, atol=1e-4)
+                ahead = source.unpacked(front)
+                for got, want in zip(ahead, (expected[0][0, -1], expected[1][0, :, -1], expected[2][0, :, -1])):
+                    torch.testing.assert_close(got[b, k] if got.dim() == 3 else got[b, :, k], want, rtol=1e-4,
+                                               atol=1e-4)
                 checked.append(len(text))
         return front
 

@@ -9,9 +9,11 @@
 * ``log_probs(levels, front)``: the draft's log-probs ``[B, n, V]`` at the nodes of
   ``levels[-1]``, the round's newest level (``levels[0]`` is the round's level 0);
 * ``feed_last(levels)``: the round's last level, so that a draft cache holds what the target's will;
-* ``scored(levels, features, prompts, front)``: after the target's call, its features at every
-  position it was fed ``[B, F, H]`` (the prompt's too in the first round, ``prompts`` given) with the
-  round's ``front`` (None unless ``wants_features``);
+* ``scored(levels, features, prompts, front, beams, parent_at)``: after the target's call and its
+  verification, its features at every position it was fed ``[B, F, H]`` (the prompt's too in the
+  first round, ``prompts`` given) with the round's ``front`` and the new ``beams``, whose parents are
+  the fed nodes ``parent_at`` (int64 ``[B, K]``); returns what each new beam carries into the next
+  round (:attr:`Frontier.draft_state`, ``[B, K, D]``); called only if ``wants_features``;
 * ``caches``: the KV caches to keep in step with the target's (compacted by the same gather).
 
 :class:`HybridDraft` combines the two: the draft model drafts the first round (in the same target
@@ -19,8 +21,8 @@ call as the prompt), the head every later one. :class:`TextTreeDraft` is a text 
 (:mod:`recspec.models.text_head`) drafting tree levels over free text (DSBD), with a KV cache of its
 own laid out as the target's.
 
-``wants_features`` says whether the target's scoring call must also return its features (the
-round loop then keeps, per beam, the feature at its parent: :attr:`Frontier.features`).
+``wants_features`` says whether the target's scoring call must also return its features (a
+feature head then carries, per beam, the target's feature at its parent: :attr:`Frontier.draft_state`).
 
 **A text head's tree cache** (:class:`TextTreeDraft`). Column ``c`` of the target's cache holds
 token ``x_c`` at position ``t + 1``; the same column of the head's cache holds the head's input
@@ -29,11 +31,15 @@ column before it in the prompt, the parent node in a tree): the input that guess
 ``c`` (EAGLE's pairing, indexed by the child so that a tree, where a node has several children,
 maps column for column). The first real prompt token has no parent: its column holds a
 placeholder that no input ever sees (after the first compaction it is column 0). While drafting,
-level 0's inputs take the target's features at their parents (:attr:`Frontier.features`), deeper
-levels the head's own guesses at theirs, and those inputs live for the round only; once the target
-has scored the round, :meth:`TextTreeDraft.scored` feeds every node it was fed with the target's
-true features at their parents, in the target's column order, in one head call: the head's cache
-again holds only true features, and the round loop compacts and narrows it with the target's.
+deeper levels take the head's own guesses at their parents, and those inputs live for the round
+only. Once the target has scored and verified the round, :meth:`TextTreeDraft.scored` makes one
+head call over every node the target was fed past level 0, with the target's true features at
+their parents, in the target's column order (the head's cache again holds only true features, and
+the round loop compacts and narrows it with the target's), and over each new beam's input (the
+target's feature at the beam's parent, its pending token): that is the next round's level 0,
+computed ahead. Its guess, key and value ride with the beam (:attr:`Frontier.draft_state`, through
+the round loop's narrowing and reordering), so the next round drafts level 1 straight from them and
+its re-read starts at level 1: two head calls a round at two drafted levels instead of three.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 
 from transformers import DynamicCache
 
+from recspec.decoding.beams import Beams
 from recspec.decoding.draft_tree import Level, fed_block, feed
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.prompts import Prompts
@@ -75,15 +82,15 @@ class ModelDraft:
     def feed_last(self, levels: list[Level]) -> None:
         feed(self.model, self.cache, levels[-1:])
 
-    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
-               front: Frontier) -> None:
+    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
 @dataclass
 class FeatureDraft:
     """A draft head (:class:`~recspec.models.head.HeadDraft`): level 0's nodes take the target's
-    feature at their parent (``front.features``), deeper levels the head's own guess at theirs."""
+    feature at their parent (``front.draft_state``), deeper levels the head's own guess at theirs."""
 
     head: HeadDraft
     guessed: list[torch.Tensor] = field(default_factory=list)  # this round's features, per level
@@ -105,9 +112,9 @@ class FeatureDraft:
     def feed_last(self, levels: list[Level]) -> None:
         return None
 
-    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
-               front: Frontier) -> None:
-        return None
+    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
+        return at_parents(features, levels, parent_at)
 
 
 @dataclass
@@ -127,7 +134,7 @@ class HybridDraft:
         return self.model.start(prompts)
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
-        if front.features is None:  # the first round
+        if front.draft_state is None:  # the first round
             return self.model.log_probs(levels, front)
         self.model.cache = None
         return self.head.log_probs(levels, front)
@@ -135,9 +142,9 @@ class HybridDraft:
     def feed_last(self, levels: list[Level]) -> None:
         return None
 
-    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
-               front: Frontier) -> None:
-        return None
+    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
+        return at_parents(features, levels, parent_at)
 
 
 @dataclass
@@ -167,12 +174,12 @@ class TextTreeDraft:
         return None
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
+        if len(levels) == 1:  # a new round: level 0's inputs were computed ahead, by the last scored()
+            guessed, keys, values = self.unpacked(front)
+            self.keys, self.values, self.guessed = [keys], [values], [guessed]
+            return self.head.vocabulary_log_probs(guessed)
         level = levels[-1]
-        if len(levels) == 1:  # a new round
-            self.keys, self.values, self.guessed = [], [], []
         parent = parent_features(levels, front, self.guessed)
-        if len(levels) == 1:  # the target's features at the beams' parents
-            parent = self.head.read(parent)
         layer = self.cache.layers[0]
         past = (torch.cat((layer.keys, *self.keys), dim=2), torch.cat((layer.values, *self.values), dim=2))
         guessed, keys, values = self.head.step(parent, level.tokens, level.positions - 1,
@@ -186,43 +193,81 @@ class TextTreeDraft:
     def feed_last(self, levels: list[Level]) -> None:
         return None
 
-    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
-               front: Frontier) -> None:
-        """Append to the cache the head's inputs of every column the target was just fed (the
-        prompt's, then the round's nodes), with the target's true features at their parents."""
-        assert features is not None, "a head drafts from the target's features"
+    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
+        """One head call (see the module doc): append to the cache the head's inputs of every column
+        the target was just fed past level 0 (in the first round: the prompt's), with the target's
+        true features at their parents, and compute each new beam's input (the target's feature at
+        its parent node ``parent_at``, its pending token: the last of ``beams.tokens``). Returns
+        those inputs' guesses, keys and values packed per beam, ``[B, K, H + 2 kv d]``."""
         features = self.head.read(features)
         tokens, visible, positions, _ = fed_block(levels, prompts)
-        if prompts is None:
-            nodes, parents = features, [self.head.read(front.features)]
-            first = torch.zeros_like(front.lengths)
+        nodes = features[:, -sum(level.width for level in levels):]  # at the round's nodes, level 0 first
+        layer = self.cache.layers[0]
+        if prompts is None:  # level 0's inputs were computed ahead: its keys and values join the past
+            _, keys, values = self.unpacked(front)
+            skip, past = levels[0].width, (torch.cat((layer.keys, keys), dim=2), torch.cat((layer.values, values),
+                                                                                           dim=2))
+            parents, first = [], torch.zeros_like(front.lengths)
         else:  # the first round: every prompt column's parent is the column before it
             prompt_len = prompts.input_ids.shape[1]
-            nodes, parents = features[:, prompt_len - 1:], [torch.cat((torch.zeros_like(features[:, :1]),
-                                                                        features[:, :prompt_len - 1]), dim=1)]
+            skip, past = 0, (layer.keys, layer.values)
+            parents = [torch.cat((torch.zeros_like(features[:, :1]), features[:, :prompt_len - 1]), dim=1)]
             first = prompt_len - prompts.lengths
         own = torch.split(nodes, [level.width for level in levels], dim=1)  # the features at each level's nodes
         for j in range(1, len(levels)):
-            index = levels[j].parents.clamp(min=0)[:, :, None].expand(-1, -1, nodes.shape[2])
-            parents.append(own[j - 1].gather(1, index))
-        layer = self.cache.layers[0]
-        _, keys, values = self.head.step(torch.cat(parents, dim=1), tokens, (positions - 1).clamp(min=0),
-                                         placeholder_hidden(visible, first, layer.keys.shape[2]),
-                                         (layer.keys, layer.values))
-        layer.keys, layer.values = torch.cat((layer.keys, keys), dim=2), torch.cat((layer.values, values), dim=2)
+            parents.append(gather_rows(own[j - 1], levels[j].parents.clamp(min=0)))
+        parents.append(gather_rows(nodes, parent_at))
+        count, fed = parent_at.shape[1], tokens.shape[1] - skip
+        # the new beams' inputs see what their parents saw, and themselves
+        ahead = torch.cat((gather_rows(visible[:, -nodes.shape[1]:], parent_at),
+                           torch.eye(count, dtype=torch.bool, device=visible.device).expand(len(visible), -1, -1)),
+                          dim=2)
+        seen = torch.cat((torch.nn.functional.pad(visible[:, skip:], (0, count)), ahead), dim=1)
+        guessed, keys, values = self.head.step(
+            torch.cat(parents, dim=1), torch.cat((tokens[:, skip:], beams.tokens[:, :, -1]), dim=1),
+            torch.cat(((positions[:, skip:] - 1).clamp(min=0), gather_rows(positions[:, -nodes.shape[1]:], parent_at)),
+                      dim=1),
+            placeholder_hidden(seen, first, past[0].shape[2]), past)
+        layer.keys, layer.values = torch.cat((past[0], keys[:, :, :fed]), dim=2), torch.cat((past[1], values[:, :, :fed]),
+                                                                                          dim=2)
+        return torch.cat((guessed[:, fed:], keys[:, :, fed:].transpose(1, 2).flatten(2),
+                          values[:, :, fed:].transpose(1, 2).flatten(2)), dim=2)
+
+    def unpacked(self, front: Frontier) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs of ``front``'s pending beams computed ahead by :meth:`scored`: guesses ``[B, K,
+        H]``, keys and values ``[B, kv, K, d]``."""
+        state, config = front.draft_state, self.head.head.config
+        if state is None:
+            raise RuntimeError("a head drafts from the target's features: the first round must draft nothing")
+        width = config.kv_heads * config.head_dim
+        guessed, keys, values = state.split((state.shape[2] - 2 * width, width, width), dim=2)
+        shape = (*state.shape[:2], config.kv_heads, config.head_dim)
+        return guessed, keys.reshape(shape).transpose(1, 2), values.reshape(shape).transpose(1, 2)
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[b, index[b, i]]``: ``[B, n, ...]`` from ``rows`` ``[B, M, ...]`` and int64 ``index``
+    ``[B, n]``."""
+    return rows.gather(1, index.view(*index.shape, *([1] * (rows.dim() - 2))).expand(-1, -1, *rows.shape[2:]))
+
+
+def at_parents(features: torch.Tensor, levels: list[Level], parent_at: torch.Tensor) -> torch.Tensor:
+    """The target's features at the new beams' parents ``[B, K, H]``: ``features`` ``[B, F, H]`` at
+    every position fed (the round's nodes last), ``parent_at`` int64 ``[B, K]`` among the nodes."""
+    return gather_rows(features[:, -sum(level.width for level in levels):], parent_at)
 
 
 def parent_features(levels: list[Level], front: Frontier, guessed: list[torch.Tensor]) -> torch.Tensor:
     """The features a head's inputs at the round's newest level take, ``[B, n, H]``: the target's
-    at the beams' parents on level 0 (:attr:`Frontier.features`), the head's own guesses at the
+    at the beams' parents on level 0 (:attr:`Frontier.draft_state`), the head's own guesses at the
     nodes' parents (``guessed``: per earlier level of the round, ``[B, n_j, H]``) deeper."""
     j = len(levels) - 1
     if j == 0:
-        if front.features is None:
+        if front.draft_state is None:
             raise RuntimeError("a head drafts from the target's features: the first round must draft nothing")
-        return front.features
-    previous = guessed[j - 1]
-    return previous.gather(1, levels[j].parents[:, :, None].expand(-1, -1, previous.shape[2]))
+        return front.draft_state
+    return gather_rows(guessed[j - 1], levels[j].parents)
 
 
 def placeholder_hidden(visible: torch.Tensor, first: torch.Tensor, start: int) -> torch.Tensor:

@@ -25,8 +25,10 @@ class Frontier:
     ``paths`` holds them); ``paths``: int64 ``[B, K, L]``; ``depth``: int64 ``[B]``;
     ``visible``: bool ``[B, K, T]``, each beam's view of the cache (prompt and ancestors);
     ``lengths``: int64 ``[B]``, real prompt tokens; ``users``: int64 ``[B]``, row in the batch;
-    ``features``: float ``[B, K, H]``, the target's last hidden state at each beam's parent (the
-    node whose distribution chose the pending token), kept only for a draft head (else None).
+    ``draft_state``: float ``[B, K, D]``, what the draft source carries per beam into the next
+    round (a draft head's: the target's last hidden state at the beam's parent, the node whose
+    distribution chose the pending token, or its work on the pending token done ahead; see
+    :mod:`~recspec.decoding.draft_sources`), None for a draft model.
     """
 
     beams: Beams
@@ -35,7 +37,7 @@ class Frontier:
     visible: torch.Tensor
     lengths: torch.Tensor
     users: torch.Tensor
-    features: torch.Tensor | None = None
+    draft_state: torch.Tensor | None = None
 
 
 def root_frontier(prompts: Prompts, space) -> Frontier:
@@ -90,11 +92,11 @@ def where_beams(rows: torch.Tensor, new: Beams, old: Beams) -> Beams:
 
 
 def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch.Tensor,
-            steps: torch.Tensor, features: torch.Tensor | None = None) -> Frontier:
+            steps: torch.Tensor, draft_state: torch.Tensor | None = None) -> Frontier:
     """The frontier after the round: the new ``beams`` (``[B, K]``), whose parents are the fed
     nodes ``parent_at`` (int64 ``[B, K]``), ``steps`` (int64 ``[B]``) deeper; each beam sees the
-    uncompacted cache as its parent did (prompt and ancestors). ``features``: the target's features
-    at the fed nodes ``[B, M, H]``, if a draft head needs them (each beam keeps its parent's)."""
+    uncompacted cache as its parent did (prompt and ancestors). ``draft_state``: ``[B, K, D]``,
+    what the draft source carries per new beam (:attr:`Frontier.draft_state`)."""
     _, visible, _ = stacked(levels)  # [B, M, W]: every node's view
     width = visible.shape[2]
     paths = torch.cat([level.paths for level in levels], dim=1)
@@ -104,9 +106,8 @@ def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch
     new_paths = paths.gather(1, parent_at[:, :, None].expand(-1, -1, paths.shape[2])).clone()
     new_paths.scatter_(2, (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, k, 1),
                        beams.tokens[:, :, -1:])
-    kept = None if features is None else features.gather(1, parent_at[:, :, None].expand(-1, -1, features.shape[2]))
     return Frontier(beams=beams, paths=new_paths, depth=depth, visible=view, lengths=front.lengths,
-                    users=front.users, features=kept)
+                    users=front.users, draft_state=draft_state)
 
 
 def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
@@ -119,7 +120,7 @@ def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
                   margin=b.margin)
     return Frontier(beams=beams, paths=pick(front.paths), depth=front.depth, visible=pick(front.visible),
                     lengths=front.lengths, users=front.users,
-                    features=None if front.features is None else pick(front.features))
+                    draft_state=None if front.draft_state is None else pick(front.draft_state))
 
 
 def compact_frontier(front: Frontier, caches: Sequence) -> Frontier:
@@ -142,4 +143,5 @@ def select_users(front: Frontier, rows: torch.Tensor, caches: Sequence) -> Front
         beams=Beams(scores=b.scores[rows], nodes=b.nodes[rows], tokens=b.tokens[rows], parents=b.parents[rows],
                     margin=b.margin[rows]),
         paths=front.paths[rows], depth=front.depth[rows], visible=front.visible[rows], lengths=front.lengths[rows],
-        users=front.users[rows], features=None if front.features is None else front.features[rows])
+        users=front.users[rows],
+        draft_state=None if front.draft_state is None else front.draft_state[rows])

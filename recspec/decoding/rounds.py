@@ -208,8 +208,8 @@ class DraftSource(Protocol):
 
     def feed_last(self, levels: list[Level]) -> None: ...
 
-    def scored(self, levels: list[Level], features: torch.Tensor | None, prompts: Prompts | None,
-               front: Frontier) -> None: ...
+    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor: ...
 
 
 class Verifier(Protocol):
@@ -318,11 +318,12 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
                 require_full_attention(cache)
         outcome = verifier.verify(front, levels, log_p)
         mark = clock.add("verify", mark)
+        state = None
         if features is not None:
-            source.scored(levels, features, prompts if first else None, front)
+            state = source.scored(levels, features, prompts if first else None, front, outcome.beams,
+                                  outcome.parent_at)
             clock.add("draft", mark)
-            features = features[:, -log_p.shape[1]:]  # at the nodes
-        front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, features)
+        front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, state)
         stats.add_round(users, own_drafted, outcome.counters, plan.draft_calls(first, root_drafted, bool(source.caches)),
                         sum(level.width for level in levels[first:]))
         first = False

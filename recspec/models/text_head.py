@@ -51,6 +51,7 @@ from torch.nn import functional as F
 
 from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
+from recspec.models.fused_projections import use_fused_projections
 from recspec.models.head import Block, HeadKind, RMSNorm, load_head
 from recspec.models.int8_products import Int8Pack, int8_linear, int8_serves, use_int8_products
 from recspec.models.small_rows import OneDnnPack, SmallRowForward, small_row_linear, use_small_row_products
@@ -90,6 +91,10 @@ class TextHeadConfig:
     def input_width(self) -> int:
         """The width of the target features the head reads: ``(len(fused_layers) + 1) * hidden``."""
         return (len(self.fused_layers) + 1) * self.hidden
+
+
+#: The head's sibling layers that read one input (:func:`~recspec.models.fused_projections.use_fused_projections`).
+HEAD_SIBLINGS = (("q", "k", "v"), ("gate", "up"))
 
 
 def ordered_layers(layers: Sequence[int]) -> bool:
@@ -266,6 +271,7 @@ class TextHeadDraft:
         if self.int8:  # on a copy: the head module, and other bindings of it, keep their float32 layers
             head = copy.deepcopy(head)
             use_int8_products(head.decoder_linears())
+            use_fused_projections(head, HEAD_SIBLINGS, int8=True)  # q, k, v and gate, up: one product each
         self.head, self.embed = head, target.get_input_embeddings()
         if head.config.draft_vocab:
             self.ids = head.vocab_ids.to(output.device)
