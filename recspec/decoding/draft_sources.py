@@ -55,6 +55,7 @@ from recspec.decoding.draft_tree import Level, fed_block, feed
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import prefill
+from recspec.decoding.tree import gather_rows
 from recspec.models.head import HeadDraft
 from recspec.models.text_head import TextHeadDraft
 
@@ -202,7 +203,7 @@ class TextTreeDraft:
         those inputs' guesses, keys and values packed per beam, ``[B, K, H + 2 kv d]``."""
         features = self.head.read(features)
         tokens, visible, positions, _ = fed_block(levels, prompts)
-        nodes = features[:, -sum(level.width for level in levels):]  # at the round's nodes, level 0 first
+        nodes = node_features(features, levels)
         layer = self.cache.layers[0]
         if prompts is None:  # level 0's inputs were computed ahead: its keys and values join the past
             _, keys, values = self.unpacked(front)
@@ -246,16 +247,16 @@ class TextTreeDraft:
         return guessed, keys.reshape(shape).transpose(1, 2), values.reshape(shape).transpose(1, 2)
 
 
-def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``rows[b, index[b, i]]``: ``[B, n, ...]`` from ``rows`` ``[B, M, ...]`` and int64 ``index``
-    ``[B, n]``."""
-    return rows.gather(1, index.view(*index.shape, *([1] * (rows.dim() - 2))).expand(-1, -1, *rows.shape[2:]))
+def node_features(features: torch.Tensor, levels: list[Level]) -> torch.Tensor:
+    """The target's features at the round's nodes, level 0 first, ``[B, M, H]``: ``features``
+    ``[B, F, H]`` at every position fed (in the first round the prompt's before them)."""
+    return features[:, -sum(level.width for level in levels):]
 
 
 def at_parents(features: torch.Tensor, levels: list[Level], parent_at: torch.Tensor) -> torch.Tensor:
-    """The target's features at the new beams' parents ``[B, K, H]``: ``features`` ``[B, F, H]`` at
-    every position fed (the round's nodes last), ``parent_at`` int64 ``[B, K]`` among the nodes."""
-    return gather_rows(features[:, -sum(level.width for level in levels):], parent_at)
+    """The target's features at the new beams' parents ``[B, K, H]`` (``parent_at``: int64 ``[B, K]``,
+    among the round's nodes; ``features`` as :func:`node_features` reads them)."""
+    return gather_rows(node_features(features, levels), parent_at)
 
 
 def parent_features(levels: list[Level], front: Frontier, guessed: list[torch.Tensor]) -> torch.Tensor:

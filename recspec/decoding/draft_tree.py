@@ -21,7 +21,7 @@ import torch
 
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import forward_visible, next_log_probs, prompt_and_tree
-from recspec.decoding.tree import child_rows
+from recspec.decoding.tree import child_rows, gather_rows
 
 
 @dataclass
@@ -70,7 +70,7 @@ def child_level(parent: Level, parents: torch.Tensor, tokens: torch.Tensor, node
     ``proposal`` and ``choice`` as in :class:`Level`.
     """
     n = tokens.shape[1]
-    paths = parent.paths.gather(1, parents[:, :, None].expand(-1, -1, parent.paths.shape[2])).clone()
+    paths = gather_rows(parent.paths, parents)
     column = (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, n, 1)
     paths.scatter_(2, column, tokens[:, :, None])
     return Level(tokens=tokens, nodes=nodes, parents=parents, scores=scores,

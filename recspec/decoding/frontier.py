@@ -14,7 +14,7 @@ from recspec.decoding.beams import Beams
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.cache import compact, select_rows
 from recspec.decoding.draft_tree import Level, stacked
-from recspec.decoding.tree import child_rows
+from recspec.decoding.tree import child_rows, gather_rows
 
 
 @dataclass
@@ -98,12 +98,11 @@ def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch
     uncompacted cache as its parent did (prompt and ancestors). ``draft_state``: ``[B, K, D]``,
     what the draft source carries per new beam (:attr:`Frontier.draft_state`)."""
     _, visible, _ = stacked(levels)  # [B, M, W]: every node's view
-    width = visible.shape[2]
     paths = torch.cat([level.paths for level in levels], dim=1)
     k = parent_at.shape[1]
-    view = visible.gather(1, parent_at[:, :, None].expand(-1, -1, width))
+    view = gather_rows(visible, parent_at)
     depth = front.depth + steps
-    new_paths = paths.gather(1, parent_at[:, :, None].expand(-1, -1, paths.shape[2])).clone()
+    new_paths = gather_rows(paths, parent_at)
     new_paths.scatter_(2, (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, k, 1),
                        beams.tokens[:, :, -1:])
     return Frontier(beams=beams, paths=new_paths, depth=depth, visible=view, lengths=front.lengths,
@@ -113,7 +112,7 @@ def advance(front: Frontier, levels: list[Level], beams: Beams, parent_at: torch
 def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
     """The frontier with, per user, the beams ``order`` (int64 ``[B, K']``) in that order."""
     def pick(t: torch.Tensor) -> torch.Tensor:  # [B, K, ...] -> the chosen beams
-        return t.gather(1, order.view(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+        return gather_rows(t, order)
 
     b = front.beams
     beams = Beams(scores=pick(b.scores), nodes=pick(b.nodes), tokens=pick(b.tokens), parents=pick(b.parents),

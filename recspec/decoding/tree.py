@@ -107,6 +107,12 @@ def tree_attention_mask(
     return additive_mask(tree_rows(past_visible, ancestors), dtype)[:, None]
 
 
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[b, index[b, i]]``: ``[B, n, ...]`` from ``rows`` ``[B, M, ...]`` and int64 ``index``
+    ``[B, n]`` (each node's row of its parent's level, each beam's of its parent node)."""
+    return rows.gather(1, index.view(*index.shape, *([1] * (rows.dim() - 2))).expand(-1, -1, *rows.shape[2:]))
+
+
 def child_rows(parent_rows: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """What a new layer of ``N`` tree nodes, appended after ``T`` positions, sees: bool
     ``[B, N, T + N]``.
@@ -119,6 +125,6 @@ def child_rows(parent_rows: torch.Tensor, parents: torch.Tensor) -> torch.Tensor
     ``parent_rows`` of the next layer.
     """
     batch, n = parents.shape
-    inherited = parent_rows.gather(1, parents[:, :, None].expand(-1, -1, parent_rows.shape[2]))
+    inherited = gather_rows(parent_rows, parents)
     own = torch.eye(n, dtype=torch.bool, device=parents.device).expand(batch, n, n)
     return torch.cat((inherited, own), dim=2)

@@ -29,6 +29,7 @@ from recspec.decoding.draft_tree import Level
 from recspec.decoding.frontier import Frontier, keep_beams, level_beams, level_offsets, where_beams
 from recspec.decoding.rounds import RoundOutcome
 from recspec.decoding.support import DraftSupport
+from recspec.decoding.tree import gather_rows
 from recspec.decoding.warp import Warp
 from recspec.itemids.trie import ItemTrie
 
@@ -62,7 +63,7 @@ class StepVerifier:
         for j in range(1, len(levels) + 1):
             if offsets[j] > fed:  # level j - 1 was not fed: no distributions to step from
                 break
-            step_log_p = log_p.gather(1, where[:, :, None].expand(-1, -1, log_p.shape[2]))
+            step_log_p = gather_rows(log_p, where)
             new, ok, next_where = self._step(current, where, step_log_p, levels[j] if j < len(levels) else None,
                                              offsets, j)
             new_parent_at = where.gather(1, new.parents)

@@ -81,8 +81,7 @@ class FusedProjections:
         packed = self.pack.of(*(layer.weight for layer in self.layers))
         flat = x.reshape(rows, x.shape[-1])
         if self.int8:
-            out = int8_rows(flat, packed)
-            out = out if bias is None else out + bias
+            out = int8_rows(flat, packed, bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
         parts = [part.contiguous().view(*x.shape[:-1], width) for part, width in

@@ -106,18 +106,19 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     own scale, module doc), else the float32 small-row product; returns ``[..., out]`` float32."""
     if not int8_computes(x, weight, bias) or x.numel() == 0:
         return small_row_linear(x, weight, bias)
-    out = int8_rows(x.reshape(-1, x.shape[-1]), pack.of(weight)).view(*x.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
+    return int8_rows(x.reshape(-1, x.shape[-1]), pack.of(weight), bias).view(*x.shape[:-1], weight.shape[0])
 
 
-def int8_rows(flat: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
-    """``flat @ W.T`` in int8 for ``flat`` float32 ``[rows, in]`` (at least one row) and ``W`` kept in
-    ``packed`` (:class:`Int8Pack`), each row quantized on its own scale (module doc): ``[rows, out]``."""
+def int8_rows(flat: torch.Tensor, packed: torch.ScriptObject, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``flat @ W.T + bias`` in int8 for ``flat`` float32 ``[rows, in]`` (at least one row) and ``W``
+    kept in ``packed`` (:class:`Int8Pack`), each row quantized on its own scale (module doc):
+    ``[rows, out]``."""
     largest = flat.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(flat.dtype).tiny)
     # reduce_range=False: 8-bit activations (7 bits cost the head's acceptance 0.68 -> 0.21, its layers in int8)
     out = torch.ops.quantized.linear_dynamic(torch.cat((flat / largest, pin_row(flat.shape[1], flat.device))),
                                              packed, False)
-    return out[:-1].mul_(largest)
+    out = out[:-1].mul_(largest)
+    return out if bias is None else out + bias
 
 
 class Int8Forward:
