@@ -16,6 +16,7 @@ setup-test:
 
 assets:
 	$(VENV)/recspec assets fetch ml-100k smollm2
+	$(VENV)/recspec assets kernel
 
 # MovieLens-100K end to end: identifiers, a small target and its draft (a few minutes each), then
 # the exact decoders side by side (users/s, speed-up, identical items) with `auto`, and Recall/NDCG.

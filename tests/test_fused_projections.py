@@ -1,7 +1,7 @@
 """Fused sibling projections (:mod:`recspec.models.fused_projections`): the same outputs as each
-sibling alone (bit for bit over 3 or more rows on the real SmolLM2), one product per group where
-oneDNN's packed product computes the rows, each sibling alone everywhere else (1-2 rows, another
-input, a gradient), a weight changed in place taken up, and a copy of the model that works."""
+sibling alone (bit for bit on the real SmolLM2), one product per group where recspec's kernel or
+oneDNN's packed product computes the rows, each sibling alone everywhere else (1-2 rows without the
+kernel, another input, a gradient), a weight changed in place taken up, and a copy of the model that works."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from recspec.models.fused_projections import FusedProjections, use_fused_projections
 from recspec.models.int8_products import int8_engine, use_int8_products
+from recspec.models.row_kernel import available
 from recspec.models.small_rows import PACKED_ROWS, use_small_row_products
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,10 +62,11 @@ def test_fused_siblings_give_each_siblings_output(bias: bool) -> None:
             assert all(group.kept is None or not group.kept[1] for group in groups(model))
 
 
-def test_one_product_where_onednn_computes_each_sibling_alone_elsewhere() -> None:
+def test_one_product_where_a_packed_kernel_computes_each_sibling_alone_elsewhere() -> None:
     """Over 3 rows the first sibling's call computes the group and its siblings' calls on the same
-    tensor take their outputs; over 2 rows, on another tensor or with a gradient each computes alone
-    (and the gradient reaches every weight)."""
+    tensor take their outputs; over 2 rows too where recspec's kernel serves (oneDNN's packed product
+    starts at 3); on another tensor or with a gradient each computes alone (and the gradient reaches
+    every weight)."""
     model = use_fused_projections(use_small_row_products(small_gqa_llama()))
     attention = model.model.layers[0].self_attn
     q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
@@ -82,7 +84,9 @@ def test_one_product_where_onednn_computes_each_sibling_alone_elsewhere() -> Non
         assert not group.kept[1]
         two = torch.randn(2, 32)
         q(two)
-        assert group.kept[0] is not two  # 2 rows: not fused
+        assert (group.kept[0] is two) == available()  # 2 rows: fused by the kernel only
+        for layer in (k, v):
+            layer(two)
     x.requires_grad_()
     loss = sum(layer(x).square().sum() for layer in (q, k, v))
     loss.backward()
@@ -111,8 +115,8 @@ def test_a_weight_changed_in_place_is_taken_up_and_a_copy_works() -> None:
 def test_smollm2_calls_over_three_or_more_rows_are_bit_identical(smollm2_dir) -> None:
     """The real SmolLM2 as recspec loads it (fused) against the same model loaded again and unfused:
     the 40-token prefix (fused over 40 rows) and one call over 3, 6 and 16 new rows give the same
-    logits bit for bit (oneDNN sums every output column alike whatever columns share the product),
-    and over 1 and 2 rows too (not fused). (A deep copy is not the reference: MKL's sums over 1-2
+    logits bit for bit (recspec's kernel and oneDNN sum every output column alike whatever columns
+    share the product), and over 1 and 2 rows too (fused by the kernel, alone without it). (A deep copy is not the reference: MKL's sums over 1-2
     rows move by 2e-5 with the weights' alignment in memory.)"""
     from recspec.models.hf import load_causal_lm
 

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, SmallRowForward,
-                                       onednn_computes, padded_rows, pads_rows, small_row_linear,
-                                       use_small_row_products)
+from recspec.models.row_kernel import available
+from recspec.models.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels,
+                                       SmallRowForward, new_pack, onednn_computes, padded_rows, pads_rows,
+                                       small_row_linear, use_small_row_products)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -28,10 +29,10 @@ def test_small_row_forward_is_the_linear_product(shape, bias) -> None:
     assert out.shape == expected.shape and out.is_contiguous()  # row-major, as F.linear's result
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     column_major = x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() > 1 else x
-    with torch.inference_mode():  # no gradient: oneDNN's linear from 7 rows on, from 3 over a packed weight
-        for pad in (True, False):
+    with torch.inference_mode():  # no gradient: oneDNN's linear from 7 rows on, from 3 over a packed weight,
+        for pad in (True, False):  # recspec's kernel over panels where it is built
             for onednn in (True, False):
-                for pack in (None, OneDnnPack()):
+                for pack in (None, OneDnnPack(), new_pack()):
                     out = small_row_linear(column_major, layer.weight, layer.bias, pad=pad, onednn=onednn, pack=pack)
                     assert out.shape == expected.shape and out.is_contiguous()
                     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -124,15 +125,19 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
     patched = load_causal_lm(smollm2_dir)
     plain = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert isinstance(patched.lm_head.forward, SmallRowForward) and patched.lm_head.forward.layer is patched.lm_head
-    assert not pads_rows(patched) and not pads_rows(plain)  # with oneDNN no row count is padded
+    assert isinstance(patched.lm_head.forward.pack, RowPanels if available() else OneDnnPack)
+    assert not pads_rows(patched) and not pads_rows(plain)  # with the kernel or oneDNN no row count is padded
     ids = torch.arange(100, 116)[None]
     with torch.inference_mode():
         expected = plain(ids).logits
         torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        use_small_row_products(patched, kernel=False)  # oneDNN over packed weights
+        assert not pads_rows(patched)
+        torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
         use_small_row_products(patched, pack=False)  # oneDNN over the plain weights
         torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
         for pad in (True, False):  # MKL's products for all rows, padded or not
-            use_small_row_products(patched, pad=pad, onednn=False)
+            use_small_row_products(patched, pad=pad, onednn=False, kernel=False)
             assert pads_rows(patched) == pad
             torch.testing.assert_close(patched(ids).logits, expected, rtol=1e-4, atol=1e-4)
 
@@ -146,18 +151,24 @@ def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
     from recspec.bench.rows import SETTINGS, run
 
     markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4, 14), repeats=1, rounds=2, name="rows")
-    cells = json.loads((tmp_path / "rows.json").read_text())["cells"]
+    results = json.loads((tmp_path / "rows.json").read_text())
+    cells = results["cells"]
+    one = 1 if available() else 2  # recspec's kernel computes one row as one, MKL's as two
+    assert results["row_kernel"] == available()
     assert [(c["nodes"], c["rows_computed"]) for c in cells] == [
-        (1, {"mkl": 2, "mkl_padded": 2, "onednn_plain": 2, "unfused": 2, "unpacked": 2, "recspec": 2}),
-        (4, {"mkl": 4, "mkl_padded": 4, "onednn_plain": 4, "unfused": 4, "unpacked": 4, "recspec": 4}),
-        (14, {"mkl": 14, "mkl_padded": 16, "onednn_plain": 14, "unfused": 14, "unpacked": 14, "recspec": 14})]
+        (1, {"mkl": 2, "mkl_padded": 2, "onednn_plain": 2, "unfused": 2, "onednn_packed": 2, "unpacked": one,
+             "recspec": one}),
+        (4, {"mkl": 4, "mkl_padded": 4, "onednn_plain": 4, "unfused": 4, "onednn_packed": 4, "unpacked": 4,
+             "recspec": 4}),
+        (14, {"mkl": 14, "mkl_padded": 16, "onednn_plain": 14, "unfused": 14, "onednn_packed": 14, "unpacked": 14,
+              "recspec": 14})]
     assert all(set(c["runs_ms"]) == set(SETTINGS) and all(len(t) == 2 for t in c["runs_ms"].values())
                and min(c["ms"].values()) > 0 for c in cells)
     assert (tmp_path / "rows.png").stat().st_size > 0 and "| 14 |" in markdown
 
 
 def test_bench_rows_pairs_two_settings_call_by_call(smollm2_dir, tmp_path) -> None:
-    """`recspec bench rows --pairs`: per size, the unfused products and recspec's default timed pair by
+    """`recspec bench rows --pairs`: per size, version 5's products and recspec's default timed pair by
     pair, the median ratio within its quartiles, JSON, Markdown and plot written."""
     import json
 
@@ -165,7 +176,7 @@ def test_bench_rows_pairs_two_settings_call_by_call(smollm2_dir, tmp_path) -> No
 
     markdown = paired(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4), pairs=3, name="pairs")
     results = json.loads((tmp_path / "pairs.json").read_text())
-    assert results["settings"] == ["unfused", "recspec"] and [c["nodes"] for c in results["cells"]] == [1, 4]
+    assert results["settings"] == ["onednn_packed", "recspec"] and [c["nodes"] for c in results["cells"]] == [1, 4]
     for cell in results["cells"]:
         low, _, high = cell["ratio_quartiles"]
         assert min(cell["ms"].values()) > 0 and low <= cell["ratio"] <= high

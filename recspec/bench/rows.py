@@ -1,12 +1,13 @@
 """`recspec bench rows`: one target call by the number of rows (tree nodes) it feeds, under each
 setting of the small-row products (:mod:`recspec.models.small_rows`): MKL's product for every row
 count, unpadded and over :func:`~recspec.models.small_rows.padded_rows` rows, oneDNN's linear over
-the plain weights from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on (version 3), and
-recspec's default, oneDNN's linear over packed weights from
-:data:`~recspec.models.small_rows.PACKED_ROWS` rows on with sibling projections fused
-(:mod:`recspec.models.fused_projections`); the default also without the fusion (version 4), and
-with transformers' own SDPA attention instead of recspec's packed grouped-query attention
-(:mod:`recspec.models.attention`), which show what each is worth.
+the plain weights from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on (version 3), oneDNN's
+linear over packed weights from :data:`~recspec.models.small_rows.PACKED_ROWS` rows on (version 4)
+and with sibling projections fused (:mod:`recspec.models.fused_projections`, version 5), and
+recspec's default, its own kernel over 1-128 rows with the siblings fused
+(:mod:`recspec.models.row_kernel`, version 6); the default also with transformers' own SDPA
+attention instead of recspec's packed grouped-query attention (:mod:`recspec.models.attention`),
+which show what each is worth.
 
 MKL's products cost a step function of ``n`` on this CPU (multiples of 8 fast, 16 fastest, counts
 in between up to twice as slow), so a tree call's cost is not ``F + r n``; padding computes them
@@ -35,20 +36,23 @@ from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
 from recspec.models.fused_projections import use_fused_projections
 from recspec.models.hf import load_causal_lm
+from recspec.models.row_kernel import available
 from recspec.models.small_rows import ONEDNN_ROWS, PACKED_ROWS, rows_computed, use_small_row_products
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
-#: Name -> (pad, onednn, pack) of :func:`~recspec.models.small_rows.use_small_row_products`,
+#: Name -> (pad, onednn, pack, kernel) of :func:`~recspec.models.small_rows.use_small_row_products`,
 #: whether the attention is packed and whether sibling projections are fused; "recspec" is the default.
-SETTINGS = {"mkl": (False, False, False, True, False), "mkl_padded": (True, False, False, True, False),
-            "onednn_plain": (True, True, False, True, False), "unfused": (True, True, True, True, False),
-            "unpacked": (True, True, True, False, True), "recspec": (True, True, True, True, True)}
+SETTINGS = {"mkl": (False, False, False, False, True, False), "mkl_padded": (True, False, False, False, True, False),
+            "onednn_plain": (True, True, False, False, True, False),
+            "unfused": (True, True, True, False, True, False), "onednn_packed": (True, True, True, False, True, True),
+            "unpacked": (True, True, True, True, False, True), "recspec": (True, True, True, True, True, True)}
 
 
 def computed(n: int) -> dict[str, int]:
     """The rows each setting computes a float32 call over ``n`` nodes with
     (:func:`~recspec.models.small_rows.rows_computed`)."""
-    return {setting: rows_computed(n, pad, onednn, pack) for setting, (pad, onednn, pack, _, _) in SETTINGS.items()}
+    return {setting: rows_computed(n, pad, onednn, pack, kernel and available())
+            for setting, (pad, onednn, pack, kernel, _, _) in SETTINGS.items()}
 
 
 def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, repeats: int = 5,
@@ -70,32 +74,36 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
                       "speedup_over_mkl_padded": ms["mkl_padded"] / ms["recspec"],
                       "speedup_over_onednn_plain": ms["onednn_plain"] / ms["recspec"],
                       "speedup_over_unfused": ms["unfused"] / ms["recspec"],
+                      "speedup_over_onednn_packed": ms["onednn_packed"] / ms["recspec"],
                       "speedup_over_unpacked": ms["unpacked"] / ms["recspec"]})
     _install(lm, "recspec")
     one = cells[0]["ms"]["recspec"] if sizes[0] == 1 else None
     table = markdown_table(["nodes", "MKL ms", "MKL padded ms (rows)", "oneDNN plain ms", "unfused ms",
-                            "unpacked attention ms", "recspec ms", "x MKL", "x MKL padded", "x oneDNN plain",
-                            "x unfused", "x unpacked"]
+                            "oneDNN packed ms", "unpacked attention ms", "recspec ms", "x MKL", "x MKL padded",
+                            "x oneDNN plain", "x unfused", "x oneDNN packed", "x unpacked"]
                            + (["recspec x one node"] if one else []),
                            [[c["nodes"], round(c["ms"]["mkl"], 1),
                              f"{c['ms']['mkl_padded']:.1f} ({c['rows_computed']['mkl_padded']})",
                              round(c["ms"]["onednn_plain"], 1), round(c["ms"]["unfused"], 1),
-                             round(c["ms"]["unpacked"], 1), round(c["ms"]["recspec"], 1),
-                             f"{c['speedup_over_mkl']:.2f}x", f"{c['speedup_over_mkl_padded']:.2f}x",
-                             f"{c['speedup_over_onednn_plain']:.2f}x", f"{c['speedup_over_unfused']:.2f}x",
+                             round(c["ms"]["onednn_packed"], 1), round(c["ms"]["unpacked"], 1),
+                             round(c["ms"]["recspec"], 1), f"{c['speedup_over_mkl']:.2f}x",
+                             f"{c['speedup_over_mkl_padded']:.2f}x", f"{c['speedup_over_onednn_plain']:.2f}x",
+                             f"{c['speedup_over_unfused']:.2f}x", f"{c['speedup_over_onednn_packed']:.2f}x",
                              f"{c['speedup_over_unpacked']:.2f}x"]
                             + ([f"{c['ms']['recspec'] / one:.2f}"] if one else []) for c in cells])
     markdown = (f"# One call of {model} by rows fed, under each setting of the small-row products\n\n"
                 f"One row of {past} cached tokens, n new tree nodes; median of {repeats} calls, median over "
                 f"{rounds} rounds, settings in turn. MKL: `W @ x.T` for every row count (one row as two), "
                 f"padded: over `padded_rows` rows; oneDNN plain: oneDNN's linear over the plain weights from "
-                f"{ONEDNN_ROWS} rows on (version 3); recspec: oneDNN's linear over packed weights from "
-                f"{PACKED_ROWS} rows on, MKL below, sibling projections (q, k, v; gate, up) fused over "
-                f"{PACKED_ROWS} rows or more; unfused: the same without the fusion (version 4); every setting "
-                f"with recspec's packed grouped-query attention but 'unpacked', recspec's products with "
-                f"transformers' SDPA attention.\n\n{table}\n")
+                f"{ONEDNN_ROWS} rows on (version 3); unfused: oneDNN's linear over packed weights from "
+                f"{PACKED_ROWS} rows on, MKL below (version 4); oneDNN packed: the same with sibling projections "
+                f"(q, k, v; gate, up) fused over {PACKED_ROWS} rows or more (version 5); recspec: its own kernel "
+                f"over 1-128 rows, siblings fused (version 6{'' if available() else '; NOT BUILT here: oneDNN'}); "
+                f"every setting with recspec's packed grouped-query attention but 'unpacked', recspec's products "
+                f"with transformers' SDPA attention.\n\n{table}\n")
     results: dict[str, Any] = {"model": model, "past": past, "repeats": repeats, "rounds": rounds,
-                               "onednn_rows": ONEDNN_ROWS, "packed_rows": PACKED_ROWS, "cells": cells}
+                               "onednn_rows": ONEDNN_ROWS, "packed_rows": PACKED_ROWS, "row_kernel": available(),
+                               "cells": cells}
     write_results(out, name, results, markdown)
     _plot(out / f"{name}.png", cells, model)
     return markdown
@@ -103,20 +111,20 @@ def run(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int]
 
 def _attention(setting: str) -> str:
     """The attention implementation of ``setting`` (:data:`SETTINGS`)."""
-    return PACKED_SDPA if SETTINGS[setting][3] else "sdpa"
+    return PACKED_SDPA if SETTINGS[setting][4] else "sdpa"
 
 
 def _install(lm, setting: str) -> None:
     """Give ``lm`` the products and attention of ``setting`` (:data:`SETTINGS`)."""
-    pad, onednn, pack, _, fused = SETTINGS[setting]
-    use_small_row_products(lm, pad, onednn, pack)
+    pad, onednn, pack, kernel, _, fused = SETTINGS[setting]
+    use_small_row_products(lm, pad, onednn, pack, kernel)
     if fused:
         use_fused_projections(lm)
     lm.set_attn_implementation(_attention(setting))
 
 
 def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, pairs: int = 100,
-           settings: tuple[str, str] = ("unfused", "recspec"), name: str = "rows-paired") -> str:
+           settings: tuple[str, str] = ("onednn_packed", "recspec"), name: str = "rows-paired") -> str:
     """Two settings side by side call by call: for every size, ``pairs`` pairs of one call under each
     (the first of a pair alternating), each pair's time ratio, their median and quartiles. On a host
     whose call time drifts by 20% between runs, medians taken apart hide a 5% difference that the
@@ -195,10 +203,10 @@ def _plot(path: Path, cells: list[dict[str, Any]], model: str) -> None:
     nodes = [c["nodes"] for c in cells]
     for setting, style, label in (("mkl", ":^", "MKL"), ("mkl_padded", "--s", "MKL, padded rows"),
                                   ("onednn_plain", "--d", f"oneDNN over plain weights from {ONEDNN_ROWS} rows"),
-                                  ("unfused", "-+", "recspec without fused projections"),
+                                  ("unfused", "-+", f"oneDNN over packed weights from {PACKED_ROWS} rows"),
+                                  ("onednn_packed", "-v", "the same, sibling projections fused (version 5)"),
                                   ("unpacked", "-.x", "recspec products, transformers' attention"),
-                                  ("recspec", "-o", f"recspec (oneDNN over packed weights from {PACKED_ROWS} rows, "
-                                                    "packed attention)")):
+                                  ("recspec", "-o", "recspec (its kernel, siblings fused, packed attention)")):
         axis.plot(nodes, [c["ms"][setting] for c in cells], style, label=label)
     axis.set_xlabel("tree nodes fed in one call")
     axis.set_ylabel("ms per call")

@@ -1,4 +1,4 @@
-"""Sibling linear layers that read the same input, computed as one product over 3 or more rows.
+"""Sibling linear layers that read the same input, computed as one product.
 
 A decoder layer of a Llama-family model projects the same hidden states three times for attention
 (``q_proj``, ``k_proj``, ``v_proj``) and twice for its MLP (``gate_proj``, ``up_proj``). Over 3-128
@@ -10,12 +10,14 @@ the concatenated weights, packed once, streams them together: a SmolLM2 call ove
 bit-identical: oneDNN computes every output column with the same summation whatever columns
 share the product. One and two rows (MKL's product, every plain decoding step) are computed by
 each sibling alone: fused as MKL products over a plain concatenated copy, whole calls ran
-0.97-0.98x as fast.
+0.97-0.98x as fast. Where recspec's kernel serves (:mod:`recspec.models.row_kernel`), every row
+count from 1 to 128 is one kernel product over the concatenated panels, bit-identical too (each
+output column is its own chain of multiply-adds).
 
 transformers calls the siblings one after another on the same tensor (``self.q_proj(hidden_states)``,
 then ``k_proj``, then ``v_proj``), so :class:`FusedProjections` needs no change to the model's own
 code: the first sibling's forward computes every sibling's output and keeps the others' for their
-own calls on that same tensor object; any other call (another input, 1-2 rows, a product that
+own calls on that same tensor object; any other call (another input, 1-2 rows without the kernel, a product that
 needs a gradient, a sibling called first out of turn) is computed by the sibling alone, as before.
 The kept outputs and the tensor they belong to are replaced in one assignment, so two threads
 running the same model never take each other's outputs. The packed concatenation replaces the
@@ -36,8 +38,9 @@ import functools
 import torch
 from torch import nn
 
-from recspec.models.int8_products import Int8Forward, Int8Pack, int8_computes, int8_rows
-from recspec.models.small_rows import MAX_SMALL_ROWS, PACKED_ROWS, OneDnnPack, SmallRowForward, has_onednn, needs_grad
+from recspec.models.int8_products import Int8Forward, Int8Pack, int8_computes
+from recspec.models.small_rows import (MAX_SMALL_ROWS, PACKED_ROWS, KeptWeight, RowPanels, SmallRowForward, has_onednn,
+                                       kernel_computes, needs_grad, new_pack)
 
 #: The sibling groups of a transformers Llama-family layer fused, by attribute name.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -52,17 +55,22 @@ class FusedProjections:
         self.layers, self.int8 = layers, int8
         self.own = [layer.forward for layer in layers]  # each sibling alone
         self.widths = [layer.out_features for layer in layers]
-        self.pack: OneDnnPack | Int8Pack = Int8Pack() if int8 else OneDnnPack()
+        # the kind of copy the siblings keep: recspec's kernel's panels or oneDNN's packed weight
+        kernel = isinstance(getattr(self.own[0], "pack", None), RowPanels)
+        self.pack: KeptWeight = Int8Pack() if int8 else new_pack(kernel)
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
     def fuses(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a call over ``rows`` rows of ``x`` is one product: in int8 where
-        :func:`~recspec.models.int8_products.int8_computes` (one row or more), else oneDNN's packed
-        product over :data:`~recspec.models.small_rows.PACKED_ROWS` to 128 rows (the CPU, float32),
-        no gradient asked for."""
+        :func:`~recspec.models.int8_products.int8_computes` (one row or more), else recspec's kernel
+        over 1 to 128 rows where the siblings use it, or oneDNN's packed product over
+        :data:`~recspec.models.small_rows.PACKED_ROWS` to 128 rows (the CPU, float32), no gradient
+        asked for."""
         weight, bias = self.layers[0].weight, self.layers[0].bias
         if self.int8:
             return rows >= 1 and int8_computes(x, weight, bias)
+        if isinstance(self.pack, RowPanels):
+            return 1 <= rows <= MAX_SMALL_ROWS and kernel_computes(x, weight, bias)
         return (PACKED_ROWS <= rows <= MAX_SMALL_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype
                 and has_onednn(x.dtype) and not needs_grad(x, weight, bias))
 
@@ -78,12 +86,7 @@ class FusedProjections:
         if not self.fuses(x, rows):
             return self.own[index](x)
         bias = None if self.layers[0].bias is None else torch.cat([layer.bias for layer in self.layers])
-        packed = self.pack.of(*(layer.weight for layer in self.layers))
-        flat = x.reshape(rows, x.shape[-1])
-        if self.int8:
-            out = int8_rows(flat, packed, bias)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+        out = self.pack.linear(x.reshape(rows, x.shape[-1]), *(layer.weight for layer in self.layers), bias=bias)
         parts = [part.contiguous().view(*x.shape[:-1], width) for part, width in
                  zip(out.split(self.widths, dim=1), self.widths)]
         self.kept = (x, dict(enumerate(parts[1:], start=1)))

@@ -89,6 +89,9 @@ class Int8Pack(KeptWeight):
     def make(self, weight: torch.Tensor) -> torch.ScriptObject:
         return torch.ops.quantized.linear_prepack(quantize_rows(weight), None)
 
+    def linear(self, flat: torch.Tensor, *weights: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_rows(flat, self.of(*weights), bias)
+
 
 @functools.lru_cache(maxsize=32)
 def pin_row(width: int, device: torch.device) -> torch.Tensor:
@@ -106,7 +109,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     own scale, module doc), else the float32 small-row product; returns ``[..., out]`` float32."""
     if not int8_computes(x, weight, bias) or x.numel() == 0:
         return small_row_linear(x, weight, bias)
-    return int8_rows(x.reshape(-1, x.shape[-1]), pack.of(weight), bias).view(*x.shape[:-1], weight.shape[0])
+    return pack.linear(x.reshape(-1, x.shape[-1]), weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
 
 
 def int8_rows(flat: torch.Tensor, packed: torch.ScriptObject, bias: torch.Tensor | None = None) -> torch.Tensor:

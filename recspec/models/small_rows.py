@@ -1,5 +1,13 @@
 """Linear layers over a few rows on the CPU: matrix products chosen by the number of rows.
 
+**recspec's kernel, 1..128 rows** (:mod:`recspec.models.row_kernel`, products version 6): where it
+builds (x86-64 with AVX2, a C++ compiler), every float32 product over 1 to 128 rows without a
+gradient runs it over the weight kept in panels (:class:`RowPanels`). It streams the weight once,
+in order, at the memory's speed: SmolLM2's layers cost about the same over 1 to 6 rows, 1.2x less
+than MKL's product over 1-2 rows and 1.3-1.45x less than oneDNN's packed product over 3-6
+(BENCHMARKS.md "A small-row kernel"). Each row's output is the same bits whatever rows share the
+call. Where the kernel is not built, the two torch kernels below serve as before.
+
 On the CPUs this project runs on (fp32, 2 threads), ``torch.nn.functional.linear`` with 2 to 128
 input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 3.7 ms for the
 same product written ``W @ x.T`` (BENCHMARKS.md, knowledge section). Two kernels do better, each
@@ -38,6 +46,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recspec.models.row_kernel import available
+
 MAX_SMALL_ROWS = 128
 
 #: The fewest rows computed with oneDNN's linear over the plain weight (fewer: MKL's product;
@@ -56,8 +66,9 @@ PACK_ROWS = 16
 #: so a change to how calls are computed has them measured again: 2 made products row-major and one
 #: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN; 4 computes
 #: 3..128 rows with oneDNN over packed weights; 5 fuses sibling projections
-#: (:mod:`recspec.models.fused_projections`).
-PRODUCTS_VERSION = 5
+#: (:mod:`recspec.models.fused_projections`); 6 computes 1..128 rows with recspec's kernel where it
+#: is built (:mod:`recspec.models.row_kernel`).
+PRODUCTS_VERSION = 6
 
 
 def padded_rows(rows: int) -> int:
@@ -91,10 +102,13 @@ def mkl_rows(rows: int, pad: bool) -> int:
     return max(padded_rows(rows) if pad else rows, 2)
 
 
-def rows_computed(rows: int, pad: bool, onednn: bool, packed: bool) -> int:
+def rows_computed(rows: int, pad: bool, onednn: bool, packed: bool, kernel: bool = False) -> int:
     """The rows :func:`small_row_linear` computes a float32 product over ``rows`` rows (1..128, no
-    gradient) with, under the settings ``pad``, ``onednn`` and ``packed`` (a pack kept)."""
-    return rows if onednn and has_onednn(torch.float32) and onednn_rows(rows, packed) else mkl_rows(rows, pad)
+    gradient) with, under the settings ``pad``, ``onednn``, ``packed`` (a pack kept) and ``kernel``
+    (recspec's kernel over panels kept: every row count as it is)."""
+    if (kernel and packed) or (onednn and has_onednn(torch.float32) and onednn_rows(rows, packed)):
+        return rows
+    return mkl_rows(rows, pad)
 
 
 def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -113,7 +127,8 @@ def onednn_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 class KeptWeight:
-    """A copy of a weight in another form (:meth:`make`: packed, quantized), made on first use and
+    """A copy of a weight in another form (:meth:`make`: packed, quantized) and the product over it
+    (:meth:`linear`), made on first use and
     made again whenever the weight is other memory or was changed in place (its version counter
     moved: an optimiser step, ``load_state_dict``).
 
@@ -129,6 +144,12 @@ class KeptWeight:
 
     def make(self, weight: torch.Tensor) -> object:
         """The copy of ``weight`` (detached) this kind keeps."""
+        raise NotImplementedError
+
+    def linear(self, flat: torch.Tensor, *weights: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``flat @ W.T + bias`` for ``flat`` ``[rows, in]`` (at least one row) and ``W`` the
+        concatenation of ``weights`` ``[out_i, in]`` along their outputs, computed over the copy
+        kept of them: ``[rows, sum(out_i)]``."""
         raise NotImplementedError
 
     def of(self, *weights: torch.Tensor) -> object:
@@ -155,20 +176,54 @@ class OneDnnPack(KeptWeight):
     def make(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
+    def linear(self, flat: torch.Tensor, *weights: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.of(*weights), bias, "none", [], "")
+
+
+class RowPanels(KeptWeight):
+    """A weight's copy in panels of 16 output columns for recspec's kernel
+    (:mod:`recspec.models.row_kernel`; as large as the weight, padded to 16 columns)."""
+
+    def make(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.recspec_rows.pack(weight.contiguous())
+
+    def linear(self, flat: torch.Tensor, *weights: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = sum(weight.shape[0] for weight in weights)
+        return torch.ops.recspec_rows.linear(flat.contiguous(), self.of(*weights), out,
+                                             None if bias is None else bias.contiguous())
+
+
+def new_pack(kernel: bool = True) -> KeptWeight:
+    """The copy a small-row forward keeps of its weight: panels for recspec's kernel with
+    ``kernel`` where it is built (:func:`~recspec.models.row_kernel.available`), else oneDNN's
+    packed weight."""
+    return RowPanels() if kernel and available() else OneDnnPack()
+
+
+def kernel_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether recspec's kernel can compute ``F.linear(x, weight, bias)`` (over 1..128 rows, which
+    the caller checks): float32 on the CPU, no gradient asked for."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32) and not needs_grad(x, weight, bias))
+
 
 def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     pad: bool = True, onednn: bool = True, pack: OneDnnPack | None = None) -> torch.Tensor:
+                     pad: bool = True, onednn: bool = True, pack: KeptWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of shape ``[..., in]`` and ``weight`` ``[out, in]``;
-    1..128 rows on the CPU with the kernel the module doc gives them, oneDNN's over the weight kept
-    in ``pack`` where one is given (``onednn=False``: MKL's for all, as before version 3), MKL's
-    over :func:`padded_rows` rows with ``pad``; the result row-major, shape ``[..., out]``."""
+    1..128 rows on the CPU with the kernel the module doc gives them: recspec's over the panels kept
+    in a :class:`RowPanels` ``pack``, oneDNN's over the weight kept in a :class:`OneDnnPack` one or
+    over the plain weight (``onednn=False``: MKL's for all but the kernel's rows, as before version 3), MKL's over
+    :func:`padded_rows` rows with ``pad``; the result row-major, shape ``[..., out]``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 1 <= rows <= MAX_SMALL_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if onednn and onednn_computes(x, weight, bias, rows, packed=pack is not None):
-        kept = weight if pack is None else pack.of(weight)
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), kept, bias, "none", [], "")
+    if isinstance(pack, RowPanels) and kernel_computes(x, weight, bias):
+        return pack.linear(flat, weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
+    onednn_pack = pack if isinstance(pack, OneDnnPack) else None
+    if onednn and onednn_computes(x, weight, bias, rows, packed=onednn_pack is not None):
+        out = (torch.ops.mkldnn._linear_pointwise(flat.contiguous(), weight, bias, "none", [], "")
+               if onednn_pack is None else onednn_pack.linear(flat, weight, bias=bias))
         return out.view(*x.shape[:-1], weight.shape[0])
     padded = mkl_rows(rows, pad)  # the concatenation is row-major too: one copy at most
     flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[1]))) if padded > rows else flat.contiguous()
@@ -179,11 +234,12 @@ def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 class SmallRowForward:
     """The forward :func:`use_small_row_products` gives a linear layer: :func:`small_row_linear`
     with the layer's weight and bias and the chosen kernels (``pad``, ``onednn``, and with ``pack``
-    oneDNN over the layer's packed weight)."""
+    recspec's kernel over the layer's weight in panels, or with ``kernel=False`` or where the kernel
+    is not built oneDNN over its packed weight)."""
 
-    def __init__(self, layer: nn.Linear, pad: bool, onednn: bool, pack: bool) -> None:
+    def __init__(self, layer: nn.Linear, pad: bool, onednn: bool, pack: bool, kernel: bool = True) -> None:
         self.layer, self.pad, self.onednn = layer, pad, onednn
-        self.pack = OneDnnPack() if pack else None
+        self.pack = new_pack(kernel) if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return small_row_linear(x, self.layer.weight, self.layer.bias, self.pad, self.onednn, self.pack)
@@ -192,20 +248,25 @@ class SmallRowForward:
 def pads_rows(model: nn.Module) -> bool:
     """Whether calls of ``model`` compute :func:`padded_rows` rows: it sits on the CPU and its
     linear layers have the padded small-row forward (:func:`use_small_row_products`) with MKL's
-    product over every row count (with oneDNN, no row count it computes is ever padded)."""
+    product over every row count (with oneDNN or recspec's kernel, no row count it computes is ever
+    padded)."""
     linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
     return bool(linears) and all(isinstance(module.forward, SmallRowForward) and module.forward.pad
                                  and not (module.forward.onednn and has_onednn(module.weight.dtype))
+                                 and not isinstance(module.forward.pack, RowPanels)
                                  and module.weight.device.type == "cpu" for module in linears)
 
 
-def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True, pack: bool = True) -> nn.Module:
-    """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``onednn=False``: MKL's
-    product for every row count, ``pad=False``: without :func:`padded_rows`, ``pack=False``: oneDNN
-    over the plain weights, from :data:`ONEDNN_ROWS` rows; the settings `recspec bench rows`
-    compares); returns ``model``. A packed weight is made at a layer's first call over
-    :data:`PACKED_ROWS` rows or more and costs as much memory as the weight."""
+def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True, pack: bool = True,
+                           kernel: bool = True) -> nn.Module:
+    """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``kernel=False``: oneDNN
+    over packed weights instead of recspec's kernel, and with ``onednn=False`` too MKL's product for
+    every row count, ``pad=False``: without :func:`padded_rows`, ``pack=False``: no kept copy, oneDNN
+    over the plain weights from :data:`ONEDNN_ROWS` rows; the settings `recspec bench rows`
+    compares); returns
+    ``model``. A kept copy of a weight (panels or oneDNN's pack) is made at a layer's first call
+    that reads it and costs as much memory as the weight."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = SmallRowForward(module, pad, onednn, pack)
+            module.forward = SmallRowForward(module, pad, onednn, pack, kernel)
     return model

@@ -54,7 +54,7 @@ from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.fused_projections import use_fused_projections
 from recspec.models.head import Block, HeadKind, RMSNorm, load_head
 from recspec.models.int8_products import Int8Pack, int8_linear, int8_serves, use_int8_products
-from recspec.models.small_rows import OneDnnPack, SmallRowForward, small_row_linear, use_small_row_products
+from recspec.models.small_rows import SmallRowForward, new_pack, small_row_linear, use_small_row_products
 
 
 @dataclass(frozen=True)
@@ -278,9 +278,10 @@ class TextHeadDraft:
             self.weight = output.index_select(0, self.ids)
         else:
             self.ids, self.weight = torch.arange(output.shape[0], device=output.device), output
-        # the output rows packed for 3 rows or more; the whole output layer shares the target's pack
+        # the output rows kept packed (panels for recspec's kernel, or oneDNN's for 3 rows or more);
+        # the whole output layer shares the target's copy
         shared = layer.forward.pack if isinstance(layer.forward, SmallRowForward) else None
-        self.pack = shared if shared is not None and not head.config.draft_vocab else OneDnnPack()
+        self.pack = shared if shared is not None and not head.config.draft_vocab else new_pack()
         self.int8_pack = Int8Pack()
 
     @property
