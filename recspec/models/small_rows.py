@@ -46,7 +46,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.row_kernel import available
+from recspec.errors import RecspecError
+from recspec.models.row_kernel import available, unsupported
 
 MAX_SMALL_ROWS = 128
 
@@ -182,7 +183,13 @@ class OneDnnPack(KeptWeight):
 
 class RowPanels(KeptWeight):
     """A weight's copy in panels of 16 output columns for recspec's kernel
-    (:mod:`recspec.models.row_kernel`; as large as the weight, padded to 16 columns)."""
+    (:mod:`recspec.models.row_kernel`; as large as the weight, padded to 16 columns). Made only
+    where the kernel is built (:func:`new_pack` chooses); elsewhere it says why."""
+
+    def __init__(self) -> None:
+        if not available():
+            raise RecspecError(f"recspec's small-row kernel is not built here ({unsupported() or 'its build failed'})")
+        super().__init__()
 
     def make(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.recspec_rows.pack(weight.contiguous())
