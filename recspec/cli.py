@@ -1058,18 +1058,27 @@ def bench_rows(
     pairs: Annotated[Optional[int], typer.Option(help="Compare recspec's default with version 5's products (oneDNN "
                                                       "over packed weights, siblings fused) call by call instead: "
                                                       "this many pairs per size (median of the pairs' ratios).")] = None,
+    products: Annotated[bool, typer.Option("--products", help="Time one call's products alone instead (MKL, oneDNN "
+                                                              "packed, recspec's kernel; --size rows, --repeats "
+                                                              "passes).")] = False,
 ) -> None:
     """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not), oneDNN over the plain
     weights from 7 rows, oneDNN over packed weights from 3 rows (unfused, and with sibling projections fused),
     recspec's default (its own small-row kernel, siblings fused), and packed grouped-query attention against
-    transformers' own; with --pairs, the default against version 5's products pair by pair."""
+    transformers' own; with --pairs, the default against version 5's products pair by pair; with --products, the
+    products alone."""
     import torch
 
-    from recspec.bench.rows import SIZES, paired, run
+    from recspec.bench.rows import PRODUCT_SIZES, SIZES, paired, run
+    from recspec.bench.rows import products as time_products
 
     if min(past, repeats, rounds, threads, pairs or 2, *(size or [1])) < 1 or pairs == 1:
         raise RecspecError("--past, --repeats, --rounds, --threads and --size must be positive and --pairs at least 2")
     torch.set_num_threads(threads)
+    if products:
+        typer.echo(time_products(_results_dir(out), model, tuple(size or PRODUCT_SIZES), repeats,
+                                 name="row-products" if name == "rows" else name))
+        return
     sizes = tuple(size or SIZES)
     if pairs is not None:
         typer.echo(paired(_results_dir(out), model, past, sizes, pairs, name=name))

@@ -146,3 +146,23 @@ def test_the_switch_turns_the_kernel_off(tmp_path) -> None:
     off = _run(code, tmp_path, **{SWITCH: "0"})
     assert off.returncode == 0, off.stderr
     assert off.stdout.split() == ["False", "OneDnnPack"] and not (tmp_path / "kernels").exists()
+
+
+def test_bench_products_times_a_calls_products_side_by_side(smollm2_dir, tmp_path) -> None:
+    """`recspec bench rows --products` on the real SmolLM2: the 121 weights one call streams (q, k, v
+    and gate, up concatenated per layer, 538 MB), each product timed every pass, JSON, Markdown and
+    plot written."""
+    from recspec.bench.rows import PRODUCTS, call_weights, products
+    from recspec.models.hf import load_causal_lm
+
+    weights = call_weights(load_causal_lm(smollm2_dir))
+    assert len(weights) == 30 * 4 + 1 and sum(w.numel() for w in weights) * 4 / 1e6 == pytest.approx(538, rel=0.01)
+    assert sorted({tuple(w.shape) for w in weights}) == [(576, 576), (576, 1536), (960, 576), (3072, 576),
+                                                         (49152, 576)]
+    markdown = products(tmp_path, str(smollm2_dir), sizes=(1, 3), repeats=2, name="products")
+    results = json.loads((tmp_path / "products.json").read_text())
+    assert [c["rows"] for c in results["cells"]] == [1, 3] and results["weights"] == 121
+    for cell in results["cells"]:
+        assert set(cell["runs_ms"]) == set(PRODUCTS) and all(len(t) == 2 and min(t) > 0 for t in cell["runs_ms"].values())
+        assert cell["speedup_over_best_torch"] > 0
+    assert (tmp_path / "products.png").stat().st_size > 0 and "| 3 |" in markdown

@@ -7,7 +7,7 @@ and with sibling projections fused (:mod:`recspec.models.fused_projections`, ver
 recspec's default, its own kernel over 1-128 rows with the siblings fused
 (:mod:`recspec.models.row_kernel`, version 6); the default also with transformers' own SDPA
 attention instead of recspec's packed grouped-query attention (:mod:`recspec.models.attention`),
-which show what each is worth.
+which show what each is worth. :func:`products` times a call's products alone, side by side.
 
 MKL's products cost a step function of ``n`` on this CPU (multiples of 8 fast, 16 fastest, counts
 in between up to twice as slow), so a tree call's cost is not ``F + r n``; padding computes them
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,12 @@ from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory
                                   write_results)
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
-from recspec.models.fused_projections import use_fused_projections
+from recspec.errors import RecspecError
+from recspec.models.fused_projections import SIBLINGS, use_fused_projections
 from recspec.models.hf import load_causal_lm
-from recspec.models.row_kernel import available
-from recspec.models.small_rows import ONEDNN_ROWS, PACKED_ROWS, rows_computed, use_small_row_products
+from recspec.models.row_kernel import available, unsupported
+from recspec.models.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
+                                       use_small_row_products)
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
 #: Name -> (pad, onednn, pack, kernel) of :func:`~recspec.models.small_rows.use_small_row_products`,
@@ -194,6 +196,100 @@ def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[i
     axis.set_xlabel("tree nodes fed in one call")
     axis.set_ylabel(f"{first} / {second} time")
     axis.set_title(f"{model}: {second} against {first}, pair by pair")
+    save_figure(figure, out / f"{name}.png")
+    return markdown
+
+
+PRODUCT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+#: The products :func:`products` times: MKL's row-major product (one row as two), oneDNN's over its
+#: packed weight (products version 5) and recspec's kernel over panels (version 6).
+PRODUCTS = ("mkl", "onednn_packed", "kernel")
+
+
+def call_weights(lm) -> list[torch.Tensor]:
+    """The weights one call of ``lm`` streams, as recspec computes them: each group of sibling
+    projections (:data:`~recspec.models.fused_projections.SIBLINGS`) concatenated, every other linear
+    layer's weight alone; ``[out, in]`` each."""
+    grouped: set[int] = set()
+    weights = []
+    for module in lm.modules():
+        for names in SIBLINGS:
+            layers = [getattr(module, name, None) for name in names]
+            if all(isinstance(layer, torch.nn.Linear) for layer in layers):
+                weights.append(torch.cat([layer.weight.detach() for layer in layers]))
+                grouped.update(id(layer) for layer in layers)
+    return weights + [module.weight.detach() for module in lm.modules()
+                      if isinstance(module, torch.nn.Linear) and id(module) not in grouped]
+
+
+def products(out: Path, model: str = "smollm2", sizes: Sequence[int] = PRODUCT_SIZES, repeats: int = 7,
+             name: str = "row-products") -> str:
+    """Every product of one call of ``model`` (:func:`call_weights`: SmolLM2's 121 weights, 538 MB,
+    far more than the CPU's caches, so each is read from memory) over ``n`` rows for each ``n`` in
+    ``sizes``, nothing else between them: MKL's, oneDNN's packed and recspec's kernel
+    (:data:`PRODUCTS`), in a balanced turn order, ``repeats`` times each, medians; the weights' bytes
+    over the median time give each one's read speed. Writes ``name.{json,md,png}``; returns the
+    Markdown."""
+    if not available():
+        raise RecspecError(f"recspec's small-row kernel is not built here ({unsupported()}); nothing to compare")
+    reuse_freed_memory()
+    weights = call_weights(load_causal_lm(model))
+    gigabytes = sum(weight.numel() * weight.element_size() for weight in weights) / 1e9
+    packs = {"onednn_packed": [OneDnnPack() for _ in weights], "kernel": [RowPanels() for _ in weights]}
+    generator = torch.Generator().manual_seed(0)
+
+    def timed(product: str, n: int) -> Callable[[], float]:
+        rows = [torch.randn(max(n, 2) if product == "mkl" else n, weight.shape[1], generator=generator)
+                for weight in weights]
+
+        def run() -> float:
+            start = time.perf_counter()
+            if product == "mkl":  # small_row_linear's MKL path: row-major rows, one row as two
+                for weight, x in zip(weights, rows):
+                    torch.mm(weight, x.T).T.contiguous()
+            else:
+                for pack, weight, x in zip(packs[product], weights, rows):
+                    pack.linear(x, weight)
+            return 1e3 * (time.perf_counter() - start)
+        return run
+
+    cells = []
+    with torch.inference_mode():
+        for n in sizes:
+            runs = {product: timed(product, n) for product in PRODUCTS}
+            for run in runs.values():  # warm-up: packs made
+                run()
+            times: dict[str, list[float]] = {product: [] for product in PRODUCTS}
+            for r in range(repeats):
+                for product in turn_order(PRODUCTS, r):
+                    times[product].append(runs[product]())
+            ms = {product: statistics.median(t) for product, t in times.items()}
+            best_torch = min(ms["mkl"], ms["onednn_packed"])
+            cells.append({"rows": n, "ms": ms, "runs_ms": times,
+                          "gb_per_s": {product: gigabytes / (v / 1e3) for product, v in ms.items()},
+                          "speedup_over_best_torch": best_torch / ms["kernel"]})
+    table = markdown_table(["rows", "MKL ms", "oneDNN packed ms", "kernel ms", "kernel GB/s", "best torch GB/s",
+                            "kernel x best torch"],
+                           [[c["rows"], round(c["ms"]["mkl"], 2), round(c["ms"]["onednn_packed"], 2),
+                             round(c["ms"]["kernel"], 2), round(c["gb_per_s"]["kernel"], 1),
+                             round(max(c["gb_per_s"]["mkl"], c["gb_per_s"]["onednn_packed"]), 1),
+                             f"{c['speedup_over_best_torch']:.2f}x"] for c in cells])
+    markdown = (f"# The products of one {model} call, alone, by rows\n\n"
+                f"{len(weights)} weights ({gigabytes * 1e3:.0f} MB; sibling projections concatenated), each product "
+                f"over n random rows, one after another; median of {repeats} passes, the three products in a "
+                f"balanced turn order. MKL: `W @ x.T` over row-major rows (one row as two); oneDNN packed: its "
+                f"linear over weights packed once (products version 5); kernel: recspec's over panels (version 6). "
+                f"GB/s: the weights' bytes over the time (each product reads its weight once).\n\n{table}\n")
+    write_results(out, name, {"model": model, "weights": len(weights), "gigabytes": gigabytes, "repeats": repeats,
+                              "cells": cells}, markdown)
+    figure, axis = new_figure(figsize=(6, 3.5))
+    for product, style in zip(PRODUCTS, (":^", "--d", "-o")):
+        axis.plot([c["rows"] for c in cells], [c["ms"][product] for c in cells], style, label=product)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("rows")
+    axis.set_ylabel(f"ms for the {len(weights)} products")
+    axis.set_title(f"{model}: one call's products by rows")
+    axis.legend()
     save_figure(figure, out / f"{name}.png")
     return markdown
 
