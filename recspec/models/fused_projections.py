@@ -17,8 +17,9 @@ output column is its own chain of multiply-adds).
 transformers calls the siblings one after another on the same tensor (``self.q_proj(hidden_states)``,
 then ``k_proj``, then ``v_proj``), so :class:`FusedProjections` needs no change to the model's own
 code: the first sibling's forward computes every sibling's output and keeps the others' for their
-own calls on that same tensor object; any other call (another input, 1-2 rows without the kernel, a product that
-needs a gradient, a sibling called first out of turn) is computed by the sibling alone, as before.
+own calls on that same tensor object; any other call (another input, 1-2 rows without the kernel,
+a product that needs a gradient, a sibling called first out of turn) is computed by the sibling
+alone, as before.
 The kept outputs and the tensor they belong to are replaced in one assignment, so two threads
 running the same model never take each other's outputs. The packed concatenation replaces the
 siblings' own packs: no memory is added.

@@ -1,16 +1,16 @@
 """recspec's small-row product kernel (``row_kernel.cpp``): built once per machine, checked on use.
 
 On this project's CPU neither of torch's kernels streams a weight at the memory's speed for a few
-rows: MKL's product over 1-2 rows and oneDNN's over packed weights for 3-16 rows read SmolLM2's
-weights at about 60-75% of what a plain read in order reaches (BENCHMARKS.md "A small-row
-kernel"). ``row_kernel.cpp`` keeps each weight once in panels of 16 output columns and streams them
-in order, a 6 x 16 register tile of AVX2 fused multiply-adds per group of rows, so a call over 1 to
-16 rows costs what reading its weights costs.
+rows: MKL's product over 1-2 rows reads SmolLM2's weights at 28-31 GB/s and oneDNN's over packed
+weights at 20-25 GB/s over 3-6 rows, where a read in order reaches 31-51 GB/s as the host's memory
+allows (BENCHMARKS.md "A small-row kernel"). ``row_kernel.cpp`` keeps each weight once in panels of
+16 output columns and streams them in order, a 6 x 16 register tile of AVX2 fused multiply-adds per
+group of rows, so a call's products over 1 to 6 rows cost what reading its weights costs.
 
 The kernel is C++ compiled here against torch's headers and libraries (a C++ compiler is needed)
-into ``$RECSPEC_CACHE/kernels/rows-<source digest>-<torch>/``
-the first time a process asks for it (about 10 seconds; :func:`build` or ``recspec assets kernel``
-does it ahead), under a file lock so that parallel processes build it once. The folder's files are
+into ``$RECSPEC_CACHE/kernels/rows-<source digest>-<torch>/`` the first time a process asks for it
+(about 10 seconds; :func:`build` or ``recspec assets kernel`` does it ahead), under a file lock so
+that parallel processes build it once. The folder's files are
 checksummed (``checksums.json``) and checked before the library is loaded; a damaged build is made
 again. Where it cannot be built or used (not x86-64 with AVX2 and FMA, no compiler, a build error,
 or ``RECSPEC_ROW_KERNEL=0``) :func:`available` says so once, with the reason, and recspec computes

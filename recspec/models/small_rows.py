@@ -2,11 +2,12 @@
 
 **recspec's kernel, 1..128 rows** (:mod:`recspec.models.row_kernel`, products version 6): where it
 builds (x86-64 with AVX2, a C++ compiler), every float32 product over 1 to 128 rows without a
-gradient runs it over the weight kept in panels (:class:`RowPanels`). It streams the weight once,
-in order, at the memory's speed: SmolLM2's layers cost about the same over 1 to 6 rows, 1.2x less
-than MKL's product over 1-2 rows and 1.3-1.45x less than oneDNN's packed product over 3-6
-(BENCHMARKS.md "A small-row kernel"). Each row's output is the same bits whatever rows share the
-call. Where the kernel is not built, the two torch kernels below serve as before.
+gradient runs it over the weight kept in panels (:class:`RowPanels`, a second copy of the weight,
+made at its first call). It streams the weight once, in order, at the memory's speed: SmolLM2's
+products cost the same over 1 to 6 rows, 1.09-1.36x less than MKL's product over 1-2 rows and
+1.25-1.58x less than oneDNN's packed product over 3-6, as the host's memory allows (BENCHMARKS.md
+"A small-row kernel"). Each row's output is the same bits whatever rows share the call. Where the
+kernel is not built, the two torch kernels below serve as before.
 
 On the CPUs this project runs on (fp32, 2 threads), ``torch.nn.functional.linear`` with 2 to 128
 input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 3.7 ms for the
@@ -218,8 +219,8 @@ def small_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      pad: bool = True, onednn: bool = True, pack: KeptWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of shape ``[..., in]`` and ``weight`` ``[out, in]``;
     1..128 rows on the CPU with the kernel the module doc gives them: recspec's over the panels kept
-    in a :class:`RowPanels` ``pack``, oneDNN's over the weight kept in a :class:`OneDnnPack` one or
-    over the plain weight (``onednn=False``: MKL's for all but the kernel's rows, as before version 3), MKL's over
+    in a :class:`RowPanels` ``pack``, else oneDNN's over the weight kept in a :class:`OneDnnPack`
+    one or over the plain weight (``onednn=False``: MKL's, as before version 3), MKL's over
     :func:`padded_rows` rows with ``pad``; the result row-major, shape ``[..., out]``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 1 <= rows <= MAX_SMALL_ROWS:
@@ -284,9 +285,8 @@ def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = Tr
     over packed weights instead of recspec's kernel, and with ``onednn=False`` too MKL's product for
     every row count, ``pad=False``: without :func:`padded_rows`, ``pack=False``: no kept copy, oneDNN
     over the plain weights from :data:`ONEDNN_ROWS` rows; the settings `recspec bench rows`
-    compares); returns
-    ``model``. A kept copy of a weight (panels or oneDNN's pack) is made at a layer's first call
-    that reads it and costs as much memory as the weight."""
+    compares); returns ``model``. A kept copy of a weight (panels or oneDNN's pack) is made at a
+    layer's first call that reads it and costs as much memory as the weight."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = SmallRowForward(module, pad, onednn, pack, kernel)
