@@ -139,6 +139,17 @@ def test_the_build_is_checksummed_checked_and_made_again_when_damaged(tmp_path) 
     assert "damaged" in mended.stderr and "building the small-row kernel" in mended.stderr
 
 
+def test_a_failed_build_says_why_and_falls_back(tmp_path) -> None:
+    """A compiler that fails (``CXX=false``): one warning naming the failed build, nothing left in
+    the cache, and layers keep oneDNN's packs."""
+    code = ("from recspec.models.small_rows import new_pack; from recspec.models.row_kernel import available; "
+            "print(available(), type(new_pack()).__name__)")
+    failed = _run(code, tmp_path, CXX="false")
+    assert failed.returncode == 0, failed.stderr
+    assert failed.stdout.split() == ["False", "OneDnnPack"] and "did not build" in failed.stderr
+    assert not [path for path in (tmp_path / "kernels").iterdir() if path.is_dir()]
+
+
 def test_the_switch_turns_the_kernel_off(tmp_path) -> None:
     """``RECSPEC_ROW_KERNEL=0``: nothing is built, layers keep oneDNN's packs."""
     code = ("from recspec.models.small_rows import new_pack; from recspec.models.row_kernel import available; "

@@ -39,7 +39,7 @@ from recspec.models.fused_projections import SIBLINGS, use_fused_projections
 from recspec.models.hf import load_causal_lm
 from recspec.models.row_kernel import available, unsupported
 from recspec.models.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
-                                       use_small_row_products)
+                                       small_row_linear, use_small_row_products)
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
 #: Name -> (pad, onednn, pack, kernel) of :func:`~recspec.models.small_rows.use_small_row_products`,
@@ -239,14 +239,13 @@ def products(out: Path, model: str = "smollm2", sizes: Sequence[int] = PRODUCT_S
     generator = torch.Generator().manual_seed(0)
 
     def timed(product: str, n: int) -> Callable[[], float]:
-        rows = [torch.randn(max(n, 2) if product == "mkl" else n, weight.shape[1], generator=generator)
-                for weight in weights]
+        rows = [torch.randn(n, weight.shape[1], generator=generator) for weight in weights]
 
         def run() -> float:
             start = time.perf_counter()
             if product == "mkl":  # small_row_linear's MKL path: row-major rows, one row as two
                 for weight, x in zip(weights, rows):
-                    torch.mm(weight, x.T).T.contiguous()
+                    small_row_linear(x, weight, pad=False, onednn=False)
             else:
                 for pack, weight, x in zip(packs[product], weights, rows):
                     pack.linear(x, weight)

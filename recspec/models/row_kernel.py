@@ -43,6 +43,8 @@ LIBRARY = "recspec_rows"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 #: Set to 0 to compute with torch's kernels only.
 SWITCH = "RECSPEC_ROW_KERNEL"
+#: The longest a build may take (it takes about 10 s here) before it counts as failed.
+COMPILE_TIMEOUT_S = 600
 
 
 def build_dir() -> Path:
@@ -94,7 +96,10 @@ def build() -> Path:
                 shutil.rmtree(folder)
         if not folder.is_dir():
             _compile(folder)
-    torch.ops.load_library(str(library))
+        try:
+            torch.ops.load_library(str(library))
+        except (OSError, RuntimeError) as err:
+            raise RecspecError(f"recspec's small-row kernel did not load: {str(err).splitlines()[0]}") from err
     return library
 
 
@@ -110,7 +115,10 @@ def _compile(folder: Path) -> None:
                    f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths()),
                    str(SOURCE), "-o", str(tmp / f"{LIBRARY}.so"),
                    *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as err:
+            raise RecspecError(f"recspec's small-row kernel did not build within {COMPILE_TIMEOUT_S} s") from err
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
             raise RecspecError(f"recspec's small-row kernel did not build: {first}")
