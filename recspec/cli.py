@@ -1058,6 +1058,9 @@ def bench_rows(
     pairs: Annotated[Optional[int], typer.Option(help="Compare recspec's default with version 5's products (oneDNN "
                                                       "over packed weights, siblings fused) call by call instead: "
                                                       "this many pairs per size (median of the pairs' ratios).")] = None,
+    against: Annotated[Optional[int], typer.Option(help="With --pairs: time each size against a call over this many "
+                                                        "nodes instead, under version 5's products and recspec's "
+                                                        "(median of the pairs' ratios n / this).")] = None,
     products: Annotated[bool, typer.Option("--products", help="Time one call's products alone instead (MKL, oneDNN "
                                                               "packed, recspec's kernel; --size rows, --repeats "
                                                               "passes).")] = False,
@@ -1065,11 +1068,12 @@ def bench_rows(
     """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not), oneDNN over the plain
     weights from 7 rows, oneDNN over packed weights from 3 rows (unfused, and with sibling projections fused),
     recspec's default (its own small-row kernel, siblings fused), and packed grouped-query attention against
-    transformers' own; with --pairs, the default against version 5's products pair by pair; with --products, the
-    products alone."""
+    transformers' own; with --pairs, the default against version 5's products pair by pair (with --against B, each
+    size against a B-node call under each); with --products, the products alone."""
     import torch
 
     from recspec.bench.rows import PRODUCT_SIZES, SIZES, paired, run
+    from recspec.bench.rows import against as time_against
     from recspec.bench.rows import products as time_products
 
     if min(past, repeats, rounds, threads, pairs or 2, *(size or [1])) < 1 or pairs == 1:
@@ -1080,6 +1084,12 @@ def bench_rows(
                                  name="row-products" if name == "rows" else name))
         return
     sizes = tuple(size or SIZES)
+    if against is not None:
+        if pairs is None or against < 1:
+            raise RecspecError("--against goes with --pairs and is a positive node count")
+        typer.echo(time_against(_results_dir(out), model, past, sizes, pairs, against,
+                                name="rows-against" if name == "rows" else name))
+        return
     if pairs is not None:
         typer.echo(paired(_results_dir(out), model, past, sizes, pairs, name=name))
         return

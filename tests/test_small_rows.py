@@ -182,3 +182,22 @@ def test_bench_rows_pairs_two_settings_call_by_call(smollm2_dir, tmp_path) -> No
         assert min(cell["ms"].values()) > 0 and low <= cell["ratio"] <= high
     assert (tmp_path / "pairs.png").stat().st_size > 0 and "| 4 |" in markdown
 
+
+def test_bench_rows_against_times_sizes_against_a_base_call(smollm2_dir, tmp_path) -> None:
+    """`recspec bench rows --pairs N --against 2`: per size and setting, calls over n nodes against
+    calls over 2, the median ratio within its quartiles, JSON,
+    Markdown and plot written."""
+    import json
+
+    from recspec.bench.rows import against
+
+    markdown = against(tmp_path, str(smollm2_dir), past=8, sizes=(2, 6), pairs=3, base=2, name="against")
+    results = json.loads((tmp_path / "against.json").read_text())
+    assert results["base"] == 2 and sorted(results["cells"]) == ["onednn_packed", "recspec"]
+    for cells in results["cells"].values():
+        assert [c["nodes"] for c in cells] == [2, 6]
+        for cell in cells:
+            low, _, high = cell["ratio_quartiles"]
+            assert cell["ms"] > 0 and cell["base_ms"] > 0 and low <= cell["ratio"] <= high
+    assert (tmp_path / "against.png").stat().st_size > 0 and "| 6 |" in markdown
+

@@ -125,59 +125,72 @@ def _install(lm, setting: str) -> None:
     lm.set_attn_implementation(_attention(setting))
 
 
+class _Calls:
+    """One call of ``model`` over ``n`` new nodes after a ``past``-token cache, under a setting of
+    :data:`SETTINGS`: each setting's forwards made once (its packs kept between calls), the new
+    tokens dropped from the cache after each call, outside its timing
+    (:meth:`transformers.DynamicCache.crop`)."""
+
+    def __init__(self, model: str, past: int, settings: Sequence[str]) -> None:
+        from transformers import DynamicCache
+
+        reuse_freed_memory()
+        self.lm, self.past = load_causal_lm(model), past
+        self.linears = [module for module in self.lm.modules() if isinstance(module, torch.nn.Linear)]
+        self.forwards = {}
+        for setting in settings:
+            _install(self.lm, setting)
+            self.forwards[setting] = [layer.forward for layer in self.linears]
+        self.generator = torch.Generator().manual_seed(0)
+        self.vocab = self.lm.config.get_text_config().vocab_size
+        self.cache = DynamicCache(config=self.lm.config)
+        with torch.inference_mode():
+            self.lm(torch.randint(0, self.vocab, (1, past), generator=self.generator), past_key_values=self.cache,
+                    use_cache=True)
+
+    def ms(self, setting: str, n: int) -> float:
+        """The time of one call over ``n`` new nodes under ``setting``, in ms."""
+        for layer, forward in zip(self.linears, self.forwards[setting]):
+            layer.forward = forward
+        self.lm.set_attn_implementation(_attention(setting))
+        new = torch.randint(0, self.vocab, (1, n), generator=self.generator)
+        positions = torch.arange(self.past, self.past + n)[None]
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.lm(input_ids=new, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            seconds = time.perf_counter() - start
+            self.cache.crop(-n)
+        return 1e3 * seconds
+
+    def pairs(self, first: tuple[str, int], second: tuple[str, int], count: int) -> dict[str, Any]:
+        """``count`` pairs of one call under each of two (setting, nodes) arms, the first of a pair
+        alternating, after two untimed calls of each: both arms' median ms and the median and
+        quartiles of the pairs' ratios (first / second)."""
+        arms = (first, second)
+        for arm in (*arms, *arms):  # warm-up: packs made, caches grown
+            self.ms(*arm)
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(count):
+            for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+                times[j].append(self.ms(*arms[j]))
+        ratios = [a / b for a, b in zip(*times)]
+        return {"ms": [statistics.median(t) for t in times], "ratio": statistics.median(ratios),
+                "ratio_quartiles": statistics.quantiles(ratios, n=4, method="inclusive")}
+
+
 def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, pairs: int = 100,
            settings: tuple[str, str] = ("onednn_packed", "recspec"), name: str = "rows-paired") -> str:
     """Two settings side by side call by call: for every size, ``pairs`` pairs of one call under each
     (the first of a pair alternating), each pair's time ratio, their median and quartiles. On a host
     whose call time drifts by 20% between runs, medians taken apart hide a 5% difference that the
-    pairs' ratios show. The new tokens are dropped from the cache after each call, outside its timing
-    (:meth:`transformers.DynamicCache.crop`). Writes ``name.{json,md,png}`` into ``out``; returns the
-    Markdown."""
-    from transformers import DynamicCache
-
-    reuse_freed_memory()
-    lm = load_causal_lm(model)
-    linears = [module for module in lm.modules() if isinstance(module, torch.nn.Linear)]
-    forwards = {}
-    for setting in settings:  # each setting's forwards made once: its packs are kept between calls
-        _install(lm, setting)
-        forwards[setting] = [layer.forward for layer in linears]
-
-    def use(setting: str) -> None:
-        for layer, forward in zip(linears, forwards[setting]):
-            layer.forward = forward
-        lm.set_attn_implementation(_attention(setting))
-
-    generator = torch.Generator().manual_seed(0)
-    vocab = lm.config.get_text_config().vocab_size
-    cells = []
-    with torch.inference_mode():
-        cache = DynamicCache(config=lm.config)
-        lm(torch.randint(0, vocab, (1, past), generator=generator), past_key_values=cache, use_cache=True)
-        for n in sizes:
-            new = torch.randint(0, vocab, (1, n), generator=generator)
-            positions = torch.arange(past, past + n)[None]
-
-            def call() -> float:
-                start = time.perf_counter()
-                lm(input_ids=new, position_ids=positions, past_key_values=cache, use_cache=True)
-                seconds = time.perf_counter() - start
-                cache.crop(-n)
-                return seconds
-
-            for setting in (*settings, *settings):  # warm-up: packs made, caches grown
-                use(setting)
-                call()
-            times: dict[str, list[float]] = {setting: [] for setting in settings}
-            for i in range(pairs):
-                for setting in settings if i % 2 == 0 else settings[::-1]:
-                    use(setting)
-                    times[setting].append(1e3 * call())
-            ratios = [a / b for a, b in zip(*times.values())]
-            cells.append({"nodes": n, "ms": {setting: statistics.median(t) for setting, t in times.items()},
-                          "ratio": statistics.median(ratios),
-                          "ratio_quartiles": statistics.quantiles(ratios, n=4, method="inclusive")})
+    pairs' ratios show. Writes ``name.{json,md,png}`` into ``out``; returns the Markdown."""
+    calls = _Calls(model, past, settings)
     first, second = settings
+    cells = []
+    for n in sizes:
+        cell = calls.pairs((first, n), (second, n), pairs)
+        cells.append({"nodes": n, "ms": dict(zip(settings, cell["ms"])), "ratio": cell["ratio"],
+                      "ratio_quartiles": cell["ratio_quartiles"]})
     table = markdown_table(["nodes", f"{first} ms", f"{second} ms", f"{first} / {second}, median of pairs",
                             "quartiles"],
                            [[c["nodes"], round(c["ms"][first], 1), round(c["ms"][second], 1), f"{c['ratio']:.3f}x",
@@ -188,16 +201,54 @@ def paired(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[i
                 f"ratios (above 1: {second} faster).\n\n{table}\n")
     write_results(out, name, {"model": model, "past": past, "pairs": pairs, "settings": list(settings),
                               "cells": cells}, markdown)
+    _plot_ratios(out / f"{name}.png", {f"{first} / {second}": cells}, f"{first} / {second} time",
+                 f"{model}: {second} against {first}, pair by pair")
+    return markdown
+
+
+def against(out: Path, model: str = "smollm2", past: int = 356, sizes: Sequence[int] = SIZES, pairs: int = 40,
+            base: int = 2, settings: tuple[str, ...] = ("onednn_packed", "recspec"),
+            name: str = "rows-against") -> str:
+    """What a call over n nodes costs in calls over ``base`` nodes, per setting, call by call: for
+    every size and setting, ``pairs`` pairs of a call over ``base`` nodes and one over n (the first
+    of a pair alternating), the median and quartiles of the pairs' ratios (n / base). The cost of a
+    verifying call relative to a plain decoding step's, free of the host's drift. Writes
+    ``name.{json,md,png}`` into ``out``; returns the Markdown."""
+    calls = _Calls(model, past, settings)
+    cells: dict[str, list[dict[str, Any]]] = {setting: [] for setting in settings}
+    for n in sizes:
+        for setting in settings:
+            cell = calls.pairs((setting, n), (setting, base), pairs)
+            cells[setting].append({"nodes": n, "ms": cell["ms"][0], "base_ms": cell["ms"][1],
+                                   "ratio": cell["ratio"], "ratio_quartiles": cell["ratio_quartiles"]})
+    table = markdown_table(["nodes", *(f"{setting}: n / {base} nodes (quartiles)" for setting in settings)],
+                           [[n, *(f"{c['ratio']:.3f} ({c['ratio_quartiles'][0]:.3f}-{c['ratio_quartiles'][2]:.3f})"
+                                  for c in (cells[setting][i] for setting in settings))]
+                            for i, n in enumerate(sizes)])
+    markdown = (f"# One call of {model} over n nodes against one over {base}, pair by pair\n\n"
+                f"One row of {past} cached tokens; per size and setting {pairs} pairs of a call over {base} new "
+                f"nodes and one over n, the first of a pair alternating; the median of the pairs' time ratios "
+                f"(n / {base}) and their quartiles.\n\n{table}\n")
+    write_results(out, name, {"model": model, "past": past, "pairs": pairs, "base": base,
+                              "settings": list(settings), "cells": cells}, markdown)
+    _plot_ratios(out / f"{name}.png", cells, f"time / a {base}-node call", f"{model}: n nodes against {base}")
+    return markdown
+
+
+def _plot_ratios(path: Path, series: dict[str, list[dict[str, Any]]], ylabel: str, title: str) -> None:
+    """Each series' median ratio by nodes, its quartiles shaded, a line at 1."""
     figure, axis = new_figure(figsize=(6, 3.5))
-    axis.plot([c["nodes"] for c in cells], [c["ratio"] for c in cells], "-o")
-    axis.fill_between([c["nodes"] for c in cells], [c["ratio_quartiles"][0] for c in cells],
-                      [c["ratio_quartiles"][2] for c in cells], alpha=0.2)
+    for label, cells in series.items():
+        nodes = [c["nodes"] for c in cells]
+        axis.plot(nodes, [c["ratio"] for c in cells], "-o", label=label)
+        axis.fill_between(nodes, [c["ratio_quartiles"][0] for c in cells], [c["ratio_quartiles"][2] for c in cells],
+                          alpha=0.2)
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xlabel("tree nodes fed in one call")
-    axis.set_ylabel(f"{first} / {second} time")
-    axis.set_title(f"{model}: {second} against {first}, pair by pair")
-    save_figure(figure, out / f"{name}.png")
-    return markdown
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.legend()
+    save_figure(figure, path)
 
 
 PRODUCT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
