@@ -35,7 +35,7 @@ from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
 from recspec.errors import RecspecError
-from recspec.models.fused_projections import SIBLINGS, use_fused_projections
+from recspec.models.fused_projections import sibling_groups, use_fused_projections
 from recspec.models.hf import load_causal_lm
 from recspec.models.row_kernel import available, unsupported
 from recspec.models.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
@@ -259,18 +259,13 @@ PRODUCTS = ("mkl", "onednn_packed", "kernel")
 
 def call_weights(lm) -> list[torch.Tensor]:
     """The weights one call of ``lm`` streams, as recspec computes them: each group of sibling
-    projections (:data:`~recspec.models.fused_projections.SIBLINGS`) concatenated, every other linear
+    projections (:func:`~recspec.models.fused_projections.sibling_groups`) concatenated, every other linear
     layer's weight alone; ``[out, in]`` each."""
-    grouped: set[int] = set()
-    weights = []
-    for module in lm.modules():
-        for names in SIBLINGS:
-            layers = [getattr(module, name, None) for name in names]
-            if all(isinstance(layer, torch.nn.Linear) for layer in layers):
-                weights.append(torch.cat([layer.weight.detach() for layer in layers]))
-                grouped.update(id(layer) for layer in layers)
-    return weights + [module.weight.detach() for module in lm.modules()
-                      if isinstance(module, torch.nn.Linear) and id(module) not in grouped]
+    groups = sibling_groups(lm)
+    grouped = {id(layer) for layers in groups for layer in layers}
+    return ([torch.cat([layer.weight.detach() for layer in layers]) for layers in groups]
+            + [module.weight.detach() for module in lm.modules()
+               if isinstance(module, torch.nn.Linear) and id(module) not in grouped])
 
 
 def products(out: Path, model: str = "smollm2", sizes: Sequence[int] = PRODUCT_SIZES, repeats: int = 7,

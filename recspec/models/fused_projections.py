@@ -107,6 +107,18 @@ def fusable(layers: list[object], int8: bool = False) -> bool:
             and len({layer.bias is None for layer in layers}) == 1)
 
 
+def sibling_groups(model: nn.Module, siblings: tuple[tuple[str, ...], ...] = SIBLINGS) -> list[list[nn.Linear]]:
+    """Every group of ``siblings`` (attribute names) that a module of ``model`` has as linear
+    layers, in module order."""
+    groups = []
+    for module in list(model.modules()):
+        for names in siblings:
+            layers = [getattr(module, name, None) for name in names]
+            if all(isinstance(layer, nn.Linear) for layer in layers):
+                groups.append(layers)
+    return groups
+
+
 def use_fused_projections(model: nn.Module, siblings: tuple[tuple[str, ...], ...] = SIBLINGS,
                           int8: bool = False) -> nn.Module:
     """Fuse every group of ``siblings`` (attribute names) of ``model`` (in place, after
@@ -114,11 +126,9 @@ def use_fused_projections(model: nn.Module, siblings: tuple[tuple[str, ...], ...
     :func:`~recspec.models.int8_products.use_int8_products`; groups whose layers do not qualify,
     :func:`fusable`, are left as they are): each sibling's forward becomes its group's call with
     its index; returns ``model``."""
-    for module in list(model.modules()):
-        for names in siblings:
-            layers = [getattr(module, name, None) for name in names]
-            if fusable(layers, int8):
-                group = FusedProjections(layers, int8)
-                for index, layer in enumerate(layers):
-                    layer.forward = functools.partial(group, index)
+    for layers in sibling_groups(model, siblings):
+        if fusable(layers, int8):
+            group = FusedProjections(layers, int8)
+            for index, layer in enumerate(layers):
+                layer.forward = functools.partial(group, index)
     return model
