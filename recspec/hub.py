@@ -1,6 +1,6 @@
 """Hugging Face helpers every layer may use: resolving a model (a cached asset by name, or any
 local model folder, its checksums checked), loading tokenizers and bodies with one-line errors,
-and the transformer call options recspec relies on (``logits_to_keep``). Causal LMs for
+and the transformer call options recspec relies on (``logits_to_keep``, the KV cache's keyword). Causal LMs for
 decoding are loaded by :func:`recspec.models.hf.load_causal_lm`."""
 
 from __future__ import annotations
@@ -76,3 +76,25 @@ def keep_last_logits(model, count: int) -> dict[str, int]:
     then compute the output layer for the last ``count`` positions only), else ``{}``."""
     takes = "logits_to_keep" in inspect.signature(model.forward).parameters
     return {"logits_to_keep": count} if takes else {}
+
+
+def with_cache(model, cache) -> dict[str, object]:
+    """The keyword argument that hands ``model.forward`` its KV cache ``cache``: ``{"cache":
+    cache}`` where forward takes ``cache`` (transformers 5.24 on, which deprecates
+    ``past_key_values`` and drops it in 5.40; a model that no longer knows the old name would
+    take it into its ``**kwargs`` and run without its cache, saying nothing), else
+    ``{"past_key_values": cache}`` where it takes that (transformers 5.0-5.23). A model whose
+    forward takes neither is a :class:`RecspecError`."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return {name: cache}
+    raise RecspecError(f"{type(model).__name__}.forward takes no KV cache (neither `cache` nor `past_key_values`); "
+                       f"recspec's decoders need a transformers 5 causal LM")
+
+
+def returned_cache(out):
+    """The KV cache a forward returned: ``out.cache`` (transformers 5.24 on), else
+    ``out.past_key_values``."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache

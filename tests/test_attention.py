@@ -15,6 +15,7 @@ from recspec.decoding.cache import gather_positions
 from recspec.models import attention
 from recspec.models.attention import PACKED_SDPA, packs, use_packed_attention
 from recspec.models.hf import load_causal_lm
+from recspec.hub import with_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,11 +35,11 @@ def tree_call(model, past: torch.Tensor, new: torch.Tensor, visible: torch.Tenso
     batch, count = new.shape
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=past, past_key_values=cache, use_cache=True)
+        model(input_ids=past, **with_cache(model, cache), use_cache=True)
         seen = torch.cat((torch.ones(batch, count, past.shape[1], dtype=torch.bool), visible), dim=2)
         mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[:, None]
         depth = visible.sum(dim=2) - 1  # a node's position: the cache, then its ancestors
-        out = model(input_ids=new, attention_mask=mask, position_ids=past.shape[1] + depth, past_key_values=cache,
+        out = model(input_ids=new, attention_mask=mask, position_ids=past.shape[1] + depth, **with_cache(model, cache),
                     use_cache=True)
         gather_positions(cache, torch.arange(past.shape[1])[None].expand(batch, -1))
     return out.logits

@@ -36,6 +36,7 @@ from recspec.decoding.tree import (
 )
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
+from recspec.hub import returned_cache, with_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -398,10 +399,10 @@ def test_tree_forward_equals_path_forwards() -> None:
     for model in (setup.model, eager_copy(setup.model)):
         batch = left_pad(prompts, PAD, "cpu")
         with torch.no_grad():
-            cache = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                          position_ids=batch.position_ids, use_cache=True).past_key_values
+            cache = returned_cache(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=True))
             tree = model(
-                input_ids=tokens, past_key_values=cache, use_cache=True,
+                input_ids=tokens, **with_cache(model, cache), use_cache=True,
                 attention_mask=tree_attention_mask(batch.attention_mask.bool(), ancestors,
                                                    model.dtype),
                 position_ids=tree_position_ids(batch.lengths, node_depths(ancestors)),
@@ -420,7 +421,7 @@ def test_score_tree_over_cached_beams_equals_path_forwards() -> None:
     model = setup.model
     prompt = torch.tensor([5, 9, 7, 11])
     with torch.no_grad():
-        cache = model(input_ids=prompt[None], use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=prompt[None], use_cache=True))
         # Cache the beams as a tree: 13 (pos 4) -> 14 (pos 5); 15 (pos 4).
         cached = ancestor_matrix(torch.tensor([[-1, 0, -1]]))
         score_tree(model, cache, torch.tensor([[13, 14, 15]]), cached, torch.ones(1, 4, dtype=torch.bool),
@@ -450,23 +451,23 @@ def test_select_rows_and_gather_positions() -> None:
     model = setup.model
     prompt = torch.tensor([[5, 9, 7, 11]])
     with torch.no_grad():
-        cache = model(input_ids=prompt, use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=prompt, use_cache=True))
         keys = cache.layers[0].keys.clone()
         select_rows(cache, torch.tensor([0, 0, 0]))
         assert cache.layers[0].keys.shape[0] == 3
         assert torch.equal(cache.layers[0].keys[2], keys[0])
-        model(input_ids=torch.tensor([[13, 14]] * 3), use_cache=True, past_key_values=cache,
+        model(input_ids=torch.tensor([[13, 14]] * 3), use_cache=True, **with_cache(model, cache),
               position_ids=torch.tensor([[4, 5]] * 3))  # junk at positions 4, 5
         gather_positions(cache, torch.arange(4).expand(3, 4))
         assert cache.get_seq_length() == 4
-        logits = model(input_ids=torch.tensor([[16]] * 3), past_key_values=cache, use_cache=True,
+        logits = model(input_ids=torch.tensor([[16]] * 3), **with_cache(model, cache), use_cache=True,
                        position_ids=torch.tensor([[4]] * 3)).logits[:, -1]
         plain = model(input_ids=torch.tensor([[5, 9, 7, 11, 16]])).logits[0, -1]
-        model(input_ids=torch.tensor([[17, 18, 19]] * 3), use_cache=True, past_key_values=cache,
+        model(input_ids=torch.tensor([[17, 18, 19]] * 3), use_cache=True, **with_cache(model, cache),
               position_ids=torch.tensor([[5, 6, 7]] * 3))  # junk at positions 5..7, then cut off
         drop_tail(cache, 3)
         assert cache.get_seq_length() == 5
-        after = model(input_ids=torch.tensor([[20]] * 3), past_key_values=cache, use_cache=True,
+        after = model(input_ids=torch.tensor([[20]] * 3), **with_cache(model, cache), use_cache=True,
                       position_ids=torch.tensor([[5]] * 3)).logits[:, -1]
         longer = model(input_ids=torch.tensor([[5, 9, 7, 11, 16, 20]])).logits[0, -1]
     torch.testing.assert_close(logits, plain.expand(3, -1), atol=1e-5, rtol=0)

@@ -16,6 +16,7 @@ from recspec.models.fused_projections import FusedProjections, use_fused_project
 from recspec.models.int8_products import int8_engine, use_int8_products
 from recspec.models.row_kernel import available
 from recspec.models.small_rows import PACKED_ROWS, use_small_row_products
+from recspec.hub import with_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +40,8 @@ def groups(model: nn.Module) -> list[FusedProjections]:
 def logits_after_prefix(model, prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """The logits of ``new`` (int64 ``[1, n]``) after ``prefix`` in the model's cache: float32 ``[n, V]``."""
     cache = DynamicCache(config=model.config)
-    model(prefix, past_key_values=cache, use_cache=True)
-    return model(new, past_key_values=cache, use_cache=True).logits[0]
+    model(prefix, **with_cache(model, cache), use_cache=True)
+    return model(new, **with_cache(model, cache), use_cache=True).logits[0]
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])

@@ -3,6 +3,9 @@ the greedy decoding's tokens; relaxed LASER's tokens satisfy Eq. 8 (or are the g
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from recspec.knowledge.retrieval import RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.knowledge.trie import TokenTrie
 from recspec.knowledge.verify import Verification
+from recspec.hub import returned_cache, with_cache
 
 MAX_NEW = 20
 NEAR_TIE = 1e-3  # top-2 logit gap below which float noise between batch shapes may flip the argmax
@@ -117,6 +121,24 @@ def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nod
     assert sum(map(len, outputs)) / calls > 1.3
 
 
+def test_the_cache_goes_under_the_keyword_the_installed_model_takes(lm, prompts, greedy) -> None:
+    """transformers 5.24 renames forward's ``past_key_values`` to ``cache`` and drops the old name
+    in 5.40, after which a model handed the old one would decode without its cache and say nothing.
+    recspec hands the cache under the name the installed model's forward takes: a speculative
+    decode (prefill, tree calls, cache compaction) raises no deprecation of the old name, turned
+    into an error here, and still returns the greedy text."""
+    model, _, eos = lm
+    assert set(with_cache(model, None)) <= set(inspect.signature(model.forward).parameters)
+    pool = TokenTrie(RetrievalConfig().window)
+    pool.add_all(greedy[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        generation = speculative_generate(model, prompts[0], MAX_NEW, eos, RetrievalDrafter(pool, RetrievalConfig()))
+    assert generation.accepted > 0  # the tree calls ran
+    for _, position, gap in divergences(model, prompts[:1], [generation.tokens], greedy[:1]):
+        assert gap < NEAR_TIE, f"diverges from greedy at token {position}, top-2 gap {gap:.2e}"
+
+
 def test_relaxed_tokens_satisfy_eq8_or_are_greedy(lm, prompts, greedy) -> None:
     model, _, eos = lm
     verification = Verification("relaxed", 2, 0.1)
@@ -157,7 +179,7 @@ def test_compact_tail_equals_gathering_the_prefix_and_the_path() -> None:
                          num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(config).eval()
     with torch.inference_mode():
-        gathered = model(input_ids=torch.randint(50, (1, 12)), use_cache=True).past_key_values
+        gathered = returned_cache(model(input_ids=torch.randint(50, (1, 12)), use_cache=True))
         compacted = copy.deepcopy(gathered)
         path = torch.tensor([[7, 9, 11]])
         gather_positions(gathered, torch.cat((torch.arange(7), path[0]))[None])
@@ -166,7 +188,7 @@ def test_compact_tail_equals_gathering_the_prefix_and_the_path() -> None:
             assert a.keys.shape == b.keys.shape == (1, 2, 10, 8)
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         step = torch.tensor([[3]])
-        logits = [model(input_ids=step, position_ids=torch.tensor([[10]]), past_key_values=cache).logits
+        logits = [model(input_ids=step, position_ids=torch.tensor([[10]]), **with_cache(model, cache)).logits
                   for cache in (gathered, compacted)]
     assert torch.equal(logits[0], logits[1])
 
@@ -191,7 +213,7 @@ def test_compact_copies_only_past_what_every_row_keeps_and_equals_a_gather(lead:
     keep[0, lead:lead + 1] = False  # a drop right after the run (none when every row keeps all)
     keep[1, -1] = True
     with torch.inference_mode():
-        cache = model(input_ids=torch.randint(50, (3, 12)), use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=torch.randint(50, (3, 12)), use_cache=True))
         gathered = copy.deepcopy(cache)
         positions, filled = compact([cache], keep)
         gather_positions(gathered, positions)

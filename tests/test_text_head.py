@@ -35,6 +35,7 @@ from recspec.models.int8_products import Int8Forward
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, load_text_head, new_text_head,
                                       text_head_fingerprint)
 from recspec.statefile import load_state
+from recspec.hub import returned_cache
 from tests.test_cli import recspec
 from tests.test_speculative import small_llama
 
@@ -152,7 +153,7 @@ def test_hidden_states_are_what_the_output_layer_reads(lm) -> None:
     maps the features a tree call returns onto its logits."""
     model, _, _ = lm
     with torch.inference_mode():
-        cache = model(input_ids=torch.arange(100, 140)[None], use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=torch.arange(100, 140)[None], use_cache=True))
         parents = torch.tensor([[-1, 0, 0, 1]])
         logits, features = score_tree_features(model, cache, torch.tensor([[5, 6, 7, 8]]), ancestor_matrix(parents),
                                                torch.ones(1, 40, dtype=torch.bool), torch.tensor([40]))

@@ -48,6 +48,7 @@ from recspec.decoding.cache import gather_positions
 from recspec.decoding.tree import ancestor_matrix
 from recspec.knowledge.decode import Generation
 from recspec.errors import RecspecError
+from recspec.hub import returned_cache
 from recspec.knowledge.job import DRAFTING, KnowledgeConfig, KnowledgeTask, build_pools, make_generator
 from recspec.knowledge.verify import Verification
 
@@ -186,7 +187,7 @@ def call_costs(model, prompt: Sequence[int], repeats: int = 5) -> dict[str, floa
     for each ``n`` of :data:`CALL_SIZES`: the cost that every draft node adds."""
     costs = {}
     with torch.inference_mode():
-        cache = model(input_ids=torch.tensor([list(prompt)]), use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids=torch.tensor([list(prompt)]), use_cache=True))
         keep = torch.arange(len(prompt))[None]
         for n in CALL_SIZES:
             tokens = torch.tensor([list(prompt[:n]) + [0] * max(0, n - len(prompt))])

@@ -37,6 +37,7 @@ from recspec.models.attention import PACKED_SDPA
 from recspec.errors import RecspecError
 from recspec.models.fused_projections import sibling_groups, use_fused_projections
 from recspec.models.hf import load_causal_lm
+from recspec.hub import with_cache
 from recspec.models.row_kernel import available, unsupported
 from recspec.models.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
                                        small_row_linear, use_small_row_products)
@@ -145,7 +146,7 @@ class _Calls:
         self.vocab = self.lm.config.get_text_config().vocab_size
         self.cache = DynamicCache(config=self.lm.config)
         with torch.inference_mode():
-            self.lm(torch.randint(0, self.vocab, (1, past), generator=self.generator), past_key_values=self.cache,
+            self.lm(torch.randint(0, self.vocab, (1, past), generator=self.generator), **with_cache(self.lm, self.cache),
                     use_cache=True)
 
     def ms(self, setting: str, n: int) -> float:
@@ -157,7 +158,7 @@ class _Calls:
         positions = torch.arange(self.past, self.past + n)[None]
         with torch.inference_mode():
             start = time.perf_counter()
-            self.lm(input_ids=new, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            self.lm(input_ids=new, position_ids=positions, **with_cache(self.lm, self.cache), use_cache=True)
             seconds = time.perf_counter() - start
             self.cache.crop(-n)
         return 1e3 * seconds

@@ -53,7 +53,7 @@ from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
 from recspec.knowledge.head_draft import HeadDrafter
 from recspec.knowledge.sampled import generate_tree, tree_drafter
-from recspec.hub import load_tokenizer, resolve_model_dir
+from recspec.hub import load_tokenizer, resolve_model_dir, with_cache
 from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
 from recspec.models.text_head import TextHeadDraft, layer_features
@@ -104,7 +104,8 @@ def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20
     seconds = []
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
-        out = target(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache, output_hidden_states=True)
+        out = target(input_ids=prompt[None, :-1], use_cache=True, **with_cache(target, cache),
+                     output_hidden_states=True)
         layers = draft.fused_layers if isinstance(draft, TextHeadDraft) else ()
         features = layer_features(target, out.hidden_states, layers)  # [1, P - 1, input_width]: a text head's input
         for model, fed in ((target, 1), (target, gamma + 1), (draft, 1)):
@@ -113,11 +114,11 @@ def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20
                 continue
             if model is not target:
                 cache = DynamicCache(config=model.config)
-                model(input_ids=prompt[None, :-1], use_cache=True, past_key_values=cache)
+                model(input_ids=prompt[None, :-1], use_cache=True, **with_cache(model, cache))
             tokens = prompt[-1:].repeat(fed)[None]
 
             def call() -> None:  # timed at once, in this iteration
-                model(input_ids=tokens, past_key_values=cache, use_cache=True)
+                model(input_ids=tokens, **with_cache(model, cache), use_cache=True)
                 drop_tail(cache, fed)  # back to the prompt (a view): the next call sees the same cache
 
             seconds.append(median_seconds(call, prompt.device, repeats, warmup=0))

@@ -51,6 +51,7 @@ from recspec.decoding.prompts import Prompts, decode_in_batches
 from recspec.decoding.scorer import forward_visible, next_log_probs, prefill
 from recspec.decoding.tree import child_rows, tree_position_ids
 from recspec.decoding.warp import Warp
+from recspec.hub import with_cache
 from recspec.itemids.trie import ItemTrie
 
 
@@ -83,7 +84,7 @@ class PerBeamCache:
             input_ids=beams.tokens[:, :, -1].reshape(batch * k, 1),
             attention_mask=self.attention_mask[:, : self.prompt_width + depth + 1],
             position_ids=self.first_positions + depth,
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
         ).logits
         return next_log_probs(logits[:, -1]).view(batch, k, -1)

@@ -19,7 +19,7 @@ import torch
 
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import additive_mask, node_depths, tree_rows
-from recspec.hub import keep_last_logits
+from recspec.hub import keep_last_logits, returned_cache, with_cache
 from recspec.models.text_head import layer_features
 
 
@@ -54,7 +54,7 @@ def _prefill(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()
         output_hidden_states=features,
         **keep_last_logits(model, 1),
     )
-    return (next_log_probs(out.logits[:, -1:]), out.past_key_values,
+    return (next_log_probs(out.logits[:, -1:]), returned_cache(out),
             layer_features(model, out.hidden_states, layers) if features else None)
 
 
@@ -130,7 +130,7 @@ def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_last_logits(model, keep_last)
     out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
-                position_ids=position_ids, past_key_values=cache, use_cache=cache is not None,
+                position_ids=position_ids, **with_cache(model, cache), use_cache=cache is not None,
                 output_hidden_states=features, **keep)
     last = slice(None) if keep_last is None else slice(-keep_last, None)
     if not features:
