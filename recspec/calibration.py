@@ -28,6 +28,7 @@ from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafters import TopNDrafter
 from recspec.decoding.frontier import Frontier
+from recspec.decoding.item_prior import ITEM_DRAFT, ItemDraft
 from recspec.decoding.prompts import prompt_batches
 from recspec.decoding.rounds import RoundOutcome, SpecStats, drafted_per_row, run_rounds
 from recspec.decoding.tree_plan import Acceptance
@@ -182,13 +183,14 @@ def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, 
 def decoding_key(recommender) -> dict[str, Any]:
     """What a timing of the loaded models depends on: the target's and the draft's weights and
     :func:`timing_key`."""
-    return {"target_sha256": weights_fingerprint(recommender.folder), **draft_identity(recommender.draft_dirs),
+    return {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender),
             **timing_key(next(recommender.model.parameters()).device)}
 
 
-def draft_identity(folders: Sequence[Path]) -> dict[str, str]:
-    """sha256 of the weights of each draft folder (a model and / or a head)."""
-    identity = {}
+def draft_identity(folders: Sequence[Path], item_draft: bool = False) -> dict[str, str]:
+    """sha256 of the weights of each draft folder (a model and / or a head); the item prior
+    (``item_draft``), a function of the target's training data, is named."""
+    identity = {"draft": ITEM_DRAFT} if item_draft else {}
     for folder in folders:
         if is_head_dir(folder):
             identity["head_sha256"] = weights_fingerprint(head_dir(folder), HEAD_WEIGHTS)
@@ -197,12 +199,17 @@ def draft_identity(folders: Sequence[Path]) -> dict[str, str]:
     return identity
 
 
+def loaded_draft_identity(recommender) -> dict[str, str]:
+    """:func:`draft_identity` of a loaded recommender's draft."""
+    return draft_identity(recommender.draft_dirs, isinstance(recommender.draft, ItemDraft))
+
+
 def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int = 128,
                       remeasure: bool = False) -> tuple[Acceptance, Acceptance]:
     """The loaded draft's acceptance per round level and width (first round, later rounds) on the
     first ``users`` validation users, kept in the target's folder as ``acceptance-k<K>.json``
     while target, draft, K, widths and users match."""
-    key = {"target_sha256": weights_fingerprint(recommender.folder), **draft_identity(recommender.draft_dirs), "k": k,
+    key = {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender), "k": k,
            "choices": list(choices), "users": users}
     prompts = recommender.encoder.prompts(recommender.examples("valid", users))
     value = kept_record(recommender.folder / f"acceptance-k{k}.json", key,
@@ -224,6 +231,8 @@ def draft_costs(recommender, prompt_len: int, repeats: int = 10,
     rounds, the draft's prefill, and whether the first round is the target's prefill alone (a
     head without a draft model)."""
     draft, free = recommender.draft, CallCost(0.0, 0.0)
+    if isinstance(draft, ItemDraft):  # a table: no model call (its Python work shows in auto's probe)
+        return free, free, free, False
     folders = {is_head_dir(folder): folder for folder in recommender.draft_dirs}
     head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
     model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft

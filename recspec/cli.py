@@ -38,8 +38,10 @@ FormatOpt = Annotated[Optional[str], typer.Option(
 KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at least this many interactions.")]
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
 DraftOpt = Annotated[Optional[str], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd), a draft "
-                                                 "head (`align train --head`), or MODEL+HEAD: the model drafts the "
-                                                 "first round, the head the rest.")]
+                                                 "head (`align train --head`), MODEL+HEAD: the model drafts the "
+                                                 "first round, the head the rest, or items: an item-transition prior "
+                                                 "fitted on the training data, no model call (spec-strict, "
+                                                 "spec-relaxed).")]
 DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")]
 GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")]

@@ -23,6 +23,7 @@ from recspec.data.loaders import keep_items
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
+from recspec.decoding.item_prior import DECAY, ITEM_DRAFT, SMOOTHING, ItemDraft, TransitionPrior
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.beam_search import sampling_beam_search
 from recspec.decoding.beams import distinct_items
@@ -187,8 +188,10 @@ class Recommender:
         one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
         trained with the same item index and tokenizer, or a draft head (`recspec align train
         --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
-        the model drafts the first round, the head the rest. ``k``: the number of items to be asked
-        for, refused before any model is loaded when the index has fewer items."""
+        the model drafts the first round, the head the rest; or ``"items"``
+        (:data:`~recspec.decoding.item_prior.ITEM_DRAFT`):
+        the item prior of :meth:`item_draft`, which costs no model call. ``k``: the number of
+        items to be asked for, refused before any model is loaded when the index has fewer items."""
         folder, info, models, heads = check_folders(model_dir, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
         check_k(k, index, folder)
@@ -196,7 +199,8 @@ class Recommender:
         model_folder = trained_model_dir(folder)
         dataset = run_dataset(info, index, dataset)
         encoder = PromptEncoder(index, dataset.item_ids, tokenizer, saved_template(model_folder, tokenizer))
-        return cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder)
+        recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder)
+        return replace(recommender, draft=recommender.item_draft()) if is_item_draft(draft_dir) else recommender
 
     @classmethod
     def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset, info: dict[str, Any], device: str = "cpu",
@@ -223,6 +227,18 @@ class Recommender:
         draft = HybridPair(draft_model, head) if draft_model is not None and head is not None else draft_model or head
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))
+
+    @property
+    def draft_names(self) -> list[str]:
+        """What ``--draft`` named: the draft's folders, or ``items`` for the item prior."""
+        return [ITEM_DRAFT] if isinstance(self.draft, ItemDraft) else [str(path) for path in self.draft_dirs]
+
+    def item_draft(self, decay: float = DECAY, smoothing: float = SMOOTHING) -> ItemDraft:
+        """The draft of ``--draft items``: an item-transition prior fitted on the training part
+        of this recommender's data (:mod:`recspec.decoding.item_prior`), read through its trie."""
+        prior = TransitionPrior.fit(training_sequences(self.dataset, self.info, self.index), len(self.index.item_keys),
+                                    decay, smoothing)
+        return ItemDraft(prior, self.trie)
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
         """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
@@ -272,6 +288,19 @@ def trained_examples(dataset: Dataset, info: dict[str, Any], part: str = "test",
     return examples
 
 
+def training_sequences(dataset: Dataset, info: dict[str, Any], index: ItemIndex) -> list[np.ndarray]:
+    """Each user's items in the training part of the split a model was trained with (its run
+    ``info``), as rows of ``index``, in time order (items the index lacks left out): what the
+    item prior of ``--draft items`` is fitted on."""
+    labels = split_dataset(dataset, info.get("split"), info.get("max_history", 20)).labels
+    inter = dataset.interactions
+    rows = item_rows(index.item_keys, dataset.item_ids)[inter.items]
+    train = np.flatnonzero((labels == 0) & (rows >= 0))
+    train = train[np.lexsort((inter.timestamps[train], inter.users[train]))]
+    starts = np.flatnonzero(np.diff(inter.users[train], prepend=-1))
+    return np.split(rows[train], starts[1:])
+
+
 def user_chunks(users: int, batch_size: int | None) -> list[range]:
     """The chunks of whole batches (about :data:`PROGRESS_CHUNK` users each) that
     :meth:`Recommender.recommend` decodes one after another, chunk ``i`` of a sampling decoder
@@ -286,10 +315,15 @@ def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | 
                   ) -> tuple[Path, dict[str, Any], list[Path], list[Path]]:
     """What :meth:`Recommender.load` checks before loading any weights: the target's trained
     folder and run info, then the drafts (:func:`check_drafts`), so that a damaged draft is
-    named first."""
+    named first. The item prior (``--draft items``) has no folders."""
     folder, info = run_info(Path(model_dir))
-    models, heads = check_drafts(draft_dir)
+    models, heads = ([], []) if is_item_draft(draft_dir) else check_drafts(draft_dir)
     return folder, info, models, heads
+
+
+def is_item_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> bool:
+    """Whether a ``--draft`` value names the item prior (:data:`~recspec.decoding.item_prior.ITEM_DRAFT`)."""
+    return isinstance(draft_dir, (str, Path)) and str(draft_dir) == ITEM_DRAFT
 
 
 def check_drafts(draft_dir: str | Path | Sequence[str | Path] | None) -> tuple[list[Path], list[Path]]:

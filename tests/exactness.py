@@ -33,10 +33,12 @@ import pytest
 import torch
 
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
+from recspec.decoding.item_prior import prompt_histories
+from recspec.decoding.prompts import left_pad
 from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 from recspec.fit import fit
 from recspec.models.train import TrainConfig
-from recspec.recommend import Recommender
+from recspec.recommend import Recommender, item_rows
 
 KS = (1, 5, 10, 20)
 SPEC_KS = (1, 3, 5, 10, 20)
@@ -122,6 +124,33 @@ def check_strict_speculative(recommender: Recommender, beams: dict[int, TopK]) -
                      examples.users)
 
 
+def check_item_draft(recommender: Recommender, beams: dict[int, TopK]) -> None:
+    """Strict speculative search drafted by the item prior (``--draft items``) returns what `beam`
+    returns, with some of its drafted levels accepted; the prior reads each prompt's history back
+    as the examples hold it."""
+    examples = recommender.examples("test", TEST_USERS)
+    prompts, pad = recommender.encoder.prompts(examples), recommender.encoder.pad_id
+    draft = recommender.item_draft()
+    read = prompt_histories(left_pad(prompts, pad, torch.device("cpu")), recommender.trie)
+    rows = item_rows(recommender.index.item_keys, recommender.dataset.item_ids)
+    for history, back in zip(examples.history, read.tolist()):
+        assert [int(rows[item]) for item in history if item >= 0] == [item for item in back if item >= 0]
+    accepted = drafted = 0.0
+    for i, k in enumerate(KS):  # the default gamma and a one-level draft, in turn
+        n, gamma = 2 * k, (None, 1)[i % 2]
+        result = speculative_beam_search(recommender.model, draft, prompts, recommender.trie, k, pad,
+                                         SpecConfig(draft_beams=n, gamma=gamma), batch_size=64)
+        assert_agree(f"spec-strict, item draft, N={n} gamma={gamma} vs beam, K={k}", result.topk, beams[k],
+                     beams[k].margin, examples.users)
+        accepted += float(result.stats.accepted_steps.sum())
+        drafted += float(result.stats.drafted_steps.sum())
+    assert 0 < accepted < drafted
+    # relaxed verification takes the prior's level distributions as its proposal: real, distinct items
+    relaxed = speculative_beam_search(recommender.model, draft, prompts[:64], recommender.trie, 5, pad,
+                                      SpecConfig(verify="relaxed"), batch_size=64).topk
+    assert (relaxed.items >= 0).all() and all(len(set(row)) == 5 for row in relaxed.items.tolist())
+
+
 # The tests, imported by each data set's file, which defines the module fixture ``model``.
 
 @pytest.fixture(scope="module")
@@ -135,3 +164,7 @@ def test_beam_decoders_equal_hf(model: Recommender, beams: dict[int, TopK]) -> N
 
 def test_strict_speculative_equals_beam(model: Recommender, beams: dict[int, TopK]) -> None:
     check_strict_speculative(model, beams)
+
+
+def test_strict_speculative_with_the_item_draft_equals_beam(model: Recommender, beams: dict[int, TopK]) -> None:
+    check_item_draft(model, beams)

@@ -77,6 +77,11 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert "accepted steps" in result.stdout and "target calls" in result.stdout
     assert [json.loads(line)["items"] for line in strict.read_text().splitlines()] == lists["beam"]
+    items = tmp_path / "items.jsonl"  # the item prior as the draft: no model, the same items
+    result = recspec("recommend", "--target", str(out), "--decoder", "spec-strict", "--draft", "items", "--k", "5",
+                     "--draft-beams", "10", "--out", str(items))
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["items"] for line in items.read_text().splitlines()] == lists["beam"]
     relaxed = tmp_path / "relaxed.jsonl"
     result = recspec("recommend", "--target", str(out), "--decoder", "spec-relaxed", "--draft", str(draft), "--k", "5",
                      "--temperature", "0.5", "--out", str(relaxed))
@@ -87,7 +92,8 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
                            (["--decoder", "spec-strict", "--draft", str(draft), "--gamma", "3"], "gamma=3 is outside"),
                            (["--decoder", "spec-relaxed", "--draft", str(draft), "--temperature", "0"],
                             "temperature must be a positive number"),
-                           (["--decoder", "spec-strict", "--draft", str(foreign)], "trained for another item index")):
+                           (["--decoder", "spec-strict", "--draft", str(foreign)], "trained for another item index"),
+                           (["--decoder", "dsbd", "--draft", "items"], "the item draft serve")):
         result = recspec("recommend", "--target", str(out), "--k", "5", "--out", str(tmp_path / "x.jsonl"), *extra)
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
 

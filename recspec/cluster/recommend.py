@@ -35,7 +35,8 @@ from recspec.data import load_dataset
 from recspec.decoding.rounds import SpecStats
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
-from recspec.recommend import RecommendJob, check_folders, recs_text, run_dataset, trained_examples, user_chunks
+from recspec.recommend import (RecommendJob, check_folders, is_item_draft, recs_text, run_dataset, trained_examples,
+                               user_chunks)
 
 
 def parts_folder(out: Path) -> Path:
@@ -49,7 +50,8 @@ def job_settings(job: RecommendJob, folder: Path, info: dict[str, Any], drafts: 
     (its training ``folder`` and run ``info``) and ``drafts``, the decoder and its options, K, data
     set, part, users and batch size."""
     options = {f.name: getattr(job.options, f.name) for f in fields(job.options) if f.name != "planner"}
-    return {"target_sha256": weights_fingerprint(trained_model_dir(folder)), **draft_identity(drafts),
+    return {"target_sha256": weights_fingerprint(trained_model_dir(folder)),
+            **draft_identity(drafts, is_item_draft(job.draft)),
             "decoder": job.decoder, "k": job.k, "options": options, "dataset": job.dataset or info["dataset"],
             "format": job.format, "part": job.part, "users": job.users, "batch_size": job.batch_size}
 

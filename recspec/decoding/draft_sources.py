@@ -53,6 +53,7 @@ from transformers import DynamicCache
 from recspec.decoding.beams import Beams
 from recspec.decoding.draft_tree import Level, fed_block, feed
 from recspec.decoding.frontier import Frontier
+from recspec.decoding.item_prior import ItemDraft, ItemPriorDraft
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import prefill
 from recspec.decoding.tree import gather_rows
@@ -289,9 +290,12 @@ class HybridPair:
     head: HeadDraft
 
 
-def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDraft:
+def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDraft | ItemPriorDraft:
     """The source for ``draft``: a :class:`~recspec.models.head.HeadDraft`, a :class:`HybridPair`,
-    a :class:`~recspec.models.text_head.TextHeadDraft` or a causal LM."""
+    a :class:`~recspec.models.text_head.TextHeadDraft`, an
+    :class:`~recspec.decoding.item_prior.ItemDraft` or a causal LM."""
+    if isinstance(draft, ItemDraft):
+        return ItemPriorDraft(draft)
     if isinstance(draft, HybridPair):
         return HybridDraft(ModelDraft(draft.model), FeatureDraft(draft.head))
     if isinstance(draft, TextHeadDraft):

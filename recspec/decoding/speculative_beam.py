@@ -41,6 +41,7 @@ from recspec.decoding.beams import TopK, best_first
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.drafters import SampledDrafter, TopNDrafter
 from recspec.decoding.frontier import Frontier
+from recspec.decoding.item_prior import ItemDraft
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_batches
 from recspec.decoding.rounds import SpecStats, run_rounds
 from recspec.decoding.tree_plan import CostPlanner
@@ -132,7 +133,9 @@ def speculative_beam_search(
     def check() -> None:
         config.check(k, trie)
         model = draft.model if isinstance(draft, HybridPair) else draft
-        if not isinstance(model, HeadDraft):  # a head drafts over its target's own output layer
+        if isinstance(model, ItemDraft):
+            model.check(trie)
+        elif not isinstance(model, HeadDraft):  # a head drafts over its target's own output layer
             check_draft_vocabulary(target, model)
 
     generator = torch.Generator(device=target.device).manual_seed(config.seed)

@@ -127,7 +127,7 @@ class State:
         service = RecommendService(recommender, config.decoder, config.options, config.max_batch)
         self.models = {
             "target": str(recommender.folder), "target_sha256": weights_fingerprint(recommender.folder),
-            "draft": [str(path) for path in recommender.draft_dirs],
+            "draft": recommender.draft_names,
             "index_fingerprint": index_fingerprint(recommender.index),
             "items": service.num_items, "identifier_length": recommender.trie.depth,
             "decoders": service.decoders, "default_decoder": service.decoder, "chat": service.chat,

@@ -1,0 +1,223 @@
+"""A draft that costs no model call: an item-transition prior over the catalogue, read through
+the item trie (``--draft items``).
+
+On this CPU a round of speculative beam search only pays when its draft costs far less than a
+target call (BENCHMARKS.md, issue 18: a 0.42M-parameter draft model, aligned or not, runs at
+0.52-0.82x of ``tree-beam`` against ``target-mini``, whose ceiling at zero draft cost is
+1.6-1.9x). This draft is a table, not a model. Measured against those targets (BENCHMARKS.md, "The
+item draft") it is accepted more than the trained drafts, but only at wide levels, whose nodes
+a call pays for: 0.81-0.83x of ``tree-beam`` on MovieLens, 0.54-0.61x on Beauty, and ``auto``
+keeps ``tree-beam``. It is built for targets whose calls are dear and nodes cheap. How it drafts:
+
+* **Fit** (:meth:`TransitionPrior.fit`): from the training part of the data, how often item ``j``
+  directly follows item ``i`` in a user's sequence, each row normalised to ``P(j | i)``, and the
+  items' popularity ``P(j)``.
+* **A user's item weights** (:meth:`TransitionPrior.scores`): ``P(j | i)`` summed over the user's
+  history, the latest item weighted 1 and each earlier one ``decay`` times the next, normalised,
+  then mixed with popularity (``smoothing``) so that every item has weight.
+* **Per trie node** (:func:`node_mass`): an identifier prefix weighs what the items under it weigh,
+  and the draft's ``log q`` of a child token at a node is the log of the child's share of the node's
+  weight. So the draft's level distributions are the exact marginals of one item distribution.
+
+The user's history is read from the prompt itself (:func:`prompt_histories`: its identifier
+tokens, ``L`` per item, in order), so the draft needs nothing a decoder does not already have.
+Strict verification keeps the output the target's whatever the draft proposes; the draft only
+decides how often a round's levels are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from recspec.decoding.beams import Beams
+from recspec.decoding.draft_tree import Level
+from recspec.decoding.frontier import Frontier
+from recspec.decoding.prompts import Prompts
+from recspec.errors import RecspecError
+from recspec.itemids.trie import ItemTrie
+
+
+#: The ``--draft`` value that names the item prior instead of a folder (a folder of that name is
+#: given as ``./items``).
+ITEM_DRAFT = "items"
+
+
+#: The defaults of :class:`TransitionPrior`, chosen on 256 validation users of Beauty against its
+#: ``target-mini`` (K = 10, N = 40): accepted levels a user 1.23 at decay 0.5 / smoothing 0.05,
+#: 1.40 at 0.8 / 0.2, 1.51 at 0.8 / 0.5 (BENCHMARKS.md, "The item draft").
+DECAY = 0.8
+SMOOTHING = 0.5
+
+
+@dataclass(frozen=True)
+class TransitionPrior:
+    """The transition table in rows by previous item (CSR): the items that followed item ``i``
+    are ``successors[starts[i]:starts[i + 1]]`` (int64), at ``chances[...]`` (float32,
+    ``P(next | i)``, summing to 1 over a row); ``popular``: float32 ``[I]``, the items' training
+    frequency, summing to 1; ``decay``: the weight of a history item relative to the one after
+    it; ``smoothing``: the share of popularity in a user's weights."""
+
+    starts: torch.Tensor
+    successors: torch.Tensor
+    chances: torch.Tensor
+    popular: torch.Tensor
+    decay: float = DECAY
+    smoothing: float = SMOOTHING
+
+    @classmethod
+    def fit(cls, sequences: Sequence[np.ndarray], num_items: int, decay: float = DECAY,
+            smoothing: float = SMOOTHING) -> TransitionPrior:
+        """Count direct successions in ``sequences`` (int item indices in time order, one array per
+        user) over ``num_items`` items."""
+        if not 0 < decay <= 1 or not 0 < smoothing <= 1:
+            raise RecspecError(f"decay and smoothing must lie in (0, 1], got {decay} and {smoothing}")
+        arrays = [np.asarray(seq, dtype=np.int64) for seq in sequences]
+        items = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        if len(items) == 0:
+            raise RecspecError("the item prior needs training interactions, and the training part is empty")
+        if items.min() < 0 or items.max() >= num_items:
+            raise RecspecError(f"item indices must lie in [0, {num_items})")
+        previous = np.concatenate([seq[:-1] for seq in arrays])
+        following = np.concatenate([seq[1:] for seq in arrays])
+        pairs, counts = np.unique(previous * num_items + following, return_counts=True)  # sorted by previous
+        rows, successors = np.divmod(pairs, num_items)
+        chances = counts / np.bincount(previous, minlength=num_items)[rows]
+        starts = np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=num_items))))
+        popular = np.bincount(items, minlength=num_items) / len(items)
+        return cls(torch.from_numpy(starts), torch.from_numpy(successors), torch.from_numpy(chances).float(),
+                   torch.from_numpy(popular).float(), decay, smoothing)
+
+    def scores(self, histories: torch.Tensor) -> torch.Tensor:
+        """Item weights of each user: float32 ``[B, I]``, summing to 1 per row (0 only for an item
+        that neither follows the history nor occurs in training).
+        ``histories``: int64 ``[B, H]``, item indices oldest first, ``-1`` for none (padding, or an
+        item the prior does not know), right-aligned or not. Reads only the history items' rows."""
+        batch, width = histories.shape
+        known = histories >= 0
+        # the latest known item weighs 1, the one before it decay, ...
+        later = known.flip(1).long().cumsum(1).flip(1) - known.long()  # known items after each position
+        weights = torch.where(known, torch.tensor(self.decay).pow(later.float()), 0.0).view(-1)
+        first = self.starts[histories.clamp(min=0)].view(-1)
+        counts = torch.where(known.view(-1), self.starts[histories.clamp(min=0) + 1].view(-1) - first, 0)
+        owner = torch.repeat_interleave(torch.arange(batch * width), counts)  # the history slot of each edge
+        edges = first[owner] + torch.arange(len(owner)) - (counts.cumsum(0) - counts)[owner]
+        spread = torch.zeros(batch * self.popular.shape[0])
+        spread.index_add_(0, owner // width * self.popular.shape[0] + self.successors[edges],
+                          weights[owner] * self.chances[edges])
+        spread = spread.view(batch, -1)
+        total = spread.sum(dim=1, keepdim=True)
+        spread = torch.where(total > 0, spread / total.clamp(min=1e-30), self.popular)
+        return (1 - self.smoothing) * spread + self.smoothing * self.popular
+
+
+def identifier_tokens(trie: ItemTrie) -> torch.Tensor:
+    """Bool ``[V]`` on the trie's device: True for every token of some item's identifier."""
+    nodes = torch.arange(1, trie.num_nodes, device=trie.device)
+    table = torch.zeros(trie.vocab_size, dtype=torch.bool, device=trie.device)
+    return table.index_fill_(0, trie.last_token(nodes), True)
+
+
+def prompt_histories(prompts: Prompts, trie: ItemTrie) -> torch.Tensor:
+    """The items a prompt lists: int64 ``[B, H]`` (``H`` the most in a row), oldest first,
+    right-aligned after ``-1``. Reads each row's identifier tokens in order, ``L`` per item
+    (recspec's prompts hold nothing else of the trie's tokens); a row holding a partial
+    identifier is a :class:`RecspecError`."""
+    ids = prompts.input_ids.to(trie.device)
+    marked = identifier_tokens(trie)[ids] & prompts.attention_mask.to(trie.device).bool()
+    counts = marked.sum(dim=1)
+    if bool((counts % trie.depth != 0).any()):
+        raise RecspecError(f"a prompt holds identifier tokens that are not whole {trie.depth}-token identifiers; "
+                           f"the item prior reads the history from recspec's own prompts")
+    width = int(counts.max()) if len(counts) else 0
+    # identifier tokens to the right of each row, in order (a stable sort on "not marked")
+    order = torch.sort(marked.to(torch.int8), dim=1, stable=True).indices[:, ids.shape[1] - width:]
+    tokens = ids.gather(1, order)
+    present = torch.arange(width, device=ids.device) >= width - counts[:, None]
+    leaves = trie.walk(tokens.masked_fill(~present, 0).view(-1, trie.depth))
+    items = trie.items(leaves).view(len(ids), width // trie.depth)
+    return items.masked_fill(~present[:, trie.depth - 1::trie.depth], -1)
+
+
+def node_mass(trie: ItemTrie, scores: torch.Tensor) -> torch.Tensor:
+    """What each trie node's items weigh: float32 ``[B, num_nodes]`` from item weights ``scores``
+    ``[B, I]`` (the root holds the row's total). One pass per depth, leaves up."""
+    nodes = torch.arange(trie.num_nodes, device=scores.device)
+    items = trie.items(nodes)
+    mass = torch.zeros(scores.shape[0], trie.num_nodes, device=scores.device)
+    leaves = items >= 0
+    mass[:, nodes[leaves]] = scores[:, items[leaves]]
+    depth = trie.node_depth(nodes)
+    parents = trie.parent(nodes)
+    for d in range(trie.depth, 0, -1):
+        at = nodes[depth == d]
+        mass.index_add_(1, parents[at], mass[:, at])
+    return mass
+
+
+def child_log_probs(trie: ItemTrie, mass: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """The draft's ``log q`` at trie ``nodes`` int64 ``[B, n]`` (``-1``: dead): float32
+    ``[B, n, V]``, each child token's log share of its node's weight in row ``b`` of ``mass``
+    ``[B, num_nodes]``, the lowest float elsewhere (never read: drafters rank trie children only)."""
+    batch, width = nodes.shape
+    flat = nodes.reshape(-1)
+    tokens, real = trie.children(flat)  # [B * n, C]
+    fanout = tokens.shape[1]
+    children = trie.step(flat.repeat_interleave(fanout), tokens.view(-1)).view(batch, width * fanout)
+    weight = mass.gather(1, children.clamp(min=0)).masked_fill_(~real.view(batch, -1), 0).view(batch * width, fanout)
+    share = weight / weight.sum(dim=1, keepdim=True).clamp(min=1e-30)
+    lowest = torch.finfo(torch.float32).min
+    log_q = torch.full((batch * width, trie.vocab_size), lowest, device=mass.device)
+    log_q.scatter_(1, tokens, torch.where(real, share.clamp(min=1e-30).log(), lowest))
+    return log_q.view(batch, width, -1)
+
+
+@dataclass(frozen=True)
+class ItemDraft:
+    """The draft ``--draft items`` names: a :class:`TransitionPrior` and the item trie it is read
+    through (the target's)."""
+
+    prior: TransitionPrior
+    trie: ItemTrie
+
+    def check(self, trie: ItemTrie) -> None:
+        """Refuse to draft for a decode over another trie than the one this draft reads (and over
+        more items than the prior knows)."""
+        same = (trie.vocab_size, trie.num_nodes, trie.depth) == (self.trie.vocab_size, self.trie.num_nodes,
+                                                                  self.trie.depth)
+        if not same or self.trie.num_items > self.prior.popular.shape[0]:
+            raise RecspecError("the item draft was built for another item index than the decode's; build it from "
+                               "the same recommender (Recommender.item_draft)")
+
+
+@dataclass
+class ItemPriorDraft:
+    """The round loop's draft source for an :class:`ItemDraft`
+    (:class:`~recspec.decoding.rounds.DraftSource`): no cache, no features; the item weights of
+    the batch's users are computed once, from their prompts, at :meth:`start`."""
+
+    draft: ItemDraft
+    mass: torch.Tensor = field(init=False)
+    wants_features = False
+    feature_layers = ()
+    caches = ()
+
+    def start(self, prompts: Prompts) -> torch.Tensor:
+        trie = self.draft.trie
+        scores = self.draft.prior.scores(prompt_histories(prompts, trie).cpu()).to(trie.device)
+        self.mass = node_mass(trie, scores)
+        root = torch.full((len(scores), 1), trie.root, dtype=torch.int64, device=trie.device)
+        return child_log_probs(trie, self.mass, root)
+
+    def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
+        return child_log_probs(self.draft.trie, self.mass[front.users], levels[-1].nodes)
+
+    def feed_last(self, levels: list[Level]) -> None:
+        return None
+
+    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor | None:
+        return None
