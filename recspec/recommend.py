@@ -188,10 +188,9 @@ class Recommender:
         one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
         trained with the same item index and tokenizer, or a draft head (`recspec align train
         --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
-        the model drafts the first round, the head the rest; or ``"items"``
-        (:data:`~recspec.decoding.item_prior.ITEM_DRAFT`):
-        the item prior of :meth:`item_draft`, which costs no model call. ``k``: the number of
-        items to be asked for, refused before any model is loaded when the index has fewer items."""
+        the model drafts the first round, the head the rest; or ``"items"``: the item prior of
+        :meth:`item_draft`, which costs no model call. ``k``: the number of items to be asked for,
+        refused before any model is loaded when the index has fewer items."""
         folder, info, models, heads = check_folders(model_dir, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
         check_k(k, index, folder)

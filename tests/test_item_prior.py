@@ -48,14 +48,19 @@ def test_scores_weigh_the_latest_items_most_and_fall_back_to_popularity() -> Non
 
 
 @pytest.fixture
-def trie() -> ItemTrie:
-    """60 items with 3-token identifiers over tokens 10..19 (level 1), 20..25, 30..33."""
+def codes() -> torch.Tensor:
+    """60 distinct 3-token identifiers over tokens 10..19 (level 1), 20..25, 30..33: row i is item i's."""
     generator = torch.Generator().manual_seed(0)
-    codes = set()
-    while len(codes) < 60:
-        codes.add((10 + int(torch.randint(10, (1,), generator=generator)), 20 + int(torch.randint(6, (1,),
-                   generator=generator)), 30 + int(torch.randint(4, (1,), generator=generator))))
-    return ItemTrie(torch.tensor(sorted(codes)), vocab_size=40)
+    drawn: set[tuple[int, ...]] = set()
+    while len(drawn) < 60:
+        drawn.add(tuple(first + int(torch.randint(size, (1,), generator=generator))
+                        for first, size in ((10, 10), (20, 6), (30, 4))))
+    return torch.tensor(sorted(drawn))
+
+
+@pytest.fixture
+def trie(codes: torch.Tensor) -> ItemTrie:
+    return ItemTrie(codes, vocab_size=40)
 
 
 def test_node_mass_and_child_log_probs_are_the_item_weights_marginals(trie: ItemTrie) -> None:
@@ -93,18 +98,10 @@ def test_node_mass_and_child_log_probs_are_the_item_weights_marginals(trie: Item
             assert (log_q[b, i, others] == torch.finfo(torch.float32).min).all()
 
 
-def test_histories_are_read_back_from_prompts(trie: ItemTrie) -> None:
+def test_histories_are_read_back_from_prompts(codes: torch.Tensor, trie: ItemTrie) -> None:
     """Prompts of other tokens around whole identifiers (the template's, here 1..5) give back
     each row's items, oldest first, right-aligned; a partial identifier is refused."""
-    nodes = torch.arange(trie.num_nodes)
-    leaves = nodes[trie.items(nodes) >= 0]
-    identifier = {int(trie.items(leaf[None])): [] for leaf in leaves}
-    for leaf in leaves:
-        node, path = leaf[None], []
-        while int(node) > 0:
-            path.insert(0, int(trie.last_token(node)))
-            node = trie.parent(node)
-        identifier[int(trie.items(leaf[None]))] = path
+    identifier = codes.tolist()
     histories = [[3, 17, 42], [5], [8, 0, 59, 12, 33]]
     prompts = [torch.tensor([1, 2] + sum((identifier[i] + [4] for i in h), []) + [5]) for h in histories]
     read = prompt_histories(left_pad(prompts, 0, torch.device("cpu")), trie)

@@ -42,7 +42,7 @@ from recspec.itemids.trie import ItemTrie
 
 
 #: The ``--draft`` value that names the item prior instead of a folder (a folder of that name is
-#: given as ``./items``).
+#: given by its absolute path).
 ITEM_DRAFT = "items"
 
 
