@@ -6,6 +6,7 @@ decoding are loaded by :func:`recspec.models.hf.load_causal_lm`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 from collections.abc import Iterator
@@ -71,11 +72,22 @@ def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype:
     return model.to(device).eval()
 
 
+def forward_parameters(model) -> frozenset[str]:
+    """The names ``model.forward`` takes: read once per forward function (a signature costs about
+    20 us, and every decoding call asks for it)."""
+    forward = model.forward
+    return _signature_names(getattr(forward, "__func__", forward))
+
+
+@functools.cache
+def _signature_names(forward) -> frozenset[str]:
+    return frozenset(inspect.signature(forward).parameters)
+
+
 def keep_last_logits(model, count: int) -> dict[str, int]:
     """``{"logits_to_keep": count}`` where ``model.forward`` takes it (transformers' causal LMs
     then compute the output layer for the last ``count`` positions only), else ``{}``."""
-    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return {"logits_to_keep": count} if takes else {}
+    return {"logits_to_keep": count} if "logits_to_keep" in forward_parameters(model) else {}
 
 
 def with_cache(model, cache) -> dict[str, object]:
@@ -85,7 +97,7 @@ def with_cache(model, cache) -> dict[str, object]:
     take it into its ``**kwargs`` and run without its cache, saying nothing), else
     ``{"past_key_values": cache}`` where it takes that (transformers 5.0-5.23). A model whose
     forward takes neither is a :class:`RecspecError`."""
-    parameters = inspect.signature(model.forward).parameters
+    parameters = forward_parameters(model)
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return {name: cache}

@@ -82,7 +82,8 @@ def test_node_mass_and_child_log_probs_are_the_item_weights_marginals(trie: Item
     level_one = trie.step(torch.zeros(3, dtype=torch.int64), torch.tensor([10, 11, 12]))
     assert (level_one > 0).all()
     nodes = torch.tensor([[trie.root, int(level_one[0]), int(level_one[1])], [trie.root, -1, int(level_one[2])]])
-    log_q = child_log_probs(trie, mass[:2], nodes)  # [2, 3, V]
+    rows = torch.tensor([2, 0])  # the users of the two node rows, of the three that mass holds
+    log_q = child_log_probs(trie, mass, nodes, rows)  # [2, 3, V]
     for b in range(2):
         for i in range(3):
             node = nodes[b, i]
@@ -92,7 +93,7 @@ def test_node_mass_and_child_log_probs_are_the_item_weights_marginals(trie: Item
                 assert tokens.numel() == 0
                 continue
             children = trie.step(node.repeat(len(tokens)), tokens)
-            torch.testing.assert_close(log_q[b, i, tokens].exp(), mass[b, children] / mass[b, node])
+            torch.testing.assert_close(log_q[b, i, tokens].exp(), mass[rows[b], children] / mass[rows[b], node])
             others = torch.ones(trie.vocab_size, dtype=torch.bool)
             others[tokens] = False
             assert (log_q[b, i, others] == torch.finfo(torch.float32).min).all()

@@ -158,16 +158,18 @@ def node_mass(trie: ItemTrie, scores: torch.Tensor) -> torch.Tensor:
     return mass
 
 
-def child_log_probs(trie: ItemTrie, mass: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+def child_log_probs(trie: ItemTrie, mass: torch.Tensor, nodes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The draft's ``log q`` at trie ``nodes`` int64 ``[B, n]`` (``-1``: dead): float32
-    ``[B, n, V]``, each child token's log share of its node's weight in row ``b`` of ``mass``
-    ``[B, num_nodes]``, the lowest float elsewhere (never read: drafters rank trie children only)."""
+    ``[B, n, V]``, each child token's log share of its node's weight in row ``rows[b]`` (int64
+    ``[B]``) of ``mass`` ``[U, num_nodes]``, the lowest float elsewhere (never read: drafters rank
+    trie children only)."""
     batch, width = nodes.shape
     flat = nodes.reshape(-1)
     tokens, real = trie.children(flat)  # [B * n, C]
     fanout = tokens.shape[1]
     children = trie.step(flat.repeat_interleave(fanout), tokens.view(-1)).view(batch, width * fanout)
-    weight = mass.gather(1, children.clamp(min=0)).masked_fill_(~real.view(batch, -1), 0).view(batch * width, fanout)
+    weight = mass[rows[:, None], children.clamp(min=0)].masked_fill_(~real.view(batch, -1), 0)
+    weight = weight.view(batch * width, fanout)
     share = weight / weight.sum(dim=1, keepdim=True).clamp(min=1e-30)
     lowest = torch.finfo(torch.float32).min
     log_q = torch.full((batch * width, trie.vocab_size), lowest, device=mass.device)
@@ -210,10 +212,10 @@ class ItemPriorDraft:
         scores = self.draft.prior.scores(prompt_histories(prompts, trie).cpu()).to(trie.device)
         self.mass = node_mass(trie, scores)
         root = torch.full((len(scores), 1), trie.root, dtype=torch.int64, device=trie.device)
-        return child_log_probs(trie, self.mass, root)
+        return child_log_probs(trie, self.mass, root, torch.arange(len(scores), device=trie.device))
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
-        return child_log_probs(self.draft.trie, self.mass[front.users], levels[-1].nodes)
+        return child_log_probs(self.draft.trie, self.mass, levels[-1].nodes, front.users)
 
     def feed_last(self, levels: list[Level]) -> None:
         return None
