@@ -281,6 +281,9 @@ def train_command(
     max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
     last_per_user: Annotated[Optional[int], typer.Option(help="Train on each user's last N examples only.")] = None,
     max_train_examples: Annotated[Optional[int], typer.Option(help="Seeded random subsample of examples.")] = None,
+    pack: Annotated[int, typer.Option(help="Feed up to N consecutive examples of a user as one sequence sharing "
+                                           "one history (1: one example a sequence); --batch-size counts "
+                                           "sequences.")] = 1,
     valid_users: Annotated[int, typer.Option(help="Validation users for Recall@10 after each epoch.")] = 512,
     precision: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
@@ -295,7 +298,8 @@ def train_command(
 
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
                          seed=seed, max_train_examples=max_train_examples, last_per_user=last_per_user,
-                         precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads)
+                         precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads,
+                         pack=pack)
     _positive(valid_users=valid_users, max_history=max_history)
     with _on_interrupt(f"the last checkpoint in {out / 'checkpoint'} is kept; run the same command to resume"):
         result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
@@ -1044,6 +1048,31 @@ def bench_curve(
     _positive(threads=min(threads), budget=budget)
     typer.echo(write_curves(_results_dir(out), run, label, threads, metric, column or [], budget, target, name,
                             unit))
+
+
+@bench_app.command("pack")
+def bench_pack(
+    dataset: DatasetArg,
+    preset: Annotated[str, typer.Option(help="Model preset trained (a fresh model per mode).")] = "target-mini",
+    ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json (default: the "
+                                                     "dataset's own).")] = None,
+    split: Annotated[Optional[str], typer.Option(help="time, loo or given.")] = None,
+    max_history: Annotated[int, typer.Option(help="History cap of prompts.")] = 20,
+    mode: Annotated[Optional[list[str]], typer.Option(help="PACKxBATCH: pack size and sequences a step "
+                                                           "(repeatable; the first is the reference).")] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per timed run.")] = 20,
+    repeats: Annotated[int, typer.Option(help="Timed runs per mode (median reported).")] = 5,
+    threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
+    seed: int = 0,
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "pack",
+) -> None:
+    """Training throughput of one-example and packed batches side by side (examples/s, tokens/s)."""
+    from recspec.bench.packing import run
+
+    _positive(steps=steps, repeats=repeats, threads=threads, max_history=max_history)
+    typer.echo(run(_results_dir(out), dataset, preset, ids, split, max_history, mode or ["1x64", "10x16"], steps,
+                   repeats, threads, seed, name))
 
 
 @bench_app.command("rows")

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from recspec.data import load_dataset, split_dataset
+from recspec.data import Dataset, load_dataset, split_dataset
+from recspec.data.splits import SplitData
 from recspec.data.loaders import recorded_spec
 from recspec.errors import RecspecError
 from recspec.fileio import check_writable_dir
@@ -19,7 +20,8 @@ from recspec.models.examples import PromptEncoder
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids
 from recspec.models.checkpoint import CHECKPOINT_DIR, write_run_info
-from recspec.models.train import SupervisedTask, TrainConfig, TrainResult, train
+from recspec.models.packing import next_item_task
+from recspec.models.train import TrainConfig, TrainResult, train
 from recspec.recommend import item_rows
 
 
@@ -39,6 +41,17 @@ def prepare_training_dir(out_dir: Path, overwrite: bool) -> Path:
     return out_dir
 
 
+def training_data(dataset_spec: str, preset: str, ids: str | Path | None = None, format: str | None = None,
+                  split_kind: str | None = None, max_history: int = 20) -> tuple[Dataset, SplitData, PromptEncoder]:
+    """What training ``preset`` on ``dataset_spec`` reads: the data set, its split, and the prompt
+    encoder over its identifiers (``ids``, default the data set's own) and the preset's tokenizer."""
+    dataset = load_dataset(dataset_spec, format)
+    split = split_dataset(dataset, split_kind, max_history)
+    index = dataset_identifiers(dataset, ids)
+    tokenizer = preset_tokenizer(preset, index)
+    return dataset, split, PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
+
+
 def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = None, format: str | None = None,
         split_kind: str | None = None, max_history: int = 20, config: TrainConfig | None = None,
         valid_users: int = 512, overwrite: bool = False, progress: bool = True) -> TrainResult:
@@ -51,11 +64,8 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
 
     out_dir = prepare_training_dir(out_dir, overwrite)
     config = config or TrainConfig()
-    dataset = load_dataset(dataset_spec, format)
-    split = split_dataset(dataset, split_kind, max_history)
-    index = dataset_identifiers(dataset, ids)
-    tokenizer = preset_tokenizer(preset, index)
-    encoder = PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
+    dataset, split, encoder = training_data(dataset_spec, preset, ids, format, split_kind, max_history)
+    index, tokenizer = encoder.index, encoder.tokenizer
     model = build_model(preset, tokenizer, seed=config.seed)
     write_run_info(out_dir, index, {"dataset": recorded_spec(dataset_spec), "format": format, "split": split.kind,
                                     "max_history": max_history, "preset": preset})
@@ -73,6 +83,5 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
         rows = topk.items.cpu().numpy()
         return recall_ndcg(np.where(rows >= 0, table[rows.clip(0)], -1), targets, [10])
 
-    return train(model, SupervisedTask(encoder, split, config), out_dir, config, evaluate=evaluate,
-                 progress=progress)
+    return train(model, next_item_task(encoder, split, config), out_dir, config, evaluate=evaluate, progress=progress)
 

@@ -90,6 +90,13 @@ def keep_last_logits(model, count: int) -> dict[str, int]:
     return {"logits_to_keep": count} if "logits_to_keep" in forward_parameters(model) else {}
 
 
+def keep_logits_at(model, columns: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"logits_to_keep": columns}`` where ``model.forward`` takes it (``columns``: int64
+    ``[n]``, the positions whose logits every row needs; the output layer then runs for those
+    alone and the logits are ``[b, n, V]``), else ``{}`` (all positions' logits)."""
+    return {"logits_to_keep": columns} if "logits_to_keep" in forward_parameters(model) else {}
+
+
 def with_cache(model, cache) -> dict[str, object]:
     """The keyword argument that hands ``model.forward`` its KV cache ``cache``: ``{"cache":
     cache}`` where forward takes ``cache`` (transformers 5.24 on, which deprecates

@@ -27,7 +27,6 @@ from recspec.decoding.prompts import left_pad
 from recspec.decoding.cache import drop_tail, gather_positions, require_full_attention, select_rows
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.tree import (
-    additive_mask,
     ancestor_matrix,
     child_rows,
     node_depths,
@@ -35,6 +34,7 @@ from recspec.decoding.tree import (
     tree_position_ids,
 )
 from recspec.errors import RecspecError
+from recspec.models.attention import additive_mask
 from recspec.itemids.trie import ItemTrie
 from recspec.hub import returned_cache, with_cache
 

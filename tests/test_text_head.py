@@ -283,8 +283,8 @@ def test_samples_per_prompt_follow_each_other_and_differ(lm, ml100k, tmp_path: P
 
 
 def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
-    """`recspec bench curve` over the two runs' real logs: CPU-minutes are the running sum of
-    training and evaluation seconds times the threads, the partial epoch is labelled, the best
+    """`recspec bench curve` over the two runs' real logs: CPU-minutes are the training and
+    evaluation seconds so far times the threads (a partial epoch's training not counted twice), the partial epoch is labelled, the best
     value respects the budget, and bad input is refused before anything is written."""
     import json
 
@@ -293,8 +293,11 @@ def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
                             [ACCEPTANCE_2, "train_loss"], budget=1e9, target=0.6, name="c")
     saved = json.loads((tmp_path / "c.json").read_text())
     curve = saved["runs"][0]["curve"]
-    seconds = [row.get("train_seconds", 0.0) + row["eval_seconds"] for row in history]
-    assert [p["cpu_minutes"] for p in curve] == pytest.approx([2 * sum(seconds[:i + 1]) / 60 for i in range(3)])
+    # epoch 1's full row counts its whole training, the partial evaluation's seconds included
+    training = [row.get("train_seconds", 0.0) for row in history]
+    assert training[2] > training[1] > 0
+    evaluating = [sum(row["eval_seconds"] for row in history[:i + 1]) for i in range(3)]
+    assert [p["cpu_minutes"] for p in curve] == pytest.approx([2 * (t + e) / 60 for t, e in zip(training, evaluating)])
     assert [p["label"] for p in curve] == ["0", f"1 ({history[1]['batches']}/{history[1]['of_batches']})", "1"]
     assert saved["runs"][0]["best"][ACCEPTANCE] == max(row[ACCEPTANCE] for row in history)
     assert "| resumed |" in markdown and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

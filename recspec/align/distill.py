@@ -278,6 +278,9 @@ class DistillTask:
         self.target, self.tokenizer, self.train, self.valid = target, tokenizer, train, valid
         self.info, self.batch_size = info, batch_size
 
+    def examples_in(self, rows: np.ndarray) -> int:
+        return len(rows)
+
     def lengths(self) -> np.ndarray:
         return np.array([len(prompt) + len(response) for prompt, response in self.train], dtype=np.int64)
 

@@ -132,6 +132,9 @@ class AlignmentTask:
 
     # -------------------------------------------------------------------- TrainingTask
 
+    def examples_in(self, rows: np.ndarray) -> int:
+        return len(rows)
+
     def lengths(self) -> np.ndarray:
         train = self.data["train"]
         prompts = self.encoder.prompt_lengths(self.examples["train"], train.example)

@@ -244,6 +244,9 @@ class TextHeadTask:
         self.bound, self.pairs, self.corpus, self.train, self.valid = bound, pairs, corpus, train, valid
         self.config, self.pad_token_id, self.head_store = config, pad_token_id, store
 
+    def examples_in(self, rows: np.ndarray) -> int:
+        return len(rows)
+
     def lengths(self) -> np.ndarray:
         return np.array([len(self.pairs[i][0]) + len(self.pairs[i][1]) for i in self.train], dtype=np.int64)
 

@@ -34,11 +34,16 @@ def read_log(run: Path) -> list[dict[str, Any]]:
 
 def curve(rows: Sequence[dict[str, Any]], threads: int) -> list[dict[str, Any]]:
     """Each evaluation of a log with its cumulative CPU-minutes (training plus evaluation seconds
-    so far, times ``threads``) as ``cpu_minutes``, and its epoch label (``"13 (97/112)"`` for a
+    so far, times ``threads``; an epoch's ``train_seconds`` count its training so far, so a
+    partial evaluation's are not added again) as ``cpu_minutes``, and its epoch label (``"13 (97/112)"`` for a
     partial epoch)."""
-    seconds, points = 0.0, []
+    finished, evaluating, points = 0.0, 0.0, []  # training seconds of finished epochs; all evaluations'
     for row in rows:
-        seconds += float(row.get("train_seconds", 0.0)) + float(row.get("eval_seconds", 0.0))
+        training = float(row.get("train_seconds", 0.0))  # the epoch's so far: a partial row's again in the next
+        evaluating += float(row.get("eval_seconds", 0.0))
+        seconds = finished + training + evaluating
+        if not row.get("partial"):
+            finished += training
         label = (f"{row['epoch']} ({row['batches']}/{row['of_batches']})" if row.get("partial")
                  else str(row["epoch"]))
         points.append({**row, "label": label, "cpu_minutes": seconds * threads / 60})

@@ -34,12 +34,7 @@ from __future__ import annotations
 
 import torch
 
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention mask of ``dtype`` with ``visible``'s shape: ``0`` where ``visible`` (bool)
-    is True, ``torch.finfo(dtype).min`` where it is False."""
-    blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
-    return blocked.masked_fill_(visible, 0.0)
+from recspec.models.attention import additive_mask
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,13 @@ PACKED_SDPA = "recspec_sdpa"
 ATTENTION_VERSION = 1
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask of ``dtype`` with ``visible``'s shape: ``0`` where ``visible`` (bool)
+    is True, ``torch.finfo(dtype).min`` where it is False."""
+    blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return blocked.masked_fill_(visible, 0.0)
+
+
 def packs(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
     """Whether :func:`packed_sdpa_attention` packs this call: grouped heads, more than one query
     row, a 4-D mask shared by all heads (``[b, 1, q, k]``), and inference (no attention dropout)."""

@@ -241,17 +241,17 @@ class PromptEncoder:
         t = self.template
         return len(t.prefix) + items * (self.length + len(t.separator)) - len(t.separator) + len(t.suffix)
 
-    def _right_padded(self, history: torch.Tensor, lengths: torch.Tensor,
-                      answers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts (+ ``answers`` [b, L] after them), left-aligned and right-padded with the pad
-        token: ``([b, W] token ids, [b] sequence lengths)``."""
+    def _right_padded(self, history: torch.Tensor, lengths: torch.Tensor, answers: torch.Tensor | None = None,
+                      suffix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts (+ ``answers`` [b, L] after them; without the suffix unless ``suffix``),
+        left-aligned and right-padded with the pad token: ``([b, W] token ids, [b] sequence lengths)``."""
         b, h = history.shape
         block = self.length + len(self._separator)
         items = self.item_tokens[history.clamp(min=0)]  # [b, h, L]
         blocks = torch.cat((items, self._separator.expand(b, h, -1)), dim=2).reshape(b, h * block)
         body = lengths * block - len(self._separator)  # history tokens without the last separator
-        prefix, suffix = len(self._prefix), len(self._suffix)
-        sizes = prefix + body + suffix
+        prefix, tail = len(self._prefix), len(self._suffix) if suffix else 0
+        sizes = prefix + body + tail
         extra = 0 if answers is None else answers.shape[1]
         width = int(sizes.max()) + extra
         col = torch.arange(width)[None, :] - prefix  # column within the history part
@@ -259,7 +259,7 @@ class PromptEncoder:
         out = torch.where((col >= 0) & (col < body[:, None]), blocks.gather(1, src), self.pad_id)
         out[:, :prefix] = self._prefix
         rows = torch.arange(b)[:, None]
-        out[rows, (prefix + body)[:, None] + torch.arange(suffix)] = self._suffix
+        out[rows, (prefix + body)[:, None] + torch.arange(tail)] = self._suffix[:tail]
         if answers is not None:
             out[rows, sizes[:, None] + torch.arange(extra)] = answers
         return out, sizes + extra
@@ -285,6 +285,12 @@ class PromptEncoder:
         matrix, sizes = self._right_padded(history, lengths)
         mask = torch.arange(matrix.shape[1])[None, :] < sizes[:, None]
         return list(matrix[mask].split(sizes.tolist()))
+
+    def history_tokens(self, examples: Examples, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts of ``rows`` without their suffix (the prefix and the history), left-aligned
+        and right-padded with the pad token: ``(int64 [b, W] token ids, int64 [b] lengths)``."""
+        history, lengths = self._history(examples, rows)
+        return self._right_padded(history, lengths, suffix=False)
 
     def prompt_batch(self, examples: Examples, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """Prompts as one left-padded batch: input_ids, attention_mask, position_ids [b, max P].

@@ -14,6 +14,9 @@ shuffled order into pools of ``bucket_batches`` batches, sorts each pool by sequ
 cuts it into batches, then shuffles the batches. This keeps batches random while cutting padding
 to a few percent (Beauty histories run from 1 to 20 items: 10 to 86 tokens).
 
+Packed training (``pack`` > 1, :class:`~recspec.models.packing.PackedTask`): a row is up to
+``pack`` consecutive examples of one user sharing one history, and ``batch_size`` counts rows.
+
 Precision: ``precision="auto"`` trains with bfloat16 autocast (float32 master weights and
 optimizer state) where the hardware does bf16 matrix products natively (CUDA with bf16, CPUs with
 AVX512-BF16 / AMX), else float32. On the 2-core AVX512-BF16 CPU used for development bf16 made
@@ -102,6 +105,7 @@ class TrainConfig:
     max_train_examples: int | None = None  # seeded random subsample (after last_per_user)
     last_per_user: int | None = None  # keep only each user's most recent N training examples
     max_history: int | None = None  # cut training histories to the N most recent items
+    pack: int = 1  # examples of one user fed as one sequence (recspec.models.packing); 1 = one each
     bucket_batches: int = 32  # batches per length-sorted pool; 0 = plain shuffle
     precision: str = "auto"  # "auto", "bf16" or "fp32"
     max_valid_examples: int = 2048  # validation loss (when no evaluate function) on at most this many
@@ -124,6 +128,7 @@ class TrainConfig:
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 1,
             "last_per_user": self.last_per_user is None or self.last_per_user >= 1,
             "max_history": self.max_history is None or self.max_history >= 1,
+            "pack": self.pack >= 1,
             "max_minutes": self.max_minutes is None or self.max_minutes > 0,
             "threads": self.threads is None or self.threads >= 1,
             "precision": self.precision in ("auto", "bf16", "fp32"),
@@ -295,6 +300,9 @@ class TrainingTask(Protocol):
     def lengths(self) -> np.ndarray:
         """int64 [n]: real (non-pad) tokens of each training example (bucketing, tokens/s)."""
 
+    def examples_in(self, rows: np.ndarray) -> int:
+        """Training examples in batch rows ``rows`` (a row may hold several: packed training)."""
+
     def check(self) -> None:
         """Raise what batching any example would raise, before training starts."""
 
@@ -323,6 +331,9 @@ class SupervisedTask:
 
     def lengths(self) -> np.ndarray:
         return self.encoder.prompt_lengths(self.examples) + self.encoder.length
+
+    def examples_in(self, rows: np.ndarray) -> int:
+        return len(rows)
 
     def check(self) -> None:
         self.encoder.check(self.examples, targets=True)
@@ -415,6 +426,7 @@ class TrainState:
         self.epoch_loss_sum = self.epoch_seconds = 0.0
 
 
+DEFAULT_TRAJECTORY = TrainConfig().trajectory()
 SAVED_KEYS = ("config", "metric", "optimizer", "scheduler", "rng", "train")  # the trainer's part of a checkpoint
 TRAIN_STATE_KEYS = frozenset(item.name for item in dataclasses.fields(TrainState))
 
@@ -493,8 +505,8 @@ class Trainer:
             if any(key not in saved for key in SAVED_KEYS) or set(saved["train"]) != TRAIN_STATE_KEYS:
                 raise RecspecError(f"{where}: not a checkpoint of this trainer; delete it to start over, or choose "
                                    f"another output folder")
-            differ = {k: (saved["config"].get(k), v) for k, v in self.config.trajectory().items()
-                      if saved["config"].get(k) != v}
+            before = {**DEFAULT_TRAJECTORY, **saved["config"]}  # options added since then had their default
+            differ = {k: (before.get(k), v) for k, v in self.config.trajectory().items() if before.get(k) != v}
             if differ:
                 shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
                 raise RecspecError(f"{where}: the checkpoint was trained with other options ({shown}); "
@@ -568,7 +580,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        self.state.record_step(loss_value, len(rows), int(self.lengths[rows].sum()), int(batch["input_ids"].numel()),
+        self.state.record_step(loss_value, self.task.examples_in(rows), int(self.lengths[rows].sum()), int(batch["input_ids"].numel()),
                                seconds)
         self.call_seconds += seconds
         self.consistent = True
