@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from recspec.data import Dataset, load_dataset, split_dataset
-from recspec.data.splits import SplitData
 from recspec.data.loaders import recorded_spec
+from recspec.data.splits import SplitData
 from recspec.errors import RecspecError
 from recspec.fileio import check_writable_dir
 from recspec.eval.metrics import recall_ndcg

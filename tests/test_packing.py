@@ -242,3 +242,22 @@ def test_bench_pack_times_the_modes_side_by_side(movielens, tmp_path) -> None:
     bad = recspec("bench", "pack", "--dataset", "ml-100k", "--mode", "4", "--out", str(tmp_path))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --mode '4': write PACKxBATCH, e.g. 1x64 or 10x16"]
+
+
+def test_packed_loss_under_bf16_autocast(movielens) -> None:
+    """The mask follows the autocast dtype: a bf16 packed loss is finite and near the fp32 one."""
+    model, task = tiny_task(movielens, 6, seed=2)
+    batch = task.batch(some_packs(task))
+    with torch.no_grad():
+        full, half = task.loss(model, batch, None), task.loss(model, batch, torch.bfloat16)
+    assert torch.isfinite(half) and float(half) == pytest.approx(float(full), rel=0.05)
+
+
+def test_alignment_training_refuses_packing(tmp_path) -> None:
+    from recspec.align.train import align_fit, head_fit
+
+    packed = TrainConfig(pack=2)
+    with pytest.raises(RecspecError, match="alignment training trains one example a sequence; pack=2"):
+        align_fit(tmp_path / "data", tmp_path / "out", "sft", config=packed)
+    with pytest.raises(RecspecError, match="pack=2 is for next-item training"):
+        head_fit(tmp_path / "data", tmp_path / "target", tmp_path / "out", "wordkd", alpha=1.0, config=packed)

@@ -22,7 +22,7 @@ from recspec.fit import prepare_training_dir
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids, index_fingerprint, load_tokenizer_dir
 from recspec.models.head import HeadConfig
-from recspec.models.train import TrainConfig, TrainResult, train
+from recspec.models.train import TrainConfig, TrainResult, refuse_packing, train
 
 ACCEPTANCE_METRIC = "accepted_steps"
 
@@ -57,6 +57,7 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
 
     check_method(method, alpha)
     config = config or TrainConfig()
+    refuse_packing(config, "alignment training")
     manifest = read_manifest(data_dir)
     index = ItemIndex.load(Path(data_dir) / INDEX_FILE)
     if index_fingerprint(index) != manifest["index_fingerprint"]:
@@ -98,6 +99,7 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
 
     check_method(method, alpha)
     config = config or TrainConfig()
+    refuse_packing(config, "alignment training")
     manifest = read_manifest(data_dir)
     recommender = Recommender.load(target_dir)
     if index_fingerprint(recommender.index) != manifest["index_fingerprint"]:

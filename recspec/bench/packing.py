@@ -3,7 +3,7 @@
 Each *mode* is a pack size and a batch size (``10x16``: packs of up to 10 examples, 16 packs a
 step). Every mode trains its own copy of the same fresh preset model with the trainer's optimizer
 for ``steps`` optimizer steps per timed run, on the batches an epoch would give it (seeded); the
-modes take turns (:func:`~recspec.bench.report.turn_order`), the first run of each is a warm-up,
+modes take turns (:func:`~recspec.bench.report.turn_order`) after a warm-up of two steps each,
 and the median of ``repeats`` runs is reported as training examples per second, real tokens per
 second and the ratio to the first mode. The ceiling of a mode is the ratio of tokens per example
 (the speed-up if a packed token cost what a one-example token costs). Whether packed training
@@ -44,7 +44,7 @@ class Mode:
 
     def __init__(self, mode: str, preset: str, encoder, split, seed: int) -> None:
         self.name = mode
-        self.pack, batch_size = parse_mode(mode)
+        self.pack, batch_size = parse_mode(mode)  # checked before the data were read
         self.config = TrainConfig(pack=self.pack, batch_size=batch_size, precision="fp32", seed=seed)
         self.task = next_item_task(encoder, split, self.config)
         self.model = build_model(preset, encoder.tokenizer, seed=seed).train()
@@ -88,13 +88,12 @@ def run(out: Path, dataset: str, preset: str, ids: Path | None, split: str | Non
     for repeat in range(repeats):
         for mode in turn_order(list(timed), repeat):
             timed[mode].runs.append(timed[mode].train(steps))
-    rows, base = [], None
+    rows, first = [], timed[modes[0]]
+    base = statistics.median(timing["examples"] / timing["seconds"] for timing in first.runs)
     for mode in timed.values():
-        per_s = [run["examples"] / run["seconds"] for run in mode.runs]
-        tokens_s = [run["tokens"] / run["seconds"] for run in mode.runs]
+        per_s = [timing["examples"] / timing["seconds"] for timing in mode.runs]
+        tokens_s = [timing["tokens"] / timing["seconds"] for timing in mode.runs]
         examples_s = statistics.median(per_s)
-        first = timed[modes[0]]
-        base = base or examples_s
         rows.append({"mode": mode.name, "pack": mode.pack, "batch_size": mode.config.batch_size,
                      "sequences": len(mode.lengths), "tokens_per_example": mode.tokens_per_example,
                      "examples_per_s": examples_s, "tokens_per_s": statistics.median(tokens_s),

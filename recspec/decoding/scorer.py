@@ -19,8 +19,8 @@ import torch
 
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import node_depths, tree_rows
-from recspec.models.attention import additive_mask
 from recspec.hub import keep_last_logits, returned_cache, with_cache
+from recspec.models.attention import additive_mask
 from recspec.models.text_head import layer_features
 
 

@@ -3,7 +3,7 @@
 A user's training examples are windows of one sequence: example ``j + 1``'s history is example
 ``j``'s history followed by its target, cut to the ``H`` most recent items. One-example training
 feeds the shared history again for every example (MovieLens-100K at ``H = 20``: 65 tokens an
-example, 62 of them the prompt). A *pack* of ``c`` such examples feeds it once::
+example at 20 items, 62 of them the prompt). A *pack* of ``c`` such examples feeds it once::
 
     prefix t(h_1) sep ... sep t(h_T) | suffix t(a_1) | suffix t(a_2) | ... | suffix t(a_c)
     '------------ trunk -----------'  '---------------- c branches -----------------'
@@ -85,7 +85,6 @@ class PackedTask(SupervisedTask):
         self.size = config.pack
         self.offsets = pack_offsets(self.examples, self.size)
         self.slot = len(template.suffix) + encoder.length  # columns of one branch
-        self._history_lengths = self.examples.history_lengths()
 
     def lengths(self) -> np.ndarray:
         last = self.offsets[1:] - 1
@@ -106,7 +105,6 @@ class PackedTask(SupervisedTask):
         counts = torch.from_numpy(stop - first)
         size = int(counts.max())  # C: the batch's largest pack
         trunk, sizes = encoder.history_tokens(self.examples, stop - 1)  # [b, W0], [b]
-        items = torch.from_numpy(self._history_lengths[stop - 1])  # T: trunk items
         b, width = len(rows), int(sizes.max())
         column = torch.arange(width + size * slot)
         pad = width - sizes  # [b]: the trunk starts there
@@ -119,15 +117,15 @@ class PackedTask(SupervisedTask):
         m = torch.arange(size)
         used = m[None, :] >= (size - counts)[:, None]  # [b, C]
         example = (torch.from_numpy(first)[:, None] + m[None, :] - (size - counts)[:, None]).clamp(min=0)
-        offsets = self.examples.target_offsets[example.clamp(max=len(self.examples) - 1).numpy()]
+        offsets = self.examples.target_offsets[example.numpy()]
         answers = encoder.answer_tokens(np.asarray(self.examples.target_items)[offsets])  # [b, C, L]
         suffix = torch.tensor(encoder.template.suffix, dtype=torch.int64)
         branches = torch.cat((suffix.expand(b, size, -1), answers), dim=2)
         ids[:, width:] = torch.where(used[:, :, None], branches, encoder.pad_id).reshape(b, size * slot)
-        # What each branch sees of the trunk: the prefix and its v_m = T - (C - 1 - m) items.
+        # What each branch sees of the trunk: the prefix and its v_m = T - (C - 1 - m) items, so
+        # the trunk's columns less (C - 1 - m) items' tokens and separators.
         block = encoder.length + len(encoder.template.separator)
-        seen = len(encoder.template.prefix) + (items[:, None] - (size - 1 - m)[None, :]) * block \
-            - len(encoder.template.separator)  # [b, C] trunk columns
+        seen = sizes[:, None] - (size - 1 - m)[None, :] * block  # [b, C] trunk columns
         in_slot = (column - width).clamp(min=0)
         slot_of, offset = in_slot // slot, in_slot % slot  # [W]
         is_branch = (column >= width)[None, :] & used.gather(1, slot_of[None, :].expand(b, -1))  # [b, W]

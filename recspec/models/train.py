@@ -15,7 +15,9 @@ cuts it into batches, then shuffles the batches. This keeps batches random while
 to a few percent (Beauty histories run from 1 to 20 items: 10 to 86 tokens).
 
 Packed training (``pack`` > 1, :class:`~recspec.models.packing.PackedTask`): a row is up to
-``pack`` consecutive examples of one user sharing one history, and ``batch_size`` counts rows.
+``pack`` consecutive examples of one user sharing one history, and ``batch_size`` counts rows;
+logged tokens/s counts the tokens fed (the shared history once), so compare runs of different pack
+sizes by examples/s.
 
 Precision: ``precision="auto"`` trains with bfloat16 autocast (float32 master weights and
 optimizer state) where the hardware does bf16 matrix products natively (CUDA with bf16, CPUs with
@@ -182,6 +184,14 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     return torch.bfloat16 if device.type == "cpu" and _cpu_has_bf16() else None
 
 
+def refuse_packing(config: TrainConfig, what: str) -> None:
+    """Refuse ``config.pack`` above 1 for ``what``, which trains one example a row (packing is
+    next-item training's: :mod:`recspec.models.packing`)."""
+    if config.pack != 1:
+        raise RecspecError(f"{what} trains one example a sequence; pack={config.pack} is for next-item training "
+                           f"(recspec train --pack)")
+
+
 def select_training_examples(examples: Examples, config: TrainConfig) -> Examples:
     """The training examples ``config`` selects: last N per user, then a seeded subsample, then
     histories cut to ``max_history``. Order is kept."""
@@ -298,7 +308,8 @@ class TrainingTask(Protocol):
     store that saves the model (and, for item-identifier tasks, its tokenizer, index and prompt)."""
 
     def lengths(self) -> np.ndarray:
-        """int64 [n]: real (non-pad) tokens of each training example (bucketing, tokens/s)."""
+        """int64 [n]: real (non-pad) tokens of each training row, an example or a pack of them
+        (bucketing, tokens/s)."""
 
     def examples_in(self, rows: np.ndarray) -> int:
         """Training examples in batch rows ``rows`` (a row may hold several: packed training)."""
@@ -307,7 +318,7 @@ class TrainingTask(Protocol):
         """Raise what batching any example would raise, before training starts."""
 
     def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        """The tensors of training examples ``rows`` (``input_ids`` among them: padded tokens)."""
+        """The tensors of training rows ``rows`` (``input_ids`` among them: padded tokens)."""
 
     def loss(self, model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
         """Scalar training loss of a batch (mean)."""
@@ -426,7 +437,9 @@ class TrainState:
         self.epoch_loss_sum = self.epoch_seconds = 0.0
 
 
-DEFAULT_TRAJECTORY = TrainConfig().trajectory()
+#: Options added to :class:`TrainConfig` after checkpoints were written without them, with the
+#: value those runs had; every other option must be in a checkpoint's saved config.
+ADDED_OPTIONS = {"pack": 1}
 SAVED_KEYS = ("config", "metric", "optimizer", "scheduler", "rng", "train")  # the trainer's part of a checkpoint
 TRAIN_STATE_KEYS = frozenset(item.name for item in dataclasses.fields(TrainState))
 
@@ -505,7 +518,7 @@ class Trainer:
             if any(key not in saved for key in SAVED_KEYS) or set(saved["train"]) != TRAIN_STATE_KEYS:
                 raise RecspecError(f"{where}: not a checkpoint of this trainer; delete it to start over, or choose "
                                    f"another output folder")
-            before = {**DEFAULT_TRAJECTORY, **saved["config"]}  # options added since then had their default
+            before = {**ADDED_OPTIONS, **saved["config"]}  # options added since then had their default
             differ = {k: (before.get(k), v) for k, v in self.config.trajectory().items() if before.get(k) != v}
             if differ:
                 shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
@@ -565,8 +578,9 @@ class Trainer:
         return False
 
     def step(self, rows: np.ndarray) -> float:
-        """One optimizer step on training examples ``rows`` (SIGINT deferred to its end); its loss."""
+        """One optimizer step on training rows ``rows`` (SIGINT deferred to its end); its loss."""
         started = time.perf_counter()
+        examples = self.task.examples_in(rows)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in self.task.batch(rows).items()}
         self.guard.deferring = True
         self.consistent = False
@@ -580,7 +594,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        self.state.record_step(loss_value, self.task.examples_in(rows), int(self.lengths[rows].sum()), int(batch["input_ids"].numel()),
+        self.state.record_step(loss_value, examples, int(self.lengths[rows].sum()), int(batch["input_ids"].numel()),
                                seconds)
         self.call_seconds += seconds
         self.consistent = True
