@@ -84,17 +84,17 @@ def _signature_names(forward) -> frozenset[str]:
     return frozenset(inspect.signature(forward).parameters)
 
 
-def keep_last_logits(model, count: int) -> dict[str, int]:
+def keep_last_logits(model, count: int) -> dict[str, int | torch.Tensor]:
     """``{"logits_to_keep": count}`` where ``model.forward`` takes it (transformers' causal LMs
     then compute the output layer for the last ``count`` positions only), else ``{}``."""
-    return {"logits_to_keep": count} if "logits_to_keep" in forward_parameters(model) else {}
+    return keep_logits_at(model, count)
 
 
-def keep_logits_at(model, columns: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{"logits_to_keep": columns}`` where ``model.forward`` takes it (``columns``: int64
-    ``[n]``, the positions whose logits every row needs; the output layer then runs for those
-    alone and the logits are ``[b, n, V]``), else ``{}`` (all positions' logits)."""
-    return {"logits_to_keep": columns} if "logits_to_keep" in forward_parameters(model) else {}
+def keep_logits_at(model, keep: int | torch.Tensor) -> dict[str, int | torch.Tensor]:
+    """``{"logits_to_keep": keep}`` where ``model.forward`` takes it, else ``{}`` (all positions'
+    logits). ``keep``: a count of last positions, or int64 ``[n]``, the positions whose logits
+    every row needs (the output layer then runs for those alone: logits ``[b, n, V]``)."""
+    return {"logits_to_keep": keep} if "logits_to_keep" in forward_parameters(model) else {}
 
 
 def with_cache(model, cache) -> dict[str, object]:

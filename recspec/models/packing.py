@@ -107,6 +107,7 @@ class PackedTask(SupervisedTask):
         trunk, sizes = encoder.history_tokens(self.examples, stop - 1)  # [b, W0], [b]
         b, width = len(rows), int(sizes.max())
         column = torch.arange(width + size * slot)
+        in_branches = column >= width  # [W]: the slot columns
         pad = width - sizes  # [b]: the trunk starts there
         relative = column[None, :] - pad[:, None]  # [b, W]: column within the trunk
         is_trunk = (relative >= 0) & (column[None, :] < width)
@@ -128,7 +129,7 @@ class PackedTask(SupervisedTask):
         seen = sizes[:, None] - (size - 1 - m)[None, :] * block  # [b, C] trunk columns
         in_slot = (column - width).clamp(min=0)
         slot_of, offset = in_slot // slot, in_slot % slot  # [W]
-        is_branch = (column >= width)[None, :] & used.gather(1, slot_of[None, :].expand(b, -1))  # [b, W]
+        is_branch = in_branches[None, :] & used.gather(1, slot_of[None, :].expand(b, -1))  # [b, W]
         cut = seen.gather(1, slot_of[None, :].expand(b, -1))  # [b, W]: trunk columns a branch column sees
         positions = torch.where(is_trunk, relative, 0)
         positions = torch.where(is_branch, cut + offset[None, :], positions)
@@ -136,7 +137,7 @@ class PackedTask(SupervisedTask):
         sees_trunk = (is_trunk[:, :, None] & trunk_key & (relative[:, None, :] <= relative[:, :, None])) | (
             is_branch[:, :, None] & trunk_key & (relative[:, None, :] < cut[:, :, None]))
         own = (slot_of[:, None] == slot_of[None, :]) & (offset[None, :] <= offset[:, None]) \
-            & (column >= width)[:, None] & (column >= width)[None, :]  # [W, W]: earlier columns of its slot
+            & in_branches[:, None] & in_branches[None, :]  # [W, W]: earlier columns of its slot
         visible = sees_trunk | (is_branch[:, :, None] & own[None]) | torch.eye(len(column), dtype=torch.bool)
         labels = torch.where(used[:, :, None], answers, IGNORE)
         return {"input_ids": ids, "position_ids": positions, "visible": visible, "labels": labels}
