@@ -16,12 +16,12 @@ from recspec.errors import RecspecError
 from recspec.fileio import check_writable_dir
 from recspec.eval.metrics import recall_ndcg
 from recspec.itemids.build import dataset_identifiers
-from recspec.models.examples import PromptEncoder
+from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids
 from recspec.models.checkpoint import CHECKPOINT_DIR, write_run_info
 from recspec.models.packing import next_item_task
-from recspec.models.train import TrainConfig, TrainResult, train
+from recspec.models.train import TrainConfig, TrainResult, level_losses, train
 from recspec.recommend import item_rows
 
 
@@ -58,7 +58,9 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     """Train ``preset`` on ``dataset_spec`` into ``out_dir`` (resuming a checkpoint found there).
 
     Validation: Recall@10 / NDCG@10 of tree-attention beam search (K = 10) on the first
-    ``valid_users`` validation users after every epoch; the best epoch's weights are kept.
+    ``valid_users`` validation users after every epoch; the best epoch's weights are kept. Each
+    evaluation also logs the answer loss per identifier level on those users (``loss_level_1`` ..):
+    a model that has learnt the catalogue's identifiers has a small last level.
     """
     from recspec.decoding import tree_beam_search
 
@@ -77,11 +79,15 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     targets = [valid.targets(i) for i in range(len(valid))]
     table = item_rows(dataset.item_ids, index.item_keys)
 
+    pairs = one_target_per_row(valid)
+
     def evaluate(model: Any) -> dict[str, float]:
         device = next(model.parameters()).device
         topk = tree_beam_search(model, prompts, trie.to(device), 10, encoder.pad_id, batch_size=32)
         rows = topk.items.cpu().numpy()
-        return recall_ndcg(np.where(rows >= 0, table[rows.clip(0)], -1), targets, [10])
+        losses = level_losses(model, encoder, pairs, 32, device)
+        return {**recall_ndcg(np.where(rows >= 0, table[rows.clip(0)], -1), targets, [10]),
+                **{f"loss_level_{j + 1}": float(value) for j, value in enumerate(losses)}}
 
     return train(model, next_item_task(encoder, split, config), out_dir, config, evaluate=evaluate, progress=progress)
 

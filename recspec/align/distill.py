@@ -52,7 +52,7 @@ from recspec.fileio import atomic_dir, atomic_path, check_writable_dir, read_jso
 from recspec.hub import keep_last_logits
 from recspec.models.checkpoint import WEIGHTS_FILE
 from recspec.models.layer_draft import layer_draft, parse_layers
-from recspec.models.train import TrainConfig, Trainer, TrainResult, autocast
+from recspec.models.train import OneExampleRows, TrainConfig, Trainer, TrainResult, autocast
 from recspec.statefile import has_state, load_state, refuse_object_files, save_state, state_files
 
 CORPUS, CHECKPOINT, BEST, SETTINGS, DRAFT_INFO = "corpus.jsonl", "checkpoint", "best", "distill.json", "draft.json"
@@ -269,7 +269,7 @@ class DraftStore:
         load_trainable(model, load_file(str(self.best_dir / WEIGHTS_FILE)))
 
 
-class DistillTask:
+class DistillTask(OneExampleRows):
     """Distillation as a training task: the training pairs, forward KL(p || q) of the frozen
     target's next-token distributions p against the draft's q at every response position; the
     validation pairs give the acceptance (the selection metric) and the KL."""
@@ -277,9 +277,6 @@ class DistillTask:
     def __init__(self, target, tokenizer, train: Pairs, valid: Pairs, info: dict[str, Any], batch_size: int) -> None:
         self.target, self.tokenizer, self.train, self.valid = target, tokenizer, train, valid
         self.info, self.batch_size = info, batch_size
-
-    def examples_in(self, rows: np.ndarray) -> int:
-        return len(rows)
 
     def lengths(self) -> np.ndarray:
         return np.array([len(prompt) + len(response) for prompt, response in self.train], dtype=np.int64)

@@ -26,7 +26,7 @@ from recspec.fileio import read_json, sha256_file
 from recspec.itemids.trie import ItemTrie
 from recspec.models.checkpoint import ModelFolders
 from recspec.models.examples import PromptEncoder
-from recspec.models.train import autocast
+from recspec.models.train import OneExampleRows, autocast
 
 METHODS = ("sft", "wordkd", "tvdkd", "seqkd", "atspeed-s", "atspeed-r")
 _ARRAYS = ("example", "node_offsets", "nodes", "value_offsets", "values", "seq_nodes", "seq_tokens", "seq_scores",
@@ -94,7 +94,7 @@ def check_method(method: str, alpha: float) -> None:
         raise RecspecError(f"alpha must lie in [0, 1], got {alpha}")
 
 
-class AlignmentTask:
+class AlignmentTask(OneExampleRows):
     """Training on alignment data with one method; ``alpha`` weighs L_align against L_Rec
     (Eq. 5 / Eq. 9: ``alpha * L_align + (1 - alpha) * L_Rec``; SFT is L_Rec alone)."""
 
@@ -131,9 +131,6 @@ class AlignmentTask:
         return cls(encoder, trie, examples, data, method, alpha, int(manifest["k"]))
 
     # -------------------------------------------------------------------- TrainingTask
-
-    def examples_in(self, rows: np.ndarray) -> int:
-        return len(rows)
 
     def lengths(self) -> np.ndarray:
         train = self.data["train"]

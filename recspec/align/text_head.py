@@ -66,7 +66,7 @@ from recspec.errors import RecspecError
 from recspec.hub import resolve_model_dir
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, new_text_head, ordered_layers,
                                       text_head_config, text_head_fingerprint)
-from recspec.models.train import Trainer, autocast
+from recspec.models.train import OneExampleRows, Trainer, autocast
 from recspec.statefile import has_state, load_state, save_state, state_files
 
 FEATURES = "features"
@@ -234,7 +234,7 @@ def corpus_features(target, pairs: Pairs, out_dir: Path, batch_size: int, pad_to
     return corpus
 
 
-class TextHeadTask:
+class TextHeadTask(OneExampleRows):
     """Head distillation as a training task (see the module doc). ``bound``: the head being
     trained (``bound.head`` is the trainer's model) bound to the frozen target; ``train`` and
     ``valid``: int64 indices into ``pairs``."""
@@ -243,9 +243,6 @@ class TextHeadTask:
                  valid: np.ndarray, config: HeadDistillConfig, pad_token_id: int, store: HeadStore) -> None:
         self.bound, self.pairs, self.corpus, self.train, self.valid = bound, pairs, corpus, train, valid
         self.config, self.pad_token_id, self.head_store = config, pad_token_id, store
-
-    def examples_in(self, rows: np.ndarray) -> int:
-        return len(rows)
 
     def lengths(self) -> np.ndarray:
         return np.array([len(self.pairs[i][0]) + len(self.pairs[i][1]) for i in self.train], dtype=np.int64)

@@ -6,7 +6,9 @@ trained (``train_seconds``) and evaluated (``eval_seconds``). Their running sum 
 threads the run used is its CPU time, the budget the issues state targets in ("0.6 after at most
 60 CPU-minutes"). For every run this writes each evaluation's CPU-minutes and metrics, the best
 value within ``budget`` CPU-minutes, and a plot of ``metric`` against CPU-minutes with every run on
-the same axes (JSON, Markdown, PNG).
+the same axes (JSON, Markdown, PNG). Runs whose rows carry the trainer's training-loss curve
+(``loss_curve``: a point every :data:`~recspec.models.train.LOSS_WINDOW` steps) get it too: in the
+JSON, as its last point in the Markdown, and as a second plot against examples trained on.
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def curve(rows: Sequence[dict[str, Any]], threads: int) -> list[dict[str, Any]]:
     return points
 
 
+def loss_points(rows: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """The training-loss curve of a log: every row's ``loss_curve`` points in order, as
+    ``{"step", "examples", "loss"}``."""
+    return [{"step": int(step), "examples": int(examples), "loss": float(loss)}
+            for row in rows for step, examples, loss in row.get("loss_curve", [])]
+
+
 def best_within(points: Sequence[dict[str, Any]], metric: str, budget: float) -> dict[str, Any] | None:
     """The evaluation with the highest ``metric`` among those reached within ``budget`` CPU-minutes
     (None when none was)."""
@@ -66,15 +75,18 @@ def run(out: Path, runs: Sequence[Path], labels: Sequence[str], threads: Sequenc
     timed in that device's minutes, e.g. ``H100-minutes``)."""
     if not (len(runs) == len(labels) == len(threads)):
         raise RecspecError("give one --label and one --threads per --run")
-    curves = {label: curve(read_log(path), n) for path, label, n in zip(runs, labels, threads)}
+    logs = {label: read_log(path) for path, label in zip(runs, labels)}
+    curves = {label: curve(logs[label], n) for label, n in zip(labels, threads)}
+    losses = {label: loss_points(rows) for label, rows in logs.items()}
     for label, points in curves.items():
         if not any(metric in p for p in points):
             raise RecspecError(f"run {label!r} logs no {metric!r}; its log has {sorted(points[-1])}")
     best = {label: best_within(points, metric, budget) for label, points in curves.items()}
     summary = markdown_table(
-        ["run", "folder", "threads", f"best {metric} within {budget:g} {unit}", "at epoch", unit],
+        ["run", "folder", "threads", f"best {metric} within {budget:g} {unit}", "at epoch", unit,
+         "training loss (last window: step, examples)"],
         [[label, str(path), n, round(b[metric], 4) if b else "-", b["label"] if b else "-",
-          round(b["cpu_minutes"], 1) if b else "-"]
+          round(b["cpu_minutes"], 1) if b else "-", _last_loss(losses[label])]
          for (label, b), path, n in zip(best.items(), runs, threads)])
     tables = [f"## {label}\n\n" + markdown_table(
         ["epoch", unit, metric, *columns],
@@ -84,15 +96,24 @@ def run(out: Path, runs: Sequence[Path], labels: Sequence[str], threads: Sequenc
                 f"seconds so far, times the run's torch threads.\n\n{summary}\n\n" + "\n\n".join(tables) + "\n")
     write_results(out, name, {"metric": metric, "unit": unit, "budget_cpu_minutes": budget, "target": target,
                               "runs": [{"label": label, "folder": str(path), "threads": n, "best": best[label],
-                                        "curve": curves[label]}
+                                        "curve": curves[label], "loss_curve": losses[label]}
                                        for path, label, n in zip(runs, labels, threads)]}, markdown)
-    _plot(out / f"{name}.png", curves, metric, budget, target, unit)
+    _plot(out / f"{name}.png", curves, losses, metric, budget, target, unit)
     return markdown
 
 
-def _plot(path: Path, curves: dict[str, list[dict[str, Any]]], metric: str, budget: float,
-          target: float | None, unit: str) -> None:
-    figure, axis = new_figure(figsize=(7, 4))
+def _last_loss(points: Sequence[dict[str, float]]) -> str:
+    if not points:
+        return "-"
+    last = points[-1]
+    return f"{last['loss']:.3f} ({last['step']}, {last['examples']})"
+
+
+def _plot(path: Path, curves: dict[str, list[dict[str, Any]]], losses: dict[str, list[dict[str, float]]],
+          metric: str, budget: float, target: float | None, unit: str) -> None:
+    with_loss = any(losses.values())
+    figure, axes = new_figure(ncols=2 if with_loss else 1, figsize=(12 if with_loss else 7, 4), squeeze=False)
+    axis = axes[0][0]
     for label, points in curves.items():
         shown = [p for p in points if metric in p]
         axis.plot([p["cpu_minutes"] for p in shown], [p[metric] for p in shown], marker="o", label=label)
@@ -103,4 +124,13 @@ def _plot(path: Path, curves: dict[str, list[dict[str, Any]]], metric: str, budg
     axis.set_ylabel(metric)
     axis.grid(alpha=0.3)
     axis.legend()
+    if with_loss:
+        loss_axis = axes[0][1]
+        for label, points in losses.items():
+            if points:
+                loss_axis.plot([p["examples"] for p in points], [p["loss"] for p in points], label=label)
+        loss_axis.set_xlabel("training examples")
+        loss_axis.set_ylabel("training loss (mean of each window of steps)")
+        loss_axis.grid(alpha=0.3)
+        loss_axis.legend()
     save_figure(figure, path)

@@ -86,6 +86,7 @@ from recspec.models.checkpoint import ModelFolders
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
 
 LOG_FILE = "train_log.jsonl"
+LOSS_WINDOW = 50  # optimizer steps per point of a run's training-loss curve
 RECALL_METRIC, LOSS_METRIC = "recall@10", "valid_loss"
 
 
@@ -254,6 +255,24 @@ def answer_loss(model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dty
     return loss, picked
 
 
+@torch.no_grad()
+def level_losses(model, encoder: PromptEncoder, pairs: Examples, batch_size: int, device: torch.device,
+                 autocast_dtype: torch.dtype | None = None) -> np.ndarray:
+    """float64 ``[L]``: the mean cross-entropy of each identifier level's answer token over
+    ``pairs`` (one target each), fed ``batch_size`` at a time in prompt-length order. A model that
+    has learnt the catalogue's identifiers has a near-zero last level wherever an identifier prefix
+    leaves few items."""
+    if len(pairs) == 0:
+        raise RecspecError("no examples to compute the answer loss on")
+    order = np.argsort(encoder.prompt_lengths(pairs), kind="stable")
+    total = torch.zeros(encoder.length, dtype=torch.float64)
+    for start in range(0, len(order), batch_size):
+        batch = {k: v.to(device) for k, v in encoder.training_batch(pairs, order[start:start + batch_size]).items()}
+        loss = answer_loss(model, batch, autocast_dtype, reduction="none")[0]
+        total += loss.reshape(-1, encoder.length).sum(0).double().cpu()
+    return (total / len(pairs)).numpy()
+
+
 class _InterruptGuard:
     """Defers SIGINT while ``deferring`` (an optimizer step, a checkpoint write) and records it."""
 
@@ -330,7 +349,14 @@ class TrainingTask(Protocol):
         """Where the run in ``out_dir`` keeps its checkpoint and best model."""
 
 
-class SupervisedTask:
+class OneExampleRows:
+    """A training task whose batch rows each hold one training example."""
+
+    def examples_in(self, rows: np.ndarray) -> int:
+        return len(rows)
+
+
+class SupervisedTask(OneExampleRows):
     """Next-item training (L_Rec): ``split.train`` as selected by the config, answer-token
     cross-entropy, validation loss on (at most ``max_valid_examples``) validation pairs."""
 
@@ -342,9 +368,6 @@ class SupervisedTask:
 
     def lengths(self) -> np.ndarray:
         return self.encoder.prompt_lengths(self.examples) + self.encoder.length
-
-    def examples_in(self, rows: np.ndarray) -> int:
-        return len(rows)
 
     def check(self) -> None:
         self.encoder.check(self.examples, targets=True)
@@ -368,15 +391,7 @@ class SupervisedTask:
             pairs = pairs.subset(rows)
         if config.max_history is not None:
             pairs = truncate_history(pairs, config.max_history)
-        order = np.argsort(encoder.prompt_lengths(pairs), kind="stable")
-        total, count = 0.0, 0
-        for start in range(0, len(order), config.batch_size):
-            batch = encoder.training_batch(pairs, order[start:start + config.batch_size])
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss, picked = answer_loss(model, batch, autocast_dtype, reduction="sum")
-            total += float(loss)
-            count += picked.shape[0]
-        return total / count
+        return float(level_losses(model, encoder, pairs, config.batch_size, device, autocast_dtype).mean())
 
     def store(self, out_dir: Path) -> ModelFolders:
         return ModelFolders(out_dir, self.encoder)
@@ -408,6 +423,11 @@ class TrainState:
     epoch_examples: int = 0
     epoch_seconds: float = 0.0
     partial_evaluated_at: int = -1  # the step of the last time-budget (partial-epoch) evaluation
+    #: training-loss curve points not yet in a log row: [step, examples trained on, mean loss of the
+    #: window's examples] every LOSS_WINDOW steps (each log row carries those since the row before)
+    loss_curve: list[list[float]] = field(default_factory=list)
+    window_loss_sum: float = 0.0
+    window_examples: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -422,6 +442,8 @@ class TrainState:
         self.batch_in_epoch += 1
         self.epoch_loss_sum += loss * examples
         self.epoch_loss_count += examples
+        self.window_loss_sum += loss * examples
+        self.window_examples += examples
         self.epoch_tokens += tokens
         self.epoch_padded += padded
         self.epoch_examples += examples
@@ -429,6 +451,15 @@ class TrainState:
         self.train_seconds += seconds
         self.train_tokens += tokens
         self.train_examples += examples
+        if self.step % LOSS_WINDOW == 0:
+            self.loss_curve.append([self.step, self.train_examples, self.window_loss_sum / max(1, self.window_examples)])
+            self.window_loss_sum, self.window_examples = 0.0, 0
+
+    def take_curve_points(self) -> list[list[float]]:
+        """The loss-curve points recorded since the last log row (handed over: the next call has
+        only newer ones)."""
+        points, self.loss_curve = self.loss_curve, []
+        return points
 
     def next_epoch(self) -> None:
         """Move to the next epoch, its counters at zero."""
@@ -442,6 +473,8 @@ class TrainState:
 ADDED_OPTIONS = {"pack": 1}
 SAVED_KEYS = ("config", "metric", "optimizer", "scheduler", "rng", "train")  # the trainer's part of a checkpoint
 TRAIN_STATE_KEYS = frozenset(item.name for item in dataclasses.fields(TrainState))
+#: TrainState counters added after checkpoints were written without them (they resume at their default)
+ADDED_STATE = frozenset({"loss_curve", "window_loss_sum", "window_examples"})
 
 
 def build_optimizer(model, config: TrainConfig, total_steps: int
@@ -515,7 +548,8 @@ class Trainer:
         if saved is None:
             torch.manual_seed(self.config.seed)
         else:
-            if any(key not in saved for key in SAVED_KEYS) or set(saved["train"]) != TRAIN_STATE_KEYS:
+            if any(key not in saved for key in SAVED_KEYS) or not (
+                    TRAIN_STATE_KEYS - ADDED_STATE <= set(saved["train"]) <= TRAIN_STATE_KEYS):
                 raise RecspecError(f"{where}: not a checkpoint of this trainer; delete it to start over, or choose "
                                    f"another output folder")
             before = {**ADDED_OPTIONS, **saved["config"]}  # options added since then had their default
@@ -644,7 +678,7 @@ class Trainer:
                 "padded_tokens": state.epoch_padded, "train_seconds": round(seconds, 3),
                 "tokens_per_s": state.epoch_tokens / seconds if seconds else 0.0,
                 "examples_per_s": state.epoch_examples / seconds if seconds else 0.0,
-                "eval_seconds": round(time.perf_counter() - started, 3)}
+                "loss_curve": state.take_curve_points(), "eval_seconds": round(time.perf_counter() - started, 3)}
 
     def evaluate_baseline(self) -> None:
         """Log the untrained model's scores as epoch 0."""
