@@ -114,9 +114,11 @@ def _plot(path: Path, curves: dict[str, list[dict[str, Any]]], losses: dict[str,
     with_loss = any(losses.values())
     figure, axes = new_figure(ncols=2 if with_loss else 1, figsize=(12 if with_loss else 7, 4), squeeze=False)
     axis = axes[0][0]
+    colours = {label: f"C{i}" for i, label in enumerate(curves)}  # a run has one colour in both plots
     for label, points in curves.items():
         shown = [p for p in points if metric in p]
-        axis.plot([p["cpu_minutes"] for p in shown], [p[metric] for p in shown], marker="o", label=label)
+        axis.plot([p["cpu_minutes"] for p in shown], [p[metric] for p in shown], marker="o", label=label,
+                  color=colours[label])
     if target is not None:
         axis.axhline(target, linestyle="--", color="grey", label=f"target {target:g}")
     axis.axvline(budget, linestyle=":", color="grey", label=f"budget {budget:g} {unit}")
@@ -128,7 +130,8 @@ def _plot(path: Path, curves: dict[str, list[dict[str, Any]]], losses: dict[str,
         loss_axis = axes[0][1]
         for label, points in losses.items():
             if points:
-                loss_axis.plot([p["examples"] for p in points], [p["loss"] for p in points], label=label)
+                loss_axis.plot([p["examples"] for p in points], [p["loss"] for p in points], label=label,
+                               color=colours[label])
         loss_axis.set_xlabel("training examples")
         loss_axis.set_ylabel("training loss (mean of each window of steps)")
         loss_axis.grid(alpha=0.3)
