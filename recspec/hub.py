@@ -84,12 +84,6 @@ def _signature_names(forward) -> frozenset[str]:
     return frozenset(inspect.signature(forward).parameters)
 
 
-def keep_last_logits(model, count: int) -> dict[str, int | torch.Tensor]:
-    """``{"logits_to_keep": count}`` where ``model.forward`` takes it (transformers' causal LMs
-    then compute the output layer for the last ``count`` positions only), else ``{}``."""
-    return keep_logits_at(model, count)
-
-
 def keep_logits_at(model, keep: int | torch.Tensor) -> dict[str, int | torch.Tensor]:
     """``{"logits_to_keep": keep}`` where ``model.forward`` takes it, else ``{}`` (all positions'
     logits). ``keep``: a count of last positions, or int64 ``[n]``, the positions whose logits

@@ -49,7 +49,7 @@ import torch
 from recspec.decoding.prompts import left_pad
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, atomic_path, check_writable_dir, read_json, record_checksums, write_json_atomic
-from recspec.hub import keep_last_logits
+from recspec.hub import keep_logits_at
 from recspec.models.checkpoint import WEIGHTS_FILE
 from recspec.models.layer_draft import layer_draft, parse_layers
 from recspec.models.train import OneExampleRows, TrainConfig, Trainer, TrainResult, autocast
@@ -209,7 +209,7 @@ def response_outputs(model, batch: dict[str, torch.Tensor], features: bool = Fal
     width = int(lengths.max())
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False, output_hidden_states=features,
-                **keep_last_logits(model, width + 1))
+                **keep_logits_at(model, width + 1))
     real = torch.arange(width, device=out.logits.device)[None, :] >= width - lengths[:, None]
     return out.logits[:, -(width + 1):-1].float(), real, out.hidden_states if features else None
 

@@ -22,7 +22,7 @@ import torch
 
 from recspec.decoding.cache import gather_positions
 from recspec.errors import RecspecError
-from recspec.hub import keep_last_logits, with_cache
+from recspec.hub import keep_logits_at, with_cache
 from recspec.models.head import HeadDraft
 from recspec.models.small_rows import padded_rows
 
@@ -104,7 +104,7 @@ def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_l
         cache = DynamicCache(config=model.config)
         model(input_ids=past, **with_cache(model, cache), use_cache=True)
     kept = torch.arange(past_len, device=device)[None, :].expand(batch, past_len)
-    keep = keep_last_logits(model, 1) if last_logits else {}
+    keep = keep_logits_at(model, 1) if last_logits else {}
     positions = torch.arange(past_len, past_len + seq_len, device=device)[None, :].expand(batch, seq_len)
     mask = torch.ones(batch, past_len + seq_len, dtype=torch.long, device=device)
 

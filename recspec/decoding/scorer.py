@@ -19,7 +19,7 @@ import torch
 
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import node_depths, tree_rows
-from recspec.hub import keep_last_logits, returned_cache, with_cache
+from recspec.hub import keep_logits_at, returned_cache, with_cache
 from recspec.models.attention import additive_mask
 from recspec.models.text_head import layer_features
 
@@ -53,7 +53,7 @@ def _prefill(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()
         position_ids=prompts.position_ids,
         use_cache=True,
         output_hidden_states=features,
-        **keep_last_logits(model, 1),
+        **keep_logits_at(model, 1),
     )
     return (next_log_probs(out.logits[:, -1:]), returned_cache(out),
             layer_features(model, out.hidden_states, layers) if features else None)
@@ -129,7 +129,7 @@ def forward_features(model, cache, tokens: torch.Tensor, visible: torch.Tensor, 
 def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
              keep_last: int | None, features: bool, all_features: bool = False, layers: Sequence[int] = ()
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    keep = {} if keep_last is None else keep_last_logits(model, keep_last)
+    keep = {} if keep_last is None else keep_logits_at(model, keep_last)
     out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
                 position_ids=position_ids, **with_cache(model, cache), use_cache=cache is not None,
                 output_hidden_states=features, **keep)

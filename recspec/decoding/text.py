@@ -44,7 +44,7 @@ from recspec.decoding.scorer import next_log_probs, prefill
 from recspec.decoding.space import FreeText
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
-from recspec.hub import keep_last_logits
+from recspec.hub import keep_logits_at
 from recspec.models.text_head import TextHeadDraft
 
 METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
@@ -216,7 +216,7 @@ def log_likelihood(model, prompts: Sequence[torch.Tensor], outputs: Sequence[Seq
             sequences = [torch.cat((prompt.long(), torch.tensor(output, dtype=torch.int64))) for prompt, output in pairs]
             batch = left_pad(sequences, pad_token_id, model.device)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                           position_ids=batch.position_ids, **keep_last_logits(model, width + 1)).logits
+                           position_ids=batch.position_ids, **keep_logits_at(model, width + 1)).logits
             log_probs = next_log_probs(logits[:, -(width + 1):-1])  # [b, width, V]: predicting the last width tokens
             for row, (_, output) in enumerate(pairs):
                 if not output:

@@ -42,7 +42,7 @@ from recspec.decoding.cache import compact_tail, require_full_attention
 from recspec.decoding.scorer import score_tree, score_tree_features
 from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError
-from recspec.hub import keep_last_logits, returned_cache
+from recspec.hub import keep_logits_at, returned_cache
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig, retrieve
 from recspec.knowledge.trie import TokenTrie
 from recspec.knowledge.verify import Verification, accepted_path
@@ -160,7 +160,7 @@ def _prefill(model, prompt: Sequence[int], features: bool, layers: Sequence[int]
     ``features``, else None)``; only the last position's logits are computed where the model
     supports ``logits_to_keep``."""
     out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True,
-                output_hidden_states=features, **keep_last_logits(model, 1))
+                output_hidden_states=features, **keep_logits_at(model, 1))
     cache = returned_cache(out)
     require_full_attention(cache)
     read = layer_features(model, out.hidden_states, layers)[0] if features else None

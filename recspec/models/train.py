@@ -81,7 +81,7 @@ from recspec.data.splits import Examples, SplitData
 from recspec.devices import resolve_device
 from recspec.errors import RecspecError
 from recspec.fileio import write_text_atomic
-from recspec.hub import keep_last_logits
+from recspec.hub import keep_logits_at
 from recspec.models.checkpoint import ModelFolders
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
 
@@ -246,7 +246,7 @@ def answer_loss(model, batch: dict[str, torch.Tensor], autocast_dtype: torch.dty
     the prompt.
     """
     length = batch["labels"].shape[1]
-    keep = keep_last_logits(model, length + 1)
+    keep = keep_logits_at(model, length + 1)
     with autocast(batch["input_ids"].device, autocast_dtype):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"], use_cache=False, **keep).logits
@@ -658,7 +658,7 @@ class Trainer:
         state, value = self.state, scores[self.metric]
         best = state.best_value
         improved = best is None or (value > best if self.evaluate_fn is not None else value < best)
-        row = self.log_row(partial, scores, improved, started)
+        row = self.log_row(partial, scores, improved, started, state.take_curve_points())
         if improved:
             self.store.save_best(self.model, {"metric": self.metric, "value": value, "epoch": state.epoch + 1,
                                               "step": state.step, "partial": partial})
@@ -667,8 +667,10 @@ class Trainer:
             state.since_best = 0 if improved else state.since_best + 1
         self.write_log(row)
 
-    def log_row(self, partial: bool, scores: dict[str, float], improved: bool, started: float) -> dict[str, Any]:
-        """The log row of an evaluation of the current epoch (begun at ``started``)."""
+    def log_row(self, partial: bool, scores: dict[str, float], improved: bool, started: float,
+                curve: list[list[float]]) -> dict[str, Any]:
+        """The log row of an evaluation of the current epoch (begun at ``started``), carrying the
+        loss-curve points ``curve`` recorded since the previous row."""
         state, seconds = self.state, self.state.epoch_seconds
         return {"epoch": state.epoch + 1, "partial": partial, "step": state.step,
                 "batches": state.batch_in_epoch, "of_batches": self.steps_per_epoch,
@@ -678,7 +680,7 @@ class Trainer:
                 "padded_tokens": state.epoch_padded, "train_seconds": round(seconds, 3),
                 "tokens_per_s": state.epoch_tokens / seconds if seconds else 0.0,
                 "examples_per_s": state.epoch_examples / seconds if seconds else 0.0,
-                "loss_curve": state.take_curve_points(), "eval_seconds": round(time.perf_counter() - started, 3)}
+                "loss_curve": curve, "eval_seconds": round(time.perf_counter() - started, 3)}
 
     def evaluate_baseline(self) -> None:
         """Log the untrained model's scores as epoch 0."""
