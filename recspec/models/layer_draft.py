@@ -36,13 +36,30 @@ def parse_layers(spec: str, count: int) -> list[int]:
     return layers
 
 
+def select_layers(config, layers: Sequence[int]) -> None:
+    """Make the transformers ``config`` describe its model's decoder ``layers`` alone, in that
+    order (the layer count, and the per-layer attention types where the config has them)."""
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in layers]
+    config.num_hidden_layers = len(layers)
+
+
+def keep_first_layers(model, count: int) -> None:
+    """Cut ``model`` (a transformers decoder-only model with ``model.model.layers``) to its first
+    ``count`` decoder layers, in place: the embeddings, final norm and output layer stay, the
+    layers after ``count`` are dropped (their weights freed)."""
+    total = len(model.model.layers)
+    if not 0 < count <= total:
+        raise RecspecError(f"cannot keep {count} of the model's {total} decoder layers")
+    model.model.layers = model.model.layers[:count]
+    select_layers(model.config, range(count))
+
+
 def layer_draft(model, layers: Sequence[int]):
     """A causal LM of the same class as ``model`` (a transformers decoder-only model with
     ``model.model.layers``) over ``layers`` of it, sharing every weight tensor with it."""
     config = copy.deepcopy(model.config)
-    config.num_hidden_layers = len(layers)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [model.config.layer_types[i] for i in layers]
+    select_layers(config, layers)
     draft = type(model)(config).to(model.device, model.dtype).eval()
     shared = {}
     for name, tensor in model.state_dict(keep_vars=True).items():

