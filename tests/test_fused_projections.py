@@ -145,7 +145,7 @@ class Siblings(nn.Module):
         return torch.cat((self.q(x), self.k(x), self.v(x)), dim=-1)
 
 
-@pytest.mark.skipif(not int8_engine(), reason="this build has no x86 / fbgemm / oneDNN quantized engine")
+@pytest.mark.skipif(not int8_engine(), reason="no int8 engine, or its 8-bit products are wrong on this CPU")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_int8_siblings_fused_give_each_siblings_int8_output_bit_for_bit(bias: bool) -> None:
     """Int8 siblings (a draft's) fused: over 1..20 rows the same bits as each sibling's own int8
@@ -168,7 +168,7 @@ def test_int8_siblings_fused_give_each_siblings_int8_output_bit_for_bit(bias: bo
     assert group[0].kept[0] is not x
 
 
-@pytest.mark.skipif(not int8_engine(), reason="this build has no x86 / fbgemm / oneDNN quantized engine")
+@pytest.mark.skipif(not int8_engine(), reason="no int8 engine, or its 8-bit products are wrong on this CPU")
 def test_an_int8_text_heads_siblings_are_fused() -> None:
     """An int8 text head binding computes q, k, v and gate, up as one int8 product each, and its step
     is the unfused int8 head's, bit for bit."""

@@ -31,7 +31,7 @@ from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
 from recspec.models.fused_projections import FusedProjections
-from recspec.models.int8_products import Int8Forward
+from recspec.models.int8_products import Int8Forward, int8_serves
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, load_text_head, new_text_head,
                                       text_head_fingerprint)
 from recspec.statefile import load_state
@@ -530,6 +530,7 @@ def test_a_whole_vocabulary_head_shares_the_targets_packed_output_layer(lm) -> N
     assert small.pack is not model.lm_head.forward.pack
 
 
+@pytest.mark.skipif(not int8_serves("cpu"), reason="no int8 engine, or its 8-bit products are wrong on this CPU")
 def test_an_int8_binding_computes_the_decoder_layer_in_int8_on_its_own_copy(runs, lm, greedy,
                                                                             smollm2_dir) -> None:
     """With ``int8`` the head's attention and MLP products are int8 (its input projections stay

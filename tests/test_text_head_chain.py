@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from recspec.decoding import text
+from recspec.models.int8_products import int8_serves
 from recspec.decoding.chain_drafts import HeadChainDraft
 from recspec.decoding.drafters import importance_proposal
 from recspec.decoding.prompts import Prompts
@@ -422,10 +423,11 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
                           "spec-sample-fp32"]
     assert all("decode_ms_per_token" in row and (row["decode_speed_ratio"] is None or row["decode_speed_ratio"] > 0)
                for row in rows.values())
-    assert set(result["head_acceptance"]) == {"float32", "int8"}
+    assert set(result["head_acceptance"]) == ({"float32", "int8"} if int8_serves("cpu") else {"float32"})
     assert all(0 < value <= 1 for value in result["head_acceptance"].values())
     # the same head, side by side in both precisions
-    assert rows["spec-sample-dynamic"]["head_int8"] is True and rows["spec-sample-fp32"]["head_int8"] is False
+    assert rows["spec-sample-dynamic"]["head_int8"] is int8_serves("cpu")
+    assert rows["spec-sample-fp32"]["head_int8"] is False
     dynamic = rows["spec-sample-dynamic"]
     assert 1 <= dynamic["drafted_per_round"] <= MOST_DRAFTED and "predicted_speedup" not in dynamic
     assert rows["spec-sample-tree"]["tokens_per_target_call"] >= 1 and "steps_per_round" in rows["dsbd-one-cache"]
