@@ -29,6 +29,7 @@ from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafters import TopNDrafter
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ITEM_DRAFT, ItemDraft
+from recspec.decoding.prefix import shared_columns
 from recspec.decoding.prompts import prompt_batches
 from recspec.decoding.rounds import RoundOutcome, SpecStats, drafted_per_row, run_rounds
 from recspec.decoding.tree_plan import Acceptance
@@ -159,7 +160,8 @@ def count_rounds(recommender, draft, prompts, k: int, n: int, gamma: int | None,
     """Strict speculative rounds of ``draft`` at width ``n`` over ``prompts``, counted."""
     trie, device = recommender.trie, next(recommender.model.parameters()).device
     verifier = CountingVerifier(StepVerifier(trie, k))
-    for batch in prompt_batches(prompts, recommender.encoder.pad_id, device, batch_size):
+    shared = shared_columns(recommender.model, prompts)
+    for batch in prompt_batches(prompts, recommender.encoder.pad_id, device, batch_size, shared):
         run_rounds(recommender.model, draft, batch, trie, gamma, TopNDrafter(trie, n), verifier,
                    SpecStats.zeros(len(batch.lengths)), lambda rows, front: None)
     return verifier

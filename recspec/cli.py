@@ -897,6 +897,25 @@ def bench_spec(
                    quality_users, name=name))
 
 
+@bench_app.command("prefix")
+def bench_prefix(
+    target: Annotated[Path, typer.Option(help="Trained target folder (an LLM preset: its prompt has a shared prefix).")],
+    draft: Annotated[Optional[Path], typer.Option(help="Its draft, to time spec-strict too (a folder or items).")] = None,
+    out: ResultsOpt = Path("benchmarks/results"),
+    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [10],
+    batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
+    users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 32,
+    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
+    draft_beams: Annotated[int, typer.Option(help="N of spec-strict (at least K).")] = 20,
+    name: ResultNameOpt = "prefix",
+) -> None:
+    """Prefix caching on and off, side by side: the prefill, beam, tree-beam (and spec-strict)
+    with the template's shared prefix stored, and with every prompt fed whole."""
+    from recspec.bench.prefix import run
+
+    typer.echo(run(_results_dir(out), target, draft, k, batch_size, users, repeats, draft_beams, name))
+
+
 @bench_app.command("coverage")
 def bench_coverage(
     target: Annotated[Path, typer.Option(help="A trained target folder.")],

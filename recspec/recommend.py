@@ -24,6 +24,7 @@ from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.item_prior import DECAY, ITEM_DRAFT, SMOOTHING, ItemDraft, TransitionPrior
+from recspec.decoding.prefix import share_prefix
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.beam_search import sampling_beam_search
 from recspec.decoding.beams import distinct_items
@@ -223,6 +224,9 @@ class Recommender:
             if saved_template(trained_model_dir(models[0]), draft_tokenizer) != encoder.template:
                 raise RecspecError(f"{models[0]}: the draft was trained with another prompt template than the "
                                    f"target; train it with the target's preset family")
+        for loaded in (model, draft_model):  # prefix caching: the template's fixed prefix is computed once
+            if loaded is not None:
+                share_prefix(loaded, encoder.template.prefix)
         draft = HybridPair(draft_model, head) if draft_model is not None and head is not None else draft_model or head
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))

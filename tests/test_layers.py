@@ -22,7 +22,7 @@ ROOT = Path(recspec.__file__).parent
 #: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
 DECODING = (
     ("warp", "categorical", "support", "cache", "tree", "space", "beams", "cost", "tree_plan"),
-    ("prompts",),
+    ("prompts", "prefix"),
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),
     ("frontier", "acceptance", "chain_drafts"),

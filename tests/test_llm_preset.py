@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from recspec.data import split_dataset
+from recspec.decoding.prefix import MIN_SHARED, shared_columns
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.models.examples import PromptEncoder
@@ -179,6 +180,8 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
     assert attention.q_proj.forward.func is attention.v_proj.forward.func  # one FusedProjections group
     examples = recommender.examples("test", users=4)
     prompts = recommender.encoder.prompts(examples)
+    # the chat prompt's fixed opening is stored once and shared by every prompt (prefix caching)
+    assert shared_columns(recommender.model, prompts) == len(recommender.encoder.template.prefix) >= MIN_SHARED
     k = 5
     results = {name: decode(recommender.model, prompts, recommender.trie, k, recommender.encoder.pad_id)
                for name, decode in BEAM_DECODERS.items()}

@@ -26,6 +26,7 @@ import torch
 
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.decoding import TopK
+from recspec.decoding.prefix import shared_columns
 from recspec.decoding.prompts import left_pad
 from recspec.decoding.scorer import prefill
 from recspec.recommend import BEAM_DECODERS, Recommender
@@ -45,7 +46,8 @@ def _call(recommender: Recommender, decoder: str, k: int) -> Callable[[list[torc
 def _prefill(recommender: Recommender) -> Callable[[list[torch.Tensor]], None]:
     def run(prompts: list[torch.Tensor]) -> None:
         with torch.inference_mode():
-            prefill(recommender.model, left_pad(prompts, recommender.encoder.pad_id, recommender.model.device))
+            prefill(recommender.model, left_pad(prompts, recommender.encoder.pad_id, recommender.model.device,
+                                                shared_columns(recommender.model, prompts)))
 
     return run
 

@@ -11,6 +11,7 @@ from typing import TypeVar
 import torch
 
 from recspec.decoding.beams import TopK
+from recspec.decoding.prefix import shared_columns
 from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 
@@ -25,7 +26,9 @@ class Prompts:
     ``attention_mask``: int64 ``[B, P]``, 1 on real tokens; ``position_ids``: int64 ``[B, P]``,
     a token's index among its row's real tokens (``cumsum(attention_mask) - 1``, 0 on padding, as
     generate computes them); ``lengths``: int64 ``[B]``, the number of real tokens, which is also
-    the position id of the first generated token.
+    the position id of the first generated token. ``shared``: the number of leading columns that
+    hold the same tokens in every row, a prefix every prompt starts with (0: none), laid out
+    before the padding: ``[prefix | padding | suffix]`` (:mod:`~recspec.decoding.prefix`).
     """
 
     input_ids: torch.Tensor
@@ -33,13 +36,17 @@ class Prompts:
     position_ids: torch.Tensor
     lengths: torch.Tensor
     pad_token_id: int
+    shared: int = 0
 
 
-def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int, device: torch.device) -> Prompts:
-    """Left-pad 1-D non-empty token-id tensors into one :class:`Prompts` batch on ``device``."""
+def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int, device: torch.device, shared: int = 0) -> Prompts:
+    """Left-pad 1-D non-empty token-id tensors into one :class:`Prompts` batch on ``device``;
+    with ``shared``, the first ``shared`` tokens of every prompt (the same in all, and fewer than
+    each prompt has) stay in the first columns and the rest is left-padded after them."""
     lengths = torch.tensor([len(prompt) for prompt in prompts])
     width = int(lengths.max())
-    real = torch.arange(width) >= (width - lengths)[:, None]
+    columns = torch.arange(width)
+    real = (columns >= (width - lengths + shared)[:, None]) | (columns < shared)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64)
     input_ids[real] = torch.cat([prompt.to("cpu", torch.int64) for prompt in prompts])
     position_ids = (real.long().cumsum(dim=1) - 1).masked_fill_(~real, 0)
@@ -49,30 +56,34 @@ def left_pad(prompts: Sequence[torch.Tensor], pad_token_id: int, device: torch.d
         position_ids=position_ids.to(device),
         lengths=lengths.to(device),
         pad_token_id=pad_token_id,
+        shared=shared,
     )
 
 
 def prompt_batches(prompts: Sequence[torch.Tensor], pad_token_id: int, device: torch.device,
-                   batch_size: int | None) -> Iterator[Prompts]:
-    """Consecutive batches of ``batch_size`` prompts (all at once if None), left-padded on ``device``."""
+                   batch_size: int | None, shared: int = 0) -> Iterator[Prompts]:
+    """Consecutive batches of ``batch_size`` prompts (all at once if None), left-padded on
+    ``device`` (``shared`` leading columns as :func:`left_pad`)."""
     size = batch_size or len(prompts)
     for start in range(0, len(prompts), size):
-        yield left_pad(prompts[start:start + size], pad_token_id, device)
+        yield left_pad(prompts[start:start + size], pad_token_id, device, shared)
 
 
 def decode_batches(model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
                    batch_size: int | None, decode: Callable[[Prompts, ItemTrie], R],
                    check: Callable[[], None] | None = None) -> list[R]:
     """Validate the request (then the decoder's own ``check``), then ``decode(batch, trie)`` every
-    batch of prompts (the trie on the model's device, no autograd): the one batch wrapper of the
-    item decoders."""
+    batch of prompts (the trie on the model's device, no autograd; ``model``'s declared prefix, if
+    every prompt starts with it, laid out as shared columns): the one batch wrapper of the item
+    decoders."""
     validate_request(model, prompts, trie, k, pad_token_id, batch_size)
     if check is not None:
         check()
     device = model.device
     trie = trie if trie.device == device else trie.to(device)
+    shared = shared_columns(model, prompts)
     with torch.inference_mode():
-        return [decode(batch, trie) for batch in prompt_batches(prompts, pad_token_id, device, batch_size)]
+        return [decode(batch, trie) for batch in prompt_batches(prompts, pad_token_id, device, batch_size, shared)]
 
 
 def decode_in_batches(

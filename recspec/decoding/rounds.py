@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
 from recspec.decoding.acceptance import verify_chain
 from recspec.decoding.beams import Beams
@@ -38,7 +37,8 @@ from recspec.decoding.draft_tree import Level, fed_block
 from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
                                        select_users)
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.scorer import forward_features, forward_visible, next_log_probs
+from recspec.decoding.prefix import OpenCache, open_cache
+from recspec.decoding.scorer import forward_features, forward_opened, forward_visible, next_log_probs
 
 
 @dataclass
@@ -266,15 +266,19 @@ def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | 
     return levels
 
 
-def score_levels(target, cache, levels: list[Level], prompts: Prompts | None,
+def score_levels(target, cache, levels: list[Level], prompts: Prompts | None, start: OpenCache | None,
                  features: bool, layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and if
     ``features`` its features at every position it was fed (:func:`~recspec.decoding.draft_tree.
     fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]`` (else None;
     wider with ``layers``: :func:`~recspec.models.text_head.layer_features`).
-    In the first round (``prompts`` given) the prompt is fed in the same call, before levels 1..,
-    and row 0 of the log-probs is the prompt's last position (level 0, the root)."""
+    In the first round (``prompts`` given, ``start`` the cache opened for them,
+    :func:`~recspec.decoding.prefix.open_cache`) the prompt is fed in the same call, before levels
+    1.., and row 0 of the log-probs is the prompt's last position (level 0, the root)."""
     *block, keep = fed_block(levels, prompts)
+    if start is not None:
+        logits, hidden = forward_opened(target, start, *block, keep, features, layers)
+        return next_log_probs(logits), hidden
     if features:
         logits, hidden = forward_features(target, cache, *block, keep_last=keep, all_features=True, layers=layers)
         return next_log_probs(logits), hidden
@@ -296,7 +300,8 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     started = clock.now()
     source = draft_source(draft)
     root_log_q = source.start(prompts)
-    target_cache = DynamicCache(config=target.config)
+    start = open_cache(target, prompts)
+    target_cache = start.cache
     caches = (target_cache, *source.caches)
     clock.add("prefill", started)
     front = root_frontier(prompts, space)
@@ -312,7 +317,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
                               root_log_q if first else None, front, drafter, plan.widths, plan.feed_last)
         mark = clock.add("draft", mark)
         log_p, features = score_levels(target, target_cache, levels, prompts if first else None,
-                                       source.wants_features, source.feature_layers)
+                                       start if first else None, source.wants_features, source.feature_layers)
         if first:
             for cache in caches:
                 require_full_attention(cache)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from recspec.decoding.prefix import OpenCache, open_cache
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import node_depths, tree_rows
 from recspec.hub import keep_logits_at, returned_cache, with_cache
@@ -47,16 +48,18 @@ def prefill_features(model, prompts: Prompts, layers: Sequence[int] = ()):
 
 
 def _prefill(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()):
+    start = open_cache(model, prompts)  # the shared prefix, if any, is not fed again
     out = model(
-        input_ids=prompts.input_ids,
+        input_ids=prompts.input_ids[:, start.skip:],
         attention_mask=prompts.attention_mask,
-        position_ids=prompts.position_ids,
+        position_ids=prompts.position_ids[:, start.skip:],
+        **with_cache(model, start.cache),
         use_cache=True,
         output_hidden_states=features,
         **keep_logits_at(model, 1),
     )
     return (next_log_probs(out.logits[:, -1:]), returned_cache(out),
-            layer_features(model, out.hidden_states, layers) if features else None)
+            layer_features(model, start.joined(out.hidden_states), layers) if features else None)
 
 
 def score_tree(
@@ -126,9 +129,23 @@ def forward_features(model, cache, tokens: torch.Tensor, visible: torch.Tensor, 
     return logits, features
 
 
+def forward_opened(model, start: OpenCache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
+                   keep_last: int, features: bool, layers: Sequence[int] = ()
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Feed a block of ``F`` columns that begins with the prompts' (:func:`prompt_and_tree`) after
+    the cache ``start`` opened for them (:func:`~recspec.decoding.prefix.open_cache`): the first
+    ``start.skip`` columns, which it holds, are not fed again. ``tokens``, ``position_ids``: int64
+    ``[B, F]``; ``visible``: bool ``[B, F, F]``. Returns the logits of the last ``keep_last``
+    columns ``[B, keep_last, V]`` and, if ``features``, the features of all ``F`` columns (the held
+    ones included, as :func:`forward_features` with ``all_features``), else None."""
+    skip = start.skip
+    return _forward(model, start.cache, tokens[:, skip:], visible[:, skip:], position_ids[:, skip:], keep_last,
+                    features, True, layers, start)
+
+
 def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position_ids: torch.Tensor,
-             keep_last: int | None, features: bool, all_features: bool = False, layers: Sequence[int] = ()
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             keep_last: int | None, features: bool, all_features: bool = False, layers: Sequence[int] = (),
+             start: OpenCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_logits_at(model, keep_last)
     out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
                 position_ids=position_ids, **with_cache(model, cache), use_cache=cache is not None,
@@ -136,7 +153,7 @@ def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position
     last = slice(None) if keep_last is None else slice(-keep_last, None)
     if not features:
         return out.logits[:, last], None
-    read = layer_features(model, out.hidden_states, layers)
+    read = layer_features(model, out.hidden_states if start is None else start.joined(out.hidden_states), layers)
     return out.logits[:, last], read[:, slice(None) if all_features else last]
 
 
