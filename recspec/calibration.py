@@ -61,8 +61,11 @@ def timing_key(device: torch.device | str) -> dict[str, Any]:
 
 
 def median_prompt_length(recommender) -> int:
-    """The median length of the test prompts: the prompt a call-cost record is measured over."""
-    return int(statistics.median(len(p) for p in recommender.encoder.prompts(recommender.examples("test"))))
+    """The median number of tokens a call feeds for a test prompt: the prompt a call-cost record
+    is measured over. A prefix the target stores (:mod:`~recspec.decoding.prefix`) is not fed, so
+    it is not counted."""
+    prompts = recommender.encoder.prompts(recommender.examples("test"))
+    return int(statistics.median(len(p) for p in prompts)) - shared_columns(recommender.model, prompts)
 
 
 def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], remeasure: bool = False) -> Any:

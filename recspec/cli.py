@@ -797,7 +797,7 @@ def calibrate_command(
                      {"draft, first round": first, "draft, later rounds": later})
     for name, cost in costs.items():
         typer.echo(f"{name}: F = {cost.fixed_s * 1e3:.2f} ms per call + r = {cost.per_token_s * 1e3:.3f} ms per "
-                   f"token (prompts of {prompt_len} tokens; {', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in cost.samples)})")
+                   f"token (prompts of {prompt_len} tokens fed; {', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in cost.samples)})")
     if k and recommender.draft is None:
         raise RecspecError("--k counts a draft's acceptance: pass --draft")
     for beams in k:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from recspec.calibration import median_prompt_length
 from recspec.data import split_dataset
 from recspec.decoding.prefix import MIN_SHARED, shared_columns
 from recspec.errors import RecspecError
@@ -182,6 +183,9 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
     prompts = recommender.encoder.prompts(examples)
     # the chat prompt's fixed opening is stored once and shared by every prompt (prefix caching)
     assert shared_columns(recommender.model, prompts) == len(recommender.encoder.template.prefix) >= MIN_SHARED
+    every = recommender.encoder.prompts(recommender.examples("test"))  # the call costs auto plans with: fed tokens
+    assert median_prompt_length(recommender) == int(np.median([len(p) for p in every])) - len(
+        recommender.encoder.template.prefix)
     k = 5
     results = {name: decode(recommender.model, prompts, recommender.trie, k, recommender.encoder.pad_id)
                for name, decode in BEAM_DECODERS.items()}
