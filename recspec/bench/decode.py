@@ -43,7 +43,10 @@ def _call(recommender: Recommender, decoder: str, k: int) -> Callable[[list[torc
     return lambda prompts: decode(recommender.model, prompts, recommender.trie, k, recommender.encoder.pad_id)
 
 
-def _prefill(recommender: Recommender) -> Callable[[list[torch.Tensor]], None]:
+def prefill_call(recommender: Recommender) -> Callable[[list[torch.Tensor]], None]:
+    """prefill(prompts): the prompts' prefill alone (the shared prefix stored, where declared),
+    what every decoder pays once per batch."""
+
     def run(prompts: list[torch.Tensor]) -> None:
         with torch.inference_mode():
             prefill(recommender.model, left_pad(prompts, recommender.encoder.pad_id, recommender.model.device,
@@ -112,7 +115,7 @@ def bench_target(target: Path, ks: Sequence[int], batch_sizes: Sequence[int], us
     for batch_size in batch_sizes:
         batches = batches_of(recommender, users, batch_size)
         count = sum(len(batch) for batch in batches)
-        ceiling = time_side_by_side({"prefill": _prefill(recommender)}, batches, repeats)["prefill"]["median_s"]
+        ceiling = time_side_by_side({"prefill": prefill_call(recommender)}, batches, repeats)["prefill"]["median_s"]
         for k in ks:
             calls = {decoder: _call(recommender, decoder, k) for decoder in BEAM_DECODERS}
             timings = time_side_by_side(calls, batches, repeats)

@@ -21,13 +21,11 @@ from typing import Any
 
 import torch
 
-from recspec.bench.decode import batches_of, time_side_by_side
+from recspec.bench.decode import batches_of, prefill_call, time_side_by_side
 from recspec.bench.report import machine, markdown_table, reuse_freed_memory, write_results
 from recspec.bench.spec import time_per_user
 from recspec.decoding import TopK
-from recspec.decoding.prefix import prefix_unshared, shared_columns
-from recspec.decoding.prompts import left_pad
-from recspec.decoding.scorer import prefill
+from recspec.decoding.prefix import MIN_SHARED, prefix_unshared, shared_columns
 from recspec.errors import RecspecError
 from recspec.recommend import DecodeOptions, Recommender, run_decoder
 
@@ -36,16 +34,12 @@ def _decoders(recommender: Recommender, k: int, draft_beams: int) -> dict[str, C
     """name -> decode(prompts) of one batch: the prefill alone, beam, tree-beam (and spec-strict)."""
     model, pad = recommender.model, recommender.encoder.pad_id
 
-    def prefill_only(prompts: list[torch.Tensor]) -> None:
-        with torch.inference_mode():
-            prefill(model, left_pad(prompts, pad, model.device, shared_columns(model, prompts)))
-
     def decoder(name: str, options: DecodeOptions = DecodeOptions()) -> Callable[[list[torch.Tensor]], TopK]:
         return lambda prompts: run_decoder(name, model, recommender.draft, prompts, recommender.trie, k, pad,
                                            options).topk
 
     calls: dict[str, Callable[[list[torch.Tensor]], Any]] = {
-        "prefill": prefill_only, "beam": decoder("beam"), "tree-beam": decoder("tree-beam")}
+        "prefill": prefill_call(recommender), "beam": decoder("beam"), "tree-beam": decoder("tree-beam")}
     if recommender.draft is not None:
         calls[f"spec-strict N={draft_beams}"] = decoder("spec-strict", DecodeOptions(draft_beams=draft_beams))
     return calls
@@ -90,7 +84,7 @@ def bench(target: Path, draft: Path | None, ks: Sequence[int], batch_sizes: Sequ
     prompts = recommender.encoder.prompts(recommender.examples("test", users))
     shared = shared_columns(recommender.model, prompts)
     if not shared:
-        raise RecspecError(f"{target}: its prompt template has no shared prefix of at least 16 tokens "
+        raise RecspecError(f"{target}: its prompt template has no shared prefix of at least {MIN_SHARED} tokens "
                            f"(the LLM presets have one); prefix caching changes nothing for it")
     tokens = {"prefix_tokens": shared, "mean_prompt_tokens": statistics.mean(len(prompt) for prompt in prompts)}
     ceilings = [row for k in ks for row in ceiling_rows(recommender, prompts, k, repeats)]
@@ -127,8 +121,7 @@ def run(out: Path, target: Path, draft: Path | None = None, ks: Sequence[int] = 
         "# Prefix caching: the shared prompt prefix stored, and every prompt fed whole",
         f"Target {target}{f', draft {draft}' if draft else ''}; {rows[0]['users']} test users in batches of B; "
         f"median of {repeats} runs, the two variants taking turns. Shared prefix: {tokens['prefix_tokens']} of "
-        f"{tokens['mean_prompt_tokens']:.1f} prompt tokens on average ({share:.0%}): the most a prefill can save "
-        f"is that share of its per-token cost.",
+        f"{tokens['mean_prompt_tokens']:.1f} prompt tokens on average ({share:.0%}).",
         markdown_table(["B", "K", "decoder", "ms/user, prefix stored", "ms/user, prompt whole", "speed-up",
                         "same items"],
                        [[r["batch"], r["k"], r["decoder"], f"{r['cached_ms_per_user']:.1f}",
