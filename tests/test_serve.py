@@ -75,13 +75,18 @@ def server(target: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
         yield url, process
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
-    """The value of one series of /metrics (0 when absent)."""
+def series(text: str, name: str, labels: str = "") -> float:
+    """The value of one series of a Prometheus text (0 when absent)."""
     wanted = f"{name}{{{labels}}}" if labels else name
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in text.splitlines():
         if line.startswith(wanted + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The value of one series of /metrics (0 when absent)."""
+    return series(httpx.get(f"{url}/metrics").text, name, labels)
 
 
 def same_answer(got: dict, row: dict) -> bool:
@@ -101,6 +106,7 @@ def test_answers_equal_the_cli_and_concurrent_clients_are_batched(models, expect
         health = httpx.get(f"{url}/health").json()
         assert health["status"] == "ready" and len(health["replica"]) == 12
         assert httpx.get(f"{url}/health").json()["replica"] == health["replica"]  # one app, one name
+        assert series(httpx.get(f"{url}/metrics").text, "recspec_replica_info", f'replica="{health["replica"]}"') == 1
         info = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert info["items"] == 1682 and info["draft"] == [str(draft)] and len(info["target_sha256"]) == 64
         assert {"tree-beam", "spec-strict", "auto"} <= set(info["decoders"]) and not info["chat"]

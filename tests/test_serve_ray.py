@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -15,8 +16,8 @@ import pytest
 
 from recspec.serve.on_ray import free_port
 from tests.test_cli import recspec_process as recspec
-from tests.test_serve import (K, expected, metric, models, post_all, same_answer, server,  # noqa: F401  (fixtures)
-                              sigterm_while_queued)
+from tests.test_serve import (K, expected, metric, models, post_all, same_answer, series,  # noqa: F401  (fixtures)
+                              server, sigterm_while_queued)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 USERS = 32  # concurrent clients per decoder
@@ -81,9 +82,18 @@ def test_answers_equal_the_cli_through_two_replicas(ray_server: str, expected) -
         assert same_answer(got, row), (bodies[i]["decoder"], got, row)
         assert got["requested_decoder"] == got["decoder"] == bodies[i]["decoder"]
     assert max(r.json()["stats"]["batch_size"] for r in responses) > 1  # each replica batches its share
-    # /metrics is the answering replica's: two replicas, each counting its share of the answers
-    answered = {metric(ray_server, "recspec_requests_total", 'endpoint="recommend",status="200"') for _ in range(30)}
-    assert len(answered) == 2 and sum(answered) == len(bodies), answered
+    # /metrics is the answering replica's (it names itself): two replicas, each counting its share of the answers
+    answered = dict(replica_metric(ray_server, "recspec_requests_total", 'endpoint="recommend",status="200"')
+                    for _ in range(30))
+    assert len(answered) == 2 and sum(answered.values()) == len(bodies), answered
+
+
+def replica_metric(url: str, name: str, labels: str) -> tuple[str, float]:
+    """(the replica that answered /metrics, the value of one of its series)."""
+    text = httpx.get(f"{url}/metrics").text
+    replica = re.search(r'^recspec_replica_info\{replica="([0-9a-f]+)"\} 1', text, re.MULTILINE)
+    assert replica is not None, text
+    return replica.group(1), series(text, name, labels)
 
 
 def test_bad_requests_are_refused_as_by_one_server(ray_server: str, expected) -> None:  # noqa: F811

@@ -111,12 +111,12 @@ class State:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.metrics = ServiceMetrics()
         self.service: RecommendService | None = None
         self.batcher: DynamicBatcher[Query, Answer] | None = None
         self.failure: BaseException | None = None
         self.models: dict[str, Any] = {}
         self.replica = uuid.uuid4().hex[:12]  # which app answered /health (one per replica on Ray Serve)
+        self.metrics = ServiceMetrics(self.replica)
 
     def load(self) -> None:
         """Load the models (in a worker thread) and describe them for /v1/models."""

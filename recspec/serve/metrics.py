@@ -1,10 +1,12 @@
 """Prometheus metrics of one service (its own registry, so two apps in one process never mix):
-requests by endpoint and status, errors by kind, queue depth, batch sizes, latency, and the
-speculative decoders' acceptance (drafted and accepted steps, target calls)."""
+requests by endpoint and status, errors by kind, queue depth, batch sizes, latency, the
+speculative decoders' acceptance (drafted and accepted steps, target calls), and which replica
+they are (``recspec_replica_info{replica=...}``, the id ``/health`` names)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 disable_created_metrics()  # no *_created series: counters and histograms only
@@ -17,9 +19,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 class ServiceMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, replica: str) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        Info("recspec_replica", "The app (one per Ray Serve replica) whose metrics these are",
+             registry=registry).info({"replica": replica})
         self.requests = Counter("recspec_requests", "Requests answered, by endpoint and HTTP status",
                                 ("endpoint", "status"), registry=registry)
         self.errors = Counter("recspec_errors", "Requests refused or failed, by kind", ("kind",), registry=registry)
