@@ -266,23 +266,25 @@ def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | 
     return levels
 
 
-def score_levels(target, cache, levels: list[Level], prompts: Prompts | None, start: OpenCache | None,
-                 features: bool, layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+def score_levels(target, start: OpenCache, levels: list[Level], prompts: Prompts | None, features: bool,
+                 layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and if
     ``features`` its features at every position it was fed (:func:`~recspec.decoding.draft_tree.
     fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]`` (else None;
     wider with ``layers``: :func:`~recspec.models.text_head.layer_features`).
-    In the first round (``prompts`` given, ``start`` the cache opened for them,
-    :func:`~recspec.decoding.prefix.open_cache`) the prompt is fed in the same call, before levels
-    1.., and row 0 of the log-probs is the prompt's last position (level 0, the root)."""
+    ``start``: the target's cache as opened for the prompts (:func:`~recspec.decoding.prefix.
+    open_cache`), grown by every round. In the first round (``prompts`` given) the prompt is fed
+    in the same call, after the columns ``start`` holds and before levels 1.., and row 0 of the
+    log-probs is the prompt's last position (level 0, the root)."""
     *block, keep = fed_block(levels, prompts)
-    if start is not None:
+    if prompts is not None:
         logits, hidden = forward_opened(target, start, *block, keep, features, layers)
         return next_log_probs(logits), hidden
     if features:
-        logits, hidden = forward_features(target, cache, *block, keep_last=keep, all_features=True, layers=layers)
+        logits, hidden = forward_features(target, start.cache, *block, keep_last=keep, all_features=True,
+                                          layers=layers)
         return next_log_probs(logits), hidden
-    return next_log_probs(forward_visible(target, cache, *block, keep_last=keep)), None
+    return next_log_probs(forward_visible(target, start.cache, *block, keep_last=keep)), None
 
 
 def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: Drafter, verifier: Verifier,
@@ -301,8 +303,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     source = draft_source(draft)
     root_log_q = source.start(prompts)
     start = open_cache(target, prompts)
-    target_cache = start.cache
-    caches = (target_cache, *source.caches)
+    caches = (start.cache, *source.caches)
     clock.add("prefill", started)
     front = root_frontier(prompts, space)
     root_drafted = root_log_q is not None
@@ -316,8 +317,8 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
         levels = draft_levels(source, level_zero(front, prompts if first else None),
                               root_log_q if first else None, front, drafter, plan.widths, plan.feed_last)
         mark = clock.add("draft", mark)
-        log_p, features = score_levels(target, target_cache, levels, prompts if first else None,
-                                       start if first else None, source.wants_features, source.feature_layers)
+        log_p, features = score_levels(target, start, levels, prompts if first else None, source.wants_features,
+                                       source.feature_layers)
         if first:
             for cache in caches:
                 require_full_attention(cache)
