@@ -77,10 +77,22 @@ def connect(address: str | None = None, num_cpus: int | None = None, workers: Wo
     """Join the Ray cluster at ``address`` (None: the one ``RAY_ADDRESS`` names, if set) or start
     a local one (``num_cpus``: its cores, default all of this machine's); a second call in the
     same process keeps the first connection. Workers' logs stay in Ray's session folder. With
-    ``workers``, refuse a pool the cluster cannot hold (:func:`check_fits`)."""
+    ``workers``, refuse a pool the cluster cannot hold (:func:`check_fits`), and one that a local
+    cluster could not hold before starting it."""
+    import ray
+
+    if workers is not None and not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
+        _refuse_unfit(workers, float(num_cpus or os.cpu_count() or 1), float(_local_gpus()))
     _join(address, num_cpus)
     if workers is not None:
         check_fits(workers)
+
+
+def _local_gpus() -> int:
+    """The GPUs a local Ray cluster would have: those CUDA sees here."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _join(address: str | None, num_cpus: int | None) -> None:
@@ -106,7 +118,10 @@ def check_fits(workers: Workers) -> None:
     import ray
 
     resources = ray.cluster_resources()
-    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    _refuse_unfit(workers, resources.get("CPU", 0.0), resources.get("GPU", 0.0))
+
+
+def _refuse_unfit(workers: Workers, cpus: float, gpus: float) -> None:
     if workers.count * workers.cpus > cpus or workers.count * workers.gpus > gpus:
         raise RecspecError(f"{workers.count} workers of {workers.cpus} CPU(s) and {workers.gpus} GPU(s) need "
                            f"{workers.count * workers.cpus} CPUs and {workers.count * workers.gpus:g} GPUs; the "

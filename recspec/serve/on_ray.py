@@ -34,7 +34,7 @@ from dataclasses import replace
 from fastapi import FastAPI
 
 from recspec.bench.serve import wait_until_ready
-from recspec.cluster.runtime import Workers, check_fits, connect
+from recspec.cluster.runtime import Workers, connect
 from recspec.errors import RecspecError
 from recspec.serve.app import ServeConfig, create_app
 
@@ -65,13 +65,12 @@ def serve_on_ray(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll of /health
-    connect(address)
+    workers = Workers(replicas, config.threads or 1, 0 if config.device == "cpu" else 1)
+    connect(address, workers=workers)
     running = serve.status()
     if running.proxies or running.applications:  # this command starts Serve, and stops it
         raise RecspecError(f"Ray Serve already runs on the cluster at {address}; stop it (`serve shutdown`) or "
                            f"use another cluster")
-    workers = Workers(replicas, config.threads or 1, 0 if config.device == "cpu" else 1)
-    check_fits(workers)
     config = replace(config, device=workers.device, threads=workers.cpus)
     port = port or free_port(host)
 
