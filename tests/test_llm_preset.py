@@ -3,12 +3,14 @@ the instruction prompt, fine-tuning through `fit`, and every decoder on the resu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from recspec.bench.prefix import run as bench_prefix
 from recspec.calibration import median_prompt_length
 from recspec.data import split_dataset
 from recspec.decoding.prefix import MIN_SHARED, shared_columns
@@ -197,6 +199,29 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
                                atol=1e-4, rtol=0)
     for name in ("beam", "tree-beam"):  # the same search: the same scores, up to float noise
         torch.testing.assert_close(results[name].scores, reference.scores, atol=1e-4, rtol=0)
+
+
+def test_bench_prefix_times_every_decoder_both_ways(ml100k, movielens_index, tmp_path: Path) -> None:
+    """`recspec bench prefix` on a briefly trained `draft-llm` (the LLM presets' prompt, so its
+    prefix, at a small model's cost): each decoder with the prefix stored and fed whole returns the
+    same items; the ceiling rows of both variants."""
+    ids = tmp_path / "ids"
+    ids.mkdir()
+    movielens_index.save(ids / "item_index.json")
+    config = TrainConfig(epochs=1, batch_size=4, lr=1e-3, warmup_steps=1, max_train_examples=8)
+    fit("ml-100k", tmp_path / "run", "draft-llm", ids=ids, split_kind="loo", config=config, valid_users=4,
+        progress=False)
+    prefix = Recommender.load(tmp_path / "run").encoder.template.prefix
+    markdown = bench_prefix(tmp_path / "results", tmp_path / "run", Path("items"), ks=(2,), batch_sizes=(1, 2),
+                            users=2, repeats=1, draft_beams=4, name="prefix")
+    report = json.loads((tmp_path / "results" / "prefix.json").read_text())
+    assert report["prefix_tokens"] == len(prefix) >= MIN_SHARED and "Speculative ceiling" in markdown
+    assert [(row["batch"], row["decoder"]) for row in report["rows"]] == [
+        (batch, name) for batch in (1, 2) for name in ("prefill", "beam", "tree-beam", "spec-strict N=4")]
+    assert all(row["same_items"] is (None if row["decoder"] == "prefill" else True) and row["speedup"] > 0
+               for row in report["rows"]), report["rows"]
+    assert [row["variant"] for row in report["ceilings"]] == ["cached", "whole"]
+    assert all(row["ceiling_vs_tree_beam"] > 0 for row in report["ceilings"])
 
 
 def test_decoders_equal_hf_on_the_pretrained_llm(smollm2_dir: Path) -> None:

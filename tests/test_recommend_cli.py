@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from recspec.bench.prefix import bench as bench_prefix
+from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from tests.test_cli import recspec
 
@@ -134,6 +136,8 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     # both models are draft-tiny here: the same parameters, so the same cost up to timing noise
     assert rows[0]["target_parameters"] == rows[0]["draft_parameters"] and 0.2 < rows[0]["c"] < 5
     assert recspec("bench", "cost", "--target", str(out), "--out", str(bench)).returncode == 2
+    with pytest.raises(RecspecError, match="no shared prefix of at least 16 tokens"):  # a small preset's is <bos>
+        bench_prefix(out, None, (5,), (1,), 2, 1, 10)
     result = recspec("calibrate", "--target", str(out), "--draft", str(draft), "--repeats", "2", "--threads", "1")
     assert result.returncode == 0, result.stderr
     assert [line.split(":")[0] for line in result.stdout.splitlines()] == ["target", "draft, first round",
