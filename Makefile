@@ -32,9 +32,10 @@ demo: setup assets
 		--users 200 --batch-size 16 --overwrite --out $(DEMO_OUT)/auto.jsonl
 	$(VENV)/recspec eval --recs $(DEMO_OUT)/auto.jsonl --dataset ml-100k --split loo --k 5 --k 10
 
-# One worker per core, each test file on one worker (module fixtures such as trained models are made once).
+# One worker per core, each test file on one worker (module fixtures such as trained models are made once),
+# the files in the order tests/conftest.py gives (the longest first).
 test: setup-test assets
-	$(VENV)/python -m pytest -q -n auto --dist loadfile --durations=25
+	$(VENV)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: setup assets
 	$(VENV)/recspec bench ids

@@ -9,8 +9,8 @@ several N and gamma).
 
 The models: the reference models of ``scripts/train_models.sh`` when ``$RECSPEC_MODELS`` (default
 ``runs/models``) holds them (``target-small`` and ``draft-tiny``, 20 minutes of training at most
-each), else two ``draft-tiny`` trained here on the real training data, the target on 60,000
-examples and the draft on 20,000 with another seed (a minute or two each), so CI checks trained
+each), else two ``draft-tiny`` trained here on the real training data, the target on 30,000
+examples and the draft on 10,000 with another seed (about a minute in all), so CI checks trained
 models too. Trained models, unlike random ones, leave identifier tokens they never saw nearly
 indistinguishable, so near-ties occur: a user passes when the three decoders return
 
@@ -56,7 +56,7 @@ def reference_or_trained(name: str, tmp_root: Path, **fit_args) -> Recommender:
     if (target / "best" / "model.safetensors").is_file() and (draft / "best" / "model.safetensors").is_file():
         return Recommender.load(target, draft_dir=draft)
     target, draft = tmp_root / f"{name}-target", tmp_root / f"{name}-draft"
-    for out, examples, seed in ((target, 60_000, 0), (draft, 20_000, 1)):
+    for out, examples, seed in ((target, 30_000, 0), (draft, 10_000, 1)):
         config = TrainConfig(epochs=1, batch_size=256, lr=3e-3, warmup_steps=50,
                              max_train_examples=examples, seed=seed)
         fit(out_dir=out, preset="draft-tiny", config=config, valid_users=64, progress=False, **fit_args)

@@ -3,8 +3,8 @@
 distribution (chi-square at fixed seeds, random heads over the whole or a reduced vocabulary and a
 briefly trained one, on a tiny random Llama), TopK-ImpSpecDec with a head samples its own
 distribution built from the head's ``q``, the head's cache after a run is the teacher-forced one
-over the text's true features, rows of different lengths batch together; and a smoke run on the
-real SmolLM2."""
+over the text's true features, rows of different lengths batch together; and a smoke run of the
+commands on the real SmolLM2's first layers."""
 
 from __future__ import annotations
 
@@ -387,19 +387,27 @@ def test_spec_sample_with_a_head_on_smollm2(monkeypatch, smollm2_dir) -> None:
 def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_path, capsys) -> None:
     """`recspec generate --draft HEAD`: a head folder is loaded against the target and drafts for
     spec-sample and dsbd; `bench sampling --draft HEAD` measures every drafted method with the head
-    (its step's cost ratio c well below a target call)."""
+    (its step's cost ratio c well below a target call). The target: SmolLM2's first 4 layers, its
+    norm and output layer, saved as a model folder (the commands' paths are those of the whole
+    model, at a seventh of its calls' cost)."""
     import json
 
     from recspec.cli import main
+    from recspec.hub import load_tokenizer
     from recspec.models.head import save_head
     from recspec.models.hf import load_causal_lm
+    from recspec.models.layer_draft import keep_first_layers
     from recspec.models.text_head import TEXT_HEAD, text_head_fingerprint
 
+    target_dir = tmp_path / "smollm2-4"
     model = load_causal_lm(smollm2_dir)
+    keep_first_layers(model, 4)
+    model.save_pretrained(target_dir)
+    load_tokenizer(smollm2_dir).save_pretrained(target_dir)
     save_head(tmp_path / "head" / "best", new_text_head(model, torch.arange(0, 2000), seed=1),
-              text_head_fingerprint(smollm2_dir), {}, TEXT_HEAD)
+              text_head_fingerprint(target_dir), {}, TEXT_HEAD)
     out = tmp_path / "g.jsonl"
-    common = ["generate", "--out", str(out), "--target", str(smollm2_dir), "--draft", str(tmp_path / "head"),
+    common = ["generate", "--out", str(out), "--target", str(target_dir), "--draft", str(tmp_path / "head"),
               "--count", "1", "--max-new-tokens", "4"]
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--method", "spec-sample"])
@@ -417,7 +425,7 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     base = TextOptions(max_new_tokens=4, gamma=2)
     # one row of each kind the bench treats apart (the decoders themselves are tested above, each with a head)
     chosen = ["spec-sample-dynamic", "dsbd-one-cache", "spec-sample-tree", "spec-sample-fp32"]
-    result = bench_text(str(smollm2_dir), "0,29", ("0,29",), 1, base, 0.7, 1, str(tmp_path / "head"), chosen)
+    result = bench_text(str(target_dir), "0,3", ("0,3",), 1, base, 0.7, 1, str(tmp_path / "head"), chosen)
     rows = {row["method"]: row for row in result["rows"]}
     assert list(rows) == ["sample", "spec-sample-dynamic", "beam-sample", "dsbd-one-cache", "spec-sample-tree",
                           "spec-sample-fp32"]
