@@ -24,8 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-#: The longest test files, longest first (CI's per-file durations, one worker each: about 400 s
-#: down to 75 s on 2 cores); they start first, the other files fill in after them.
+#: The longest test files, longest first (per-file durations of `make test` on a 2-core CPU: about
+#: 360 s down to 60 s each); they start first, the other files fill in after them.
 LONGEST_FIRST = ("test_cluster", "test_exactness_movielens", "test_serve_ray", "test_text_head",
                  "test_exactness_beauty", "test_tree_sample", "test_serve", "test_llm_preset", "test_knowledge_decode",
                  "test_text_head_chain")
