@@ -1227,13 +1227,20 @@ def bench_align(
     draft_beams: int = 40,
     train_minutes: Annotated[float, typer.Option(help="Training budget of each draft.")] = 5.0,
     quality_users: Annotated[int, typer.Option(help="Test users of the relaxed-quality comparison.")] = 1000,
+    heads: Annotated[bool, typer.Option(help="Also train and measure a feature-level head per method (same "
+                                              "budget).")] = False,
+    as_users: Annotated[int, typer.Option(help="Test users AS@K is averaged over (decoded in batches).")] = 256,
+    epochs: Annotated[int, typer.Option(help="Epoch cap of each draft (the budget's cosine schedule).")] = 10,
+    name: ResultNameOpt = "align",
 ) -> None:
     """Table 1 on our models: WS@K / AS@K of every alignment method under strict and relaxed
-    verification, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
+    verification (independent drafts, and with --heads feature-level heads), the ranking against
+    the paper's, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
     from recspec.bench.align import run
 
+    _positive(users=users, repeats=repeats, as_users=as_users, epochs=epochs, quality_users=quality_users)
     typer.echo(run(_results_dir(out), target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
-                   quality_users=quality_users))
+                   epochs=epochs, quality_users=quality_users, heads=heads, as_users=as_users, name=name))
 
 
 # --- knowledge generation (LASER) ---------------------------------------------------------------

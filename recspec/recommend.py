@@ -231,6 +231,16 @@ class Recommender:
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))
 
+    def with_draft(self, draft_dir: str | Path | Sequence[str | Path]) -> Recommender:
+        """This recommender with another draft (``draft_dir`` as in :meth:`load`), the target's
+        weights, encoder and data shared rather than loaded again."""
+        if is_item_draft(draft_dir):
+            return replace(self, draft=self.item_draft(), draft_dirs=())
+        models, heads = check_drafts(draft_dir)
+        device = str(next(self.model.parameters()).device)
+        return type(self).from_parts(self.model, self.encoder, self.dataset, self.info, device, models, heads,
+                                     self.folder)
+
     @property
     def draft_names(self) -> list[str]:
         """What ``--draft`` named: the draft's folders, or ``items`` for the item prior."""

@@ -306,3 +306,44 @@ def test_align_train_every_method_then_speculative(small_target, alignment_data:
     assert cli.returncode == 0, cli.stderr
     bad = recspec("align", "train", "--data", str(alignment_data), "--out", str(tmp_path / "bad"), "--alpha", "2")
     assert bad.returncode == 2 and "alpha must lie in [0, 1]" in bad.stderr
+
+
+def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, alignment_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """`bench align --heads`: a draft and a head per method, trained once (a second call reuses
+    them), every strict row returning beam search's items, AS@K over the batched users, the
+    ranking against the paper's, each draft's validation curve, and the result files."""
+    from recspec.bench.align import KINDS, VERIFICATIONS, run, train_drafts
+    from recspec.models.head import is_head_dir
+
+    target_dir, _ = small_target
+    work, out = tmp_path / "work", tmp_path / "results"
+    out.mkdir()
+    run(out, target_dir, alignment_data, work, ks=(5,), users=3, repeats=1, alphas=(0.1,), train_minutes=1.0,
+        epochs=1, quality_users=12, heads=True, as_users=24, name="align-test")
+    result = json.loads((out / "align-test.json").read_text())
+    rows = result["rows"]
+    assert len(rows) == len(KINDS) * len(METHODS) * len(VERIFICATIONS)
+    assert {(r["kind"], r["method"], r["verify"]) for r in rows} == {
+        (kind, method, verify) for kind in KINDS for method in METHODS for verify in VERIFICATIONS}
+    for row in rows:
+        assert row["k"] == 5 and len(row["runs_s"]) == 1 and row["ws"] > 0 and 0 <= row["as"] <= 2 and 1 <= row["calls"] <= 3
+        assert row["same_items_as_beam"] is (True if row["verify"] == "strict" else None)
+    assert len(result["ranking"]) == len(KINDS) * len(VERIFICATIONS)
+    for entry in result["ranking"]:
+        assert sorted(entry["order"]) == sorted(METHODS)
+        cells = {r["method"]: r["as"] for r in rows
+                 if (r["kind"], r["verify"], r["k"]) == (entry["kind"], entry["verify"], entry["k"])}
+        assert [cells[m] for m in entry["order"]] == sorted(cells.values(), reverse=True)
+    assert sorted(result["validation"]) == sorted([*METHODS, *(f"head-{m}" for m in METHODS)])
+    assert all(len(curve) == 1 for curve in result["validation"].values())
+    assert [r["alpha"] for r in result["alpha_curve"]] == [0.1, 0.5]
+    assert (out / "align-test.md").read_text().count("| strict | head |") == len(METHODS)
+    assert (out / "align-test_as.png").stat().st_size > 0
+    drafts = train_drafts(work, alignment_data, target_dir, KINDS, 0.5, TrainConfig(epochs=1))
+    assert all(is_head_dir(folder) == (kind == "head") for (kind, _), folder in drafts.items())
+    stamps = {folder: (folder / "finished").stat().st_mtime_ns for folder in drafts.values()}
+    again = train_drafts(work, alignment_data, target_dir, KINDS, 0.5, TrainConfig(epochs=1))
+    assert again == drafts and all((f / "finished").stat().st_mtime_ns == t for f, t in stamps.items())
+    bad = recspec("bench", "align", "--target", str(target_dir), "--data", str(alignment_data), "--as-users", "0")
+    assert bad.returncode == 2 and "--as-users must be at least 1" in bad.stderr

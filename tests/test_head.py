@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,6 +117,36 @@ def test_head_folder_is_checked(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_features_are_kept_before_training_and_equal_those_computed_lazily(small_target,  # noqa: F811
+                                                                            alignment_data: Path,  # noqa: F811
+                                                                            tmp_path: Path) -> None:
+    """`head_fit` computes the target's features of every row before its budget starts; they are
+    the ones the first epoch would have computed batch by batch."""
+    from recspec.align.data import PARTS
+    from recspec.align.head import HeadAlignmentTask, HeadStore
+    from recspec.align.task import AlignmentTask
+    from recspec.models.head import bind_head
+
+    target_dir, _ = small_target
+    recommender = Recommender.load(target_dir)
+
+    def task(out: Path) -> HeadAlignmentTask:
+        head = DraftHead(HeadConfig(hidden=recommender.model.config.hidden_size, intermediate=32, layers=1,
+                                    levels=recommender.trie.depth))
+        bound = bind_head(head, recommender.model, recommender.tokenizer, recommender.index)
+        base = AlignmentTask.load(alignment_data, recommender.encoder, recommender.trie, "sft", 0.5)
+        return HeadAlignmentTask(base, bound, HeadStore(out, {}, {}))
+
+    eager, lazy = task(tmp_path / "eager"), task(tmp_path / "lazy")
+    eager.keep_features(torch.device("cpu"), None, batch_size=7, progress=False)
+    assert set(eager.kept) == {(i, row) for i, part in enumerate(PARTS) for row in range(len(eager.data[part]))}
+    for part in PARTS:
+        batch = lazy.batch(np.arange(5), part)
+        torch.testing.assert_close(eager.target_features(batch, None), lazy.target_features(batch, None),
+                                   atol=1e-3, rtol=2e-3)
+    assert len(lazy.kept) == 10
+
+
 def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_data: Path,  # noqa: F811
                                                           tmp_path: Path) -> None:
     target_dir, _ = small_target

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -116,6 +117,20 @@ class HeadAlignmentTask(AlignmentTask):
         rows = torch.nn.utils.rnn.pad_sequence([self.kept[key] for key in keys], batch_first=True)
         rows = torch.nn.functional.pad(rows, (0, 0, 0, tokens.shape[1] + 1 - rows.shape[1]))
         return rows.to(tokens.device, torch.float32)
+
+    def keep_features(self, device: torch.device, autocast_dtype: torch.dtype | None, batch_size: int = 64,
+                      progress: bool = True) -> None:
+        """Compute and keep the target's features of every training and validation row now
+        (:meth:`target_features`), so that a training budget counts the head's training alone,
+        as it does not count making the alignment data either."""
+        from tqdm.auto import tqdm
+
+        for part in PARTS:
+            rows = np.arange(len(self.data[part]))
+            for start in tqdm(range(0, len(rows), batch_size), desc=f"target features, {part}", unit="batch",
+                              disable=not progress, leave=False):
+                batch = self.batch(rows[start:start + batch_size], part)
+                self.target_features({key: value.to(device) for key, value in batch.items()}, autocast_dtype)
 
     def head_outputs(self, batch: dict[str, torch.Tensor],
                      autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:

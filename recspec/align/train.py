@@ -14,6 +14,7 @@ import torch
 
 from recspec.align.data import PARTS
 from recspec.align.task import AlignmentTask, check_method, read_manifest
+from recspec.devices import resolve_device
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, load_trained, trained_model_dir, write_run_info
@@ -22,7 +23,7 @@ from recspec.fit import prepare_training_dir
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids, index_fingerprint, load_tokenizer_dir
 from recspec.models.head import HeadConfig
-from recspec.models.train import TrainConfig, TrainResult, refuse_packing, train
+from recspec.models.train import TrainConfig, TrainResult, refuse_packing, resolve_precision, train
 
 ACCEPTANCE_METRIC = "accepted_steps"
 
@@ -116,6 +117,8 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
     store = HeadStore(out_dir, head_fingerprint(trained_model_dir(target_dir), recommender.index), info)
     base = AlignmentTask.load(Path(data_dir), recommender.encoder, recommender.trie.to("cpu"), method, alpha)
     task = HeadAlignmentTask(base, bound, store, feature_weight)
+    device = resolve_device(config.device)
+    task.keep_features(device, resolve_precision(config.precision, device), progress=progress)
     evaluate = acceptance_evaluator(recommender.model, task, eval_users, eval_k, eval_beams, method == "atspeed-r",
                                     bind=lambda trained: bind_head(trained, recommender.model, recommender.tokenizer,
                                                                    recommender.index))
