@@ -116,7 +116,6 @@ def test_head_folder_is_checked(tmp_path: Path) -> None:
         load_head(tmp_path / "bare", fingerprint)
 
 
-@pytest.mark.slow
 def test_features_are_kept_before_training_and_equal_those_computed_lazily(small_target,  # noqa: F811
                                                                             alignment_data: Path,  # noqa: F811
                                                                             tmp_path: Path) -> None:
@@ -147,6 +146,7 @@ def test_features_are_kept_before_training_and_equal_those_computed_lazily(small
     assert len(lazy.kept) == 10
 
 
+@pytest.mark.slow
 def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_data: Path,  # noqa: F811
                                                           tmp_path: Path) -> None:
     target_dir, _ = small_target

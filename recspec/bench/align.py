@@ -73,7 +73,7 @@ def train_drafts(work: Path, data: Path, target: Path, kinds: Sequence[str], alp
 
 def _timed(recommender: Recommender, draft, name: str, prompts: list[torch.Tensor], k: int,
            options: DecodeOptions) -> tuple[float, list[torch.Tensor]]:
-    """Seconds for all users one at a time, and each user's items (the last run's)."""
+    """Seconds for all users one at a time, and each user's items."""
     items, total = [], 0.0
     for prompt in prompts:
         start = time.perf_counter()
