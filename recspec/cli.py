@@ -285,6 +285,9 @@ def train_command(
                                            "one history (1: one example a sequence); --batch-size counts "
                                            "sequences.")] = 1,
     valid_users: Annotated[int, typer.Option(help="Validation users for Recall@10 after each epoch.")] = 512,
+    short_prompt: Annotated[bool, typer.Option(help="LLM presets: the identifiers alone as the user's message (no "
+                                                    "instruction, no separators), fewer than half the prompt "
+                                                    "tokens.")] = False,
     precision: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
                                                         "machine).")] = None,
@@ -303,7 +306,7 @@ def train_command(
     _positive(valid_users=valid_users, max_history=max_history)
     with _on_interrupt(f"the last checkpoint in {out / 'checkpoint'} is kept; run the same command to resume"):
         result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
-                     config=config, valid_users=valid_users, overwrite=overwrite)
+                     config=config, valid_users=valid_users, overwrite=overwrite, short_prompt=short_prompt)
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
                f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
@@ -1231,6 +1234,8 @@ def bench_align(
                                               "budget).")] = False,
     as_users: Annotated[int, typer.Option(help="Test users AS@K is averaged over (decoded in batches).")] = 256,
     epochs: Annotated[int, typer.Option(help="Epoch cap of each draft (the budget's cosine schedule).")] = 10,
+    patience: Annotated[int, typer.Option(help="Epochs without a better validation acceptance before a draft "
+                                               "stops (--epochs: none, every draft trains its whole budget).")] = 2,
     name: ResultNameOpt = "align",
 ) -> None:
     """Table 1 on our models: WS@K / AS@K of every alignment method under strict and relaxed
@@ -1238,9 +1243,11 @@ def bench_align(
     the paper's, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
     from recspec.bench.align import run
 
-    _positive(users=users, repeats=repeats, as_users=as_users, epochs=epochs, quality_users=quality_users)
+    _positive(users=users, repeats=repeats, as_users=as_users, epochs=epochs, quality_users=quality_users,
+              patience=patience)
     typer.echo(run(_results_dir(out), target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
-                   epochs=epochs, quality_users=quality_users, heads=heads, as_users=as_users, name=name))
+                   epochs=epochs, quality_users=quality_users, heads=heads, as_users=as_users, name=name,
+                   patience=patience))
 
 
 # --- knowledge generation (LASER) ---------------------------------------------------------------

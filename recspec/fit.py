@@ -13,13 +13,13 @@ from recspec.data import Dataset, load_dataset, split_dataset
 from recspec.data.loaders import recorded_spec
 from recspec.data.splits import SplitData
 from recspec.errors import RecspecError
-from recspec.fileio import check_writable_dir
+from recspec.fileio import check_writable_dir, read_json
 from recspec.eval.metrics import recall_ndcg
 from recspec.itemids.build import dataset_identifiers
 from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids
-from recspec.models.checkpoint import CHECKPOINT_DIR, write_run_info
+from recspec.models.checkpoint import CHECKPOINT_DIR, RUN_FILE, write_run_info
 from recspec.models.packing import next_item_task
 from recspec.models.train import TrainConfig, TrainResult, level_losses, train
 from recspec.recommend import item_rows
@@ -42,20 +42,25 @@ def prepare_training_dir(out_dir: Path, overwrite: bool) -> Path:
 
 
 def training_data(dataset_spec: str, preset: str, ids: str | Path | None = None, format: str | None = None,
-                  split_kind: str | None = None, max_history: int = 20) -> tuple[Dataset, SplitData, PromptEncoder]:
+                  split_kind: str | None = None, max_history: int = 20,
+                  short_prompt: bool = False) -> tuple[Dataset, SplitData, PromptEncoder]:
     """What training ``preset`` on ``dataset_spec`` reads: the data set, its split, and the prompt
-    encoder over its identifiers (``ids``, default the data set's own) and the preset's tokenizer."""
+    encoder over its identifiers (``ids``, default the data set's own) and the preset's tokenizer
+    (with its short prompt if ``short_prompt``)."""
     dataset = load_dataset(dataset_spec, format)
     split = split_dataset(dataset, split_kind, max_history)
     index = dataset_identifiers(dataset, ids)
     tokenizer = preset_tokenizer(preset, index)
-    return dataset, split, PromptEncoder(index, dataset.item_ids, tokenizer, preset_template(preset, tokenizer))
+    return dataset, split, PromptEncoder(index, dataset.item_ids, tokenizer,
+                                         preset_template(preset, tokenizer, short_prompt))
 
 
 def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = None, format: str | None = None,
         split_kind: str | None = None, max_history: int = 20, config: TrainConfig | None = None,
-        valid_users: int = 512, overwrite: bool = False, progress: bool = True) -> TrainResult:
-    """Train ``preset`` on ``dataset_spec`` into ``out_dir`` (resuming a checkpoint found there).
+        valid_users: int = 512, overwrite: bool = False, progress: bool = True,
+        short_prompt: bool = False) -> TrainResult:
+    """Train ``preset`` on ``dataset_spec`` into ``out_dir`` (resuming a checkpoint found there);
+    ``short_prompt``: an LLM preset's short prompt (:data:`~recspec.models.presets.LLM_SHORT`).
 
     Validation: Recall@10 / NDCG@10 of tree-attention beam search (K = 10) on the first
     ``valid_users`` validation users after every epoch; the best epoch's weights are kept. Each
@@ -66,11 +71,15 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
 
     out_dir = prepare_training_dir(out_dir, overwrite)
     config = config or TrainConfig()
-    dataset, split, encoder = training_data(dataset_spec, preset, ids, format, split_kind, max_history)
+    dataset, split, encoder = training_data(dataset_spec, preset, ids, format, split_kind, max_history, short_prompt)
     index, tokenizer = encoder.index, encoder.tokenizer
     model = build_model(preset, tokenizer, seed=config.seed)
+    prompt = encoder.template.to_json()
+    if (out_dir / RUN_FILE).is_file() and read_json(out_dir / RUN_FILE).get("prompt", prompt) != prompt:
+        raise RecspecError(f"{out_dir}: its checkpoint was trained with another prompt; resume it with the same "
+                           "--short-prompt setting, or train into another --out")
     write_run_info(out_dir, index, {"dataset": recorded_spec(dataset_spec), "format": format, "split": split.kind,
-                                    "max_history": max_history, "preset": preset})
+                                    "max_history": max_history, "preset": preset, "prompt": prompt})
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     valid = split.valid.subset(np.arange(min(valid_users, len(split.valid))))
     if len(valid) == 0:

@@ -338,6 +338,7 @@ def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, a
     assert sorted(result["validation"]) == sorted([*METHODS, *(f"head-{m}" for m in METHODS)])
     assert all(len(curve) == 1 for curve in result["validation"].values())
     assert [r["alpha"] for r in result["alpha_curve"]] == [0.1, 0.5]
+    assert result["patience"] == 2 and "patience 2 epochs" in (out / "align-test.md").read_text()
     assert (out / "align-test.md").read_text().count("| strict | head |") == len(METHODS)
     assert (out / "align-test_as.png").stat().st_size > 0
     drafts = train_drafts(work, alignment_data, target_dir, KINDS, 0.5, TrainConfig(epochs=1))
@@ -347,3 +348,5 @@ def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, a
     assert again == drafts and all((f / "finished").stat().st_mtime_ns == t for f, t in stamps.items())
     bad = recspec("bench", "align", "--target", str(target_dir), "--data", str(alignment_data), "--as-users", "0")
     assert bad.returncode == 2 and "--as-users must be at least 1" in bad.stderr
+    bad = recspec("bench", "align", "--target", str(target_dir), "--data", str(alignment_data), "--patience", "0")
+    assert bad.returncode == 2 and "--patience must be at least 1" in bad.stderr

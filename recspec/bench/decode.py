@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, target_label, write_results
 from recspec.decoding import TopK
 from recspec.decoding.prefix import shared_columns
 from recspec.decoding.prompts import left_pad
@@ -108,7 +108,7 @@ def bench_target(target: Path, ks: Sequence[int], batch_sizes: Sequence[int], us
                  repeats: int) -> list[dict[str, Any]]:
     """Rows for one target: every (batch size, K, decoder) on the first ``users`` test users."""
     recommender = Recommender.load(target)
-    name = f"{recommender.dataset.name}/{recommender.info.get('preset', target.name)}"
+    name = target_label(recommender.dataset.name, recommender.info.get("preset"), target)
     cells = [(b, k, d) for b in batch_sizes for k in ks for d in BEAM_DECODERS]
     peaks = dict(zip(cells, peak_memory_cells(target, cells, users)))
     rows = []

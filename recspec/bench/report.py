@@ -71,6 +71,18 @@ def machine() -> dict[str, Any]:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+def target_label(dataset: str, preset: str | None, folder: Path) -> str:
+    """A target's name in result tables: ``dataset/preset``, and its folder's name where that
+    differs from the preset (two models of one preset, such as two prompts, stay apart). ``folder``
+    is the training folder or its ``best/``."""
+    from recspec.models.checkpoint import BEST_DIR
+
+    folder = Path(folder)
+    name = folder.parent.name if folder.name == BEST_DIR else folder.name
+    preset = preset or name
+    return f"{dataset}/{preset}" + ("" if name == preset else f" ({name})")
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(value: Any) -> str:
         return f"{value:.4g}" if isinstance(value, float) else str(value)

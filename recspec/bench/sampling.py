@@ -4,8 +4,8 @@
 target, a draft of its own layers, a distilled draft or a text head with ``draft_spec``): ``sample``, ``spec-sample``,
 ``topk-imp``, ``beam-sample`` and DSBD (fixed width, dynamic width, one KV cache), and on request
 ``spec-sample-fp32`` and ``dsbd-one-cache-fp32`` (a text head drafting in float32, side by side
-with its int8 products), every prompt decoded alone (batch 1), the
-methods taking turns run by run, median of ``repeats`` runs. Per method: ms per generated token
+with its int8 products), every prompt decoded alone (batch 1), the methods taking turns prompt by
+prompt in a balanced order, median of ``repeats`` runs. Per method: ms per generated token
 over whole requests and past each request's fixed part (``decode ms/token``: the runs timed again
 cut at ``gamma + 1`` new tokens, :func:`decode_ms_per_token`; whole-request ratios move with the
 texts' lengths, which differ between methods), the speed ratios of both against the

@@ -2,7 +2,8 @@
 
 For each (target, draft) pair and K, on the first ``users`` test users decoded one at a time
 (batch 1: latency, where speculative decoding pays on a CPU), every decoder runs over all users
-once per run and the decoders take turns run by run; the median of ``repeats`` runs is reported:
+once per run, the decoders taking turns user by user in a balanced order; the median of
+``repeats`` runs is reported:
 
 * ``hf``, ``beam``, ``tree-beam``: exact beam search (the baselines of strict verification);
 * ``spec-strict N=...``: strict top-K verification with the draft, for each N of
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, target_label, turn_order, write_results
 from recspec.decoding.rounds import SpecStats
 from recspec.eval.metrics import recall_ndcg
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
@@ -63,24 +64,28 @@ def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[
                    repeats: int, warmup: bool = True) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
     """Per decoder: total seconds of each run over all users (one call per user) and the last
     run's outputs, after one warm-up call each unless ``warmup`` is False (decoders already
-    warm). The ceiling counts only its verification phase (see the module doc)."""
+    warm). Within a run the decoders take turns user by user, in a balanced order
+    (:func:`~recspec.bench.report.turn_order`), so that a drift in the machine's speed reaches
+    them all alike. The ceiling counts only its verification phase (see the module doc)."""
     for decode in decoders.values() if warmup else ():
         decode(prompts[:1])
-    runs: dict[str, list[float]] = {name: [] for name in decoders}
+    names = list(decoders)
+    runs: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, list[Decoded]] = {}
-    for _ in range(repeats):
-        for name, decode in decoders.items():
-            total, results = 0.0, []
-            for prompt in prompts:
+    for repeat in range(repeats):
+        totals = dict.fromkeys(names, 0.0)
+        outputs = {name: [] for name in names}
+        for user, prompt in enumerate(prompts):
+            for name in turn_order(names, repeat * len(prompts) + user):
                 start = time.perf_counter()
-                decoded = decode([prompt])
+                decoded = decoders[name]([prompt])
                 seconds = time.perf_counter() - start
                 if name == "ceiling":
                     seconds = float(decoded.stats.verify_s.sum() + decoded.stats.overhead_s.sum())
-                total += seconds
-                results.append(decoded)
-            runs[name].append(total)
-            outputs[name] = results
+                totals[name] += seconds
+                outputs[name].append(decoded)
+        for name in names:
+            runs[name].append(totals[name])
     return runs, outputs
 
 
@@ -139,7 +144,7 @@ def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 3
     options = DecodeOptions(draft_beams=max(draft_beams), gamma=gamma)
     for target_dir, draft_dir in pairs:
         recommender = Recommender.load(target_dir, draft_dir=draft_dir)
-        label = f"{recommender.dataset.name}/{recommender.info.get('preset', Path(target_dir).name)}"
+        label = target_label(recommender.dataset.name, recommender.info.get("preset"), target_dir)
         prompts = recommender.encoder.prompts(recommender.examples("test", users))
         for k in ks:
             runs, outputs = time_per_user(_decoders(recommender, k, draft_beams, gamma), prompts, repeats)
@@ -149,7 +154,7 @@ def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 3
                         for row in _quality(recommender, k, quality_users, temperatures, options, quality_batch)]
     markdown = "\n\n".join([
         "# Speculative beam search (AtSpeed) vs the target's own decoders",
-        f"Batch 1, {users} test users, median of {repeats} runs (decoders alternate run by run); "
+        f"Batch 1, {users} test users, median of {repeats} runs (decoders take turns user by user); "
         f"gamma = {gamma or 'rest of the identifier'}; relaxed and beam sampling at T = 1. Ceiling = an oracle draft "
         f"at zero cost (one target call over the prompt and exactly the target's beams).",
         markdown_table(

