@@ -73,11 +73,11 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     config = config or TrainConfig()
     dataset, split, encoder = training_data(dataset_spec, preset, ids, format, split_kind, max_history, short_prompt)
     index, tokenizer = encoder.index, encoder.tokenizer
-    model = build_model(preset, tokenizer, seed=config.seed)
     prompt = encoder.template.to_json()
     if (out_dir / RUN_FILE).is_file() and read_json(out_dir / RUN_FILE).get("prompt", prompt) != prompt:
         raise RecspecError(f"{out_dir}: its checkpoint was trained with another prompt; resume it with the same "
                            "--short-prompt setting, or train into another --out")
+    model = build_model(preset, tokenizer, seed=config.seed)
     write_run_info(out_dir, index, {"dataset": recorded_spec(dataset_spec), "format": format, "split": split.kind,
                                     "max_history": max_history, "preset": preset, "prompt": prompt})
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))

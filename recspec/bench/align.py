@@ -207,8 +207,8 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
     markdown = "\n\n".join([
         "# Draft alignment: Table 1 on our models",
         f"Target {target}; drafts ({', '.join(kinds)}) trained on {data} for at most {train_minutes} min each "
-        f"(patience {patience} epochs; alpha = {alpha}); WS@K: {users} test users at batch 1, median of {repeats} runs, speed-up over beam "
-        f"search; AS@K: accepted steps per user over {as_users} test users; N = {draft_beams}; relaxed at T = 1. "
+        f"(patience {patience} epochs; alpha = {alpha}); WS@K: {users} test users at batch 1, median of {repeats} "
+        f"runs, speed-up over beam search; AS@K: accepted steps per user over {as_users} test users; N = {draft_beams}; relaxed at T = 1. "
         f"Strict rows returned beam search's items for every timed user: {'yes' if strict_same else 'NO'}.",
         markdown_table(["verification", "kind", "method"] + [f"WS@{k}" for k in ks] + [f"AS@{k}" for k in ks],
                        table_rows),
