@@ -13,26 +13,28 @@ from recspec.data import Dataset, load_dataset, split_dataset
 from recspec.data.loaders import recorded_spec
 from recspec.data.splits import SplitData
 from recspec.errors import RecspecError
-from recspec.fileio import check_writable_dir, read_json
+from recspec.fileio import check_writable_dir
 from recspec.eval.metrics import recall_ndcg
 from recspec.itemids.build import dataset_identifiers
 from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids
-from recspec.models.checkpoint import CHECKPOINT_DIR, RUN_FILE, write_run_info
+from recspec.models.checkpoint import CHECKPOINT_DIR, write_run_info
 from recspec.models.packing import next_item_task
 from recspec.models.train import TrainConfig, TrainResult, level_losses, train
 from recspec.recommend import item_rows
+from recspec.statefile import has_state
 
 
 def prepare_training_dir(out_dir: Path, overwrite: bool) -> Path:
-    """``out_dir`` for a training run: resumed if it holds a checkpoint, else it must be empty or
-    absent (an occupied folder is replaced only with ``overwrite``)."""
+    """``out_dir`` for a training run: resumed if it holds a checkpoint (a model's ``checkpoint/``
+    folder, or a head's ``checkpoint.{safetensors,json}`` state), else it must be empty or absent
+    (an occupied folder is replaced only with ``overwrite``)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise RecspecError(f"{out_dir}: is a file; --out takes a folder")
     check_writable_dir(out_dir)
-    resuming = (out_dir / CHECKPOINT_DIR).is_dir()
+    resuming = (out_dir / CHECKPOINT_DIR).is_dir() or has_state(out_dir, CHECKPOINT_DIR)
     if out_dir.exists() and any(out_dir.iterdir()) and not resuming:
         if not overwrite:
             raise RecspecError(f"{out_dir}: already exists and holds no checkpoint to resume; "
@@ -73,13 +75,10 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     config = config or TrainConfig()
     dataset, split, encoder = training_data(dataset_spec, preset, ids, format, split_kind, max_history, short_prompt)
     index, tokenizer = encoder.index, encoder.tokenizer
-    prompt = encoder.template.to_json()
-    if (out_dir / RUN_FILE).is_file() and read_json(out_dir / RUN_FILE).get("prompt", prompt) != prompt:
-        raise RecspecError(f"{out_dir}: its checkpoint was trained with another prompt; resume it with the same "
-                           "--short-prompt setting, or train into another --out")
-    model = build_model(preset, tokenizer, seed=config.seed)
     write_run_info(out_dir, index, {"dataset": recorded_spec(dataset_spec), "format": format, "split": split.kind,
-                                    "max_history": max_history, "preset": preset, "prompt": prompt})
+                                    "max_history": max_history, "preset": preset,
+                                    "prompt": encoder.template.to_json()})  # a resume's settings checked first
+    model = build_model(preset, tokenizer, seed=config.seed)
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     valid = split.valid.subset(np.arange(min(valid_users, len(split.valid))))
     if len(valid) == 0:

@@ -16,6 +16,7 @@ never opened.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,13 @@ def refuse_object_files(folder: Path, remedy: str) -> None:
     if found:
         raise RecspecError(f"{Path(folder) / found[0]}: a serialized Python object, which recspec never loads (it "
                            f"could run code); {remedy}")
+
+
+def changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """The settings of ``now`` that a resumed run recorded otherwise in ``before``, as ``"key: old ->
+    new, ..."`` (empty when none; a key only one of them records is not compared)."""
+    return ", ".join(f"{key}: {before[key]!r} -> {value!r}" for key, value in now.items()
+                     if key in before and before[key] != value)
 
 
 def save_state(folder: Path, name: str, state: dict[str, Any]) -> None:

@@ -123,7 +123,7 @@ def test_a_short_prompt_target_and_its_aligned_draft(ml100k, movielens_index, tm
         progress=False, short_prompt=True)
     target = Recommender.load(tmp_path / "target")
     assert target.encoder.template == preset_template("draft-llm", target.tokenizer, short=True)
-    with pytest.raises(RecspecError, match="trained with another prompt"):
+    with pytest.raises(RecspecError, match="trained otherwise.*prompt"):
         fit("ml-100k", tmp_path / "target", "draft-llm", ids=ids, split_kind="loo", config=config, valid_users=4,
             progress=False)
     data, draft = tmp_path / "align", tmp_path / "draft"

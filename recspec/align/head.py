@@ -31,9 +31,10 @@ from torch import nn
 from recspec.align.data import PARTS, tree_view
 from recspec.align.task import AlignmentTask
 from recspec.decoding.scorer import forward_features, prompt_and_tree
+from recspec.errors import RecspecError
 from recspec.models.head import ITEM_HEAD, HeadDraft, HeadKind, load_head, save_head
 from recspec.models.train import autocast
-from recspec.statefile import has_state, load_state, save_state, state_files
+from recspec.statefile import changed_settings, has_state, load_state, save_state, state_files
 
 CHECKPOINT = "checkpoint"
 BEST = "best"
@@ -50,15 +51,28 @@ class HeadStore:
         self.out_dir, self.fingerprint, self.info, self.kind = Path(out_dir), fingerprint, info, kind
         self.checkpoint_path, self.best_dir = state_files(out_dir, CHECKPOINT)[1], Path(out_dir) / BEST
 
+    def run(self) -> dict[str, Any]:
+        """What the checkpoint records the head was trained for: its info, with the target named by
+        its fingerprint rather than by the path (or name) it was given."""
+        return {**{key: value for key, value in self.info.items() if key != "target"}, "fingerprint": self.fingerprint}
+
     def read_checkpoint(self) -> dict[str, Any] | None:
-        return load_state(self.out_dir, CHECKPOINT, REMEDY) if has_state(self.out_dir, CHECKPOINT) else None
+        """The checkpoint's state, or None; one trained for another target, method or data is refused."""
+        if not has_state(self.out_dir, CHECKPOINT):
+            return None
+        saved = load_state(self.out_dir, CHECKPOINT, REMEDY)
+        shown = changed_settings(saved.pop("run", {}), self.run())
+        if shown:
+            raise RecspecError(f"{self.checkpoint_path}: a head trained otherwise ({shown}); resume it with the same "
+                               f"settings, or {REMEDY}")
+        return saved
 
     def load_checkpoint(self, model: nn.Module, saved: dict[str, Any]) -> None:
         model.load_state_dict(saved["weights"])
 
     def save_checkpoint(self, model: nn.Module, state: dict[str, Any], info: dict[str, Any]) -> None:
         weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        save_state(self.out_dir, CHECKPOINT, {**state, "weights": weights})
+        save_state(self.out_dir, CHECKPOINT, {**state, "weights": weights, "run": self.run()})
 
     def save_best(self, model: nn.Module, info: dict[str, Any]) -> None:
         save_head(self.best_dir, model, self.fingerprint,

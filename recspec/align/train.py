@@ -77,12 +77,12 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
     encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     task = AlignmentTask.load(Path(data_dir), encoder, trie, method, alpha)
-    model = build_model(preset, tokenizer, seed=config.seed)
     info: dict[str, Any] = {"dataset": manifest["dataset"], "format": manifest.get("format_of_dataset"),
                             "split": manifest["split"], "max_history": manifest["max_history"], "preset": preset,
                             "only_indexed_items": manifest.get("only_indexed_items"),
                             "alignment": {"method": method, "alpha": alpha, "data": str(Path(data_dir).resolve())}}
-    write_run_info(out_dir, index, info)
+    write_run_info(out_dir, index, info)  # a resume's settings checked before anything is built
+    model = build_model(preset, tokenizer, seed=config.seed)
     if target_dir is None:
         return train(model, task, out_dir, config, progress=progress)
     target, _ = load_trained(target_dir, task.encoder.index)
@@ -118,6 +118,7 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
             "alignment": {"method": method, "alpha": alpha, "feature_weight": feature_weight,
                           "data": str(Path(data_dir).resolve())}}
     store = HeadStore(out_dir, head_fingerprint(trained_model_dir(target_dir), recommender.index), info)
+    store.read_checkpoint()  # a checkpoint trained otherwise is refused before the feature pass
     base = AlignmentTask.load(Path(data_dir), recommender.encoder, recommender.trie.to("cpu"), method, alpha)
     task = HeadAlignmentTask(base, bound, store, feature_weight)
     device = resolve_device(config.device)

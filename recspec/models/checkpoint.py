@@ -22,16 +22,29 @@ from recspec.models.attention import use_packed_attention
 from recspec.models.examples import PromptEncoder
 from recspec.models.fused_projections import use_fused_projections
 from recspec.models.small_rows import streams_weights, use_small_row_products
-from recspec.models.tokenizer import (check_index, identifier_token_ids, load_tokenizer_dir, read_metadata,
-                                      save_tokenizer)
-from recspec.statefile import has_state, load_state, refuse_object_files, save_state
+from recspec.models.tokenizer import (check_index, identifier_token_ids, index_fingerprint, load_tokenizer_dir,
+                                      read_metadata, save_tokenizer)
+from recspec.statefile import changed_settings, has_state, load_state, refuse_object_files, save_state
 
 CHECKPOINT_DIR, BEST_DIR, STATE_NAME, WEIGHTS_FILE = "checkpoint", "best", "trainer_state", "model.safetensors"
 RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
 
 
 def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
-    """Record the index and the data set / split a model is trained on, beside its checkpoints."""
+    """Record the index and the data set / split a model is trained on, beside its checkpoints.
+
+    A folder that already records a run (a training being resumed) must record the same one: the
+    same item index and the same value for every key both records have (data set, split, history
+    cap, preset, prompt, alignment method ...); otherwise :class:`RecspecError` names what differs
+    and nothing is written, so a resume never continues a checkpoint on other data silently.
+    """
+    if (out_dir / RUN_FILE).is_file() and (out_dir / INDEX_FILE).is_file():
+        shown = changed_settings(read_json(out_dir / RUN_FILE), info)
+        if index_fingerprint(ItemIndex.load(out_dir / INDEX_FILE)) != index_fingerprint(index):
+            shown = ", ".join(filter(None, (shown, f"{INDEX_FILE}: other item identifiers")))
+        if shown:
+            raise RecspecError(f"{out_dir}: holds a run trained otherwise ({shown}); resume it with the same "
+                               "settings, or train into another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     index.save(out_dir / INDEX_FILE)
     write_json_atomic(out_dir / RUN_FILE, info)

@@ -84,6 +84,7 @@ from recspec.fileio import write_text_atomic
 from recspec.hub import keep_logits_at
 from recspec.models.checkpoint import ModelFolders
 from recspec.models.examples import PromptEncoder, last_per_user, one_target_per_row, truncate_history
+from recspec.statefile import changed_settings
 
 LOG_FILE = "train_log.jsonl"
 LOSS_WINDOW = 50  # optimizer steps per point of a run's training-loss curve
@@ -553,9 +554,8 @@ class Trainer:
                 raise RecspecError(f"{where}: not a checkpoint of this trainer; delete it to start over, or choose "
                                    f"another output folder")
             before = {**ADDED_OPTIONS, **saved["config"]}  # options added since then had their default
-            differ = {k: (before.get(k), v) for k, v in self.config.trajectory().items() if before.get(k) != v}
-            if differ:
-                shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
+            shown = changed_settings(before, self.config.trajectory())
+            if shown:
                 raise RecspecError(f"{where}: the checkpoint was trained with other options ({shown}); "
                                    f"resume with the same options or choose another output folder")
             if saved["metric"] != self.metric:
