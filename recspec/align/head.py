@@ -32,11 +32,12 @@ from recspec.align.data import PARTS, tree_view
 from recspec.align.task import AlignmentTask
 from recspec.decoding.scorer import forward_features, prompt_and_tree
 from recspec.errors import RecspecError
+from recspec.models.checkpoint import CHECKPOINT_DIR
 from recspec.models.head import ITEM_HEAD, HeadDraft, HeadKind, load_head, save_head
 from recspec.models.train import autocast
 from recspec.statefile import changed_settings, has_state, load_state, save_state, state_files
 
-CHECKPOINT = "checkpoint"
+CHECKPOINT = CHECKPOINT_DIR  # the state's name, by which `prepare_training_dir` knows a head to resume
 BEST = "best"
 REMEDY = "delete the checkpoint files to start over, or choose another output folder"
 
