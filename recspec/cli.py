@@ -1231,7 +1231,9 @@ def bench_align(
     train_minutes: Annotated[float, typer.Option(help="Training budget of each draft.")] = 5.0,
     quality_users: Annotated[int, typer.Option(help="Test users of the relaxed-quality comparison.")] = 1000,
     heads: Annotated[bool, typer.Option(help="Also train and measure a feature-level head per method (same "
-                                              "budget).")] = False,
+                                              "budget unless --head-minutes).")] = False,
+    head_minutes: Annotated[Optional[float], typer.Option(help="Training budget of each head (default: "
+                                                              "--train-minutes).")] = None,
     as_users: Annotated[int, typer.Option(help="Test users AS@K is averaged over (decoded in batches).")] = 256,
     epochs: Annotated[int, typer.Option(help="Epoch cap of each draft (the budget's cosine schedule).")] = 10,
     patience: Annotated[int, typer.Option(help="Epochs without a better validation acceptance before a draft "
@@ -1247,7 +1249,7 @@ def bench_align(
               patience=patience)
     typer.echo(run(_results_dir(out), target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
                    epochs=epochs, quality_users=quality_users, heads=heads, as_users=as_users, name=name,
-                   patience=patience))
+                   patience=patience, head_minutes=head_minutes))
 
 
 # --- knowledge generation (LASER) ---------------------------------------------------------------

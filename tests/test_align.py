@@ -320,7 +320,7 @@ def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, a
     work, out = tmp_path / "work", tmp_path / "results"
     out.mkdir()
     run(out, target_dir, alignment_data, work, ks=(5,), users=3, repeats=1, alphas=(0.1,), train_minutes=1.0,
-        epochs=1, quality_users=12, heads=True, as_users=24, name="align-test")
+        epochs=1, quality_users=12, heads=True, as_users=24, name="align-test", head_minutes=2.0)
     result = json.loads((out / "align-test.json").read_text())
     rows = result["rows"]
     assert len(rows) == len(KINDS) * len(METHODS) * len(VERIFICATIONS)
@@ -339,6 +339,8 @@ def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, a
     assert all(len(curve) == 1 for curve in result["validation"].values())
     assert [r["alpha"] for r in result["alpha_curve"]] == [0.1, 0.5]
     assert result["patience"] == 2 and "patience 2 epochs" in (out / "align-test.md").read_text()
+    assert result["train_minutes"] == 1.0 and result["head_minutes"] == 2.0
+    assert "1.0 min each (heads 2.0 min)" in (out / "align-test.md").read_text()
     assert (out / "align-test.md").read_text().count("| strict | head |") == len(METHODS)
     assert (out / "align-test_as.png").stat().st_size > 0
     drafts = train_drafts(work, alignment_data, target_dir, KINDS, 0.5, TrainConfig(epochs=1))

@@ -3,7 +3,8 @@
 For every alignment method a draft is trained on the same alignment data with the same budget
 (`recspec align train`, selected by validation acceptance; drafts already trained in the work
 folder are reused, so the benchmark resumes); with ``heads``, a feature-level head over the target
-(`recspec align train --head`) is trained per method too, with the same budget. Then, on the first
+(`recspec align train --head`) is trained per method too, with the same budget (or one of its own for
+every head: a head's epoch costs more than a draft's). Then, on the first
 ``users`` test users at batch 1, side by side in one run: beam search (the baseline) and, per kind
 of draft, method and K, strict and relaxed speculative search: WS@K (speed-up over beam search,
 median of ``repeats`` runs) and AS@K, the accepted steps per user, averaged over the first
@@ -20,6 +21,7 @@ strict and relaxed, per kind).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -59,12 +61,14 @@ def _folder_name(kind: str, method: str) -> str:
 
 
 def train_drafts(work: Path, data: Path, target: Path, kinds: Sequence[str], alpha: float, config: TrainConfig,
-                 eval_k: int = 10) -> dict[tuple[str, str], Path]:
+                 eval_k: int = 10, head_config: TrainConfig | None = None) -> dict[tuple[str, str], Path]:
     """Every method's draft of every kind in ``kinds``, trained on ``data`` with ``config`` (its
-    budget) unless finished in ``work``: {(kind, method): folder}."""
+    budget; ``head_config`` for the heads, default ``config``) unless finished in ``work``:
+    {(kind, method): folder}."""
     def trainer(kind: str, method: str) -> Callable[[Path], Any]:
         if kind == "head":
-            return lambda out: head_fit(data, target, out, method, alpha, config=config, eval_k=eval_k)
+            return lambda out: head_fit(data, target, out, method, alpha, config=head_config or config,
+                                        eval_k=eval_k)
         return lambda out: align_fit(data, out, method, alpha, target_dir=target, config=config, eval_k=eval_k)
 
     return {(kind, method): _trained(work, _folder_name(kind, method), trainer(kind, method))
@@ -143,15 +147,18 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
         repeats: int = 3, alpha: float = 0.5, alphas: Sequence[float] = (0.1, 0.3, 0.7), draft_beams: int = 40,
         train_minutes: float = 5.0, epochs: int = 10, temperatures: Sequence[float] = (0.5, 1.0),
         quality_users: int = 1000, heads: bool = False, as_users: int = 256, name: str = "align",
-        patience: int = 2) -> str:
+        patience: int = 2, head_minutes: float | None = None) -> str:
     """Train the drafts (or reuse them from ``work``), measure, write ``NAME.*``; the Markdown.
     ``patience``: epochs without a better validation acceptance before a draft stops (``epochs``
-    for none: every draft then trains its whole budget)."""
+    for none: every draft then trains its whole budget). ``head_minutes``: each head's budget
+    (default ``train_minutes``)."""
     reuse_freed_memory()
     config = TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_steps=100, patience=patience,
                          max_minutes=train_minutes)
+    head_minutes = train_minutes if head_minutes is None else head_minutes
     kinds = KINDS if heads else KINDS[:1]
-    drafts = train_drafts(work, data, target, kinds, alpha, config)
+    drafts = train_drafts(work, data, target, kinds, alpha, config,
+                          head_config=dataclasses.replace(config, max_minutes=head_minutes))
     curve_drafts = {a: _trained(work, f"atspeed-s-alpha{a}", lambda folder, a=a: align_fit(
         data, folder, "atspeed-s", a, target_dir=target, config=config, eval_k=10)) for a in alphas}
     recommender = Recommender.load(target)
@@ -207,6 +214,7 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
     markdown = "\n\n".join([
         "# Draft alignment: Table 1 on our models",
         f"Target {target}; drafts ({', '.join(kinds)}) trained on {data} for at most {train_minutes} min each "
+        + (f"(heads {head_minutes} min) " if heads and head_minutes != train_minutes else "") +
         f"(patience {patience} epochs; alpha = {alpha}); WS@K: {users} test users at batch 1, median of {repeats} "
         f"runs, speed-up over beam search; AS@K: accepted steps per user over {as_users} test users; N = {draft_beams}; relaxed at T = 1. "
         f"Strict rows returned beam search's items for every timed user: {'yes' if strict_same else 'NO'}.",
@@ -230,6 +238,6 @@ def run(out: Path, target: Path, data: Path, work: Path, ks: Sequence[int] = (1,
     write_results(out, name, {"users": users, "as_users": as_users, "repeats": repeats, "alpha": alpha,
                               "kinds": list(kinds), "rows": rows, "ranking": orders, "validation": valid,
                               "quality": quality, "alpha_curve": curve, "train_minutes": train_minutes,
-                              "patience": patience}, markdown)
+                              "head_minutes": head_minutes if heads else None, "patience": patience}, markdown)
     _plot(out / f"{name}_as.png", rows, kinds, ks)  # after the figures are safe on disk
     return markdown
