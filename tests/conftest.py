@@ -90,3 +90,42 @@ def ml100k():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return _require_asset("smollm2")
+
+
+@pytest.fixture(scope="session")
+def trained_models(ml100k, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft-tiny target and a weaker draft-tiny draft, trained on MovieLens-100K (leave-one-out)
+    over identifiers made from the item number (three levels of 16), in ``target/`` and ``draft/``:
+    trained once per test run for every module and xdist worker that uses them (in the run's
+    common temporary folder, under a file lock). Modules take their own copy (``tests.test_serve.models``)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if shared.name.startswith("popen-gw") else shared  # xdist: the workers' common parent
+    root = shared / "serve-models"
+    with FileLock(str(shared / "serve-models.lock")):
+        if not (root / "done").is_file():
+            train_models(ml100k, root)
+            (root / "done").touch()
+    return root
+
+
+def train_models(ml100k, root: Path) -> None:
+    """The two models of :func:`trained_models`, trained into ``root`` (replaced if half-made)."""
+    import shutil
+
+    import numpy as np
+
+    from recspec.fit import fit
+    from recspec.itemids.index import ItemIndex
+    from recspec.models.train import TrainConfig
+
+    shutil.rmtree(root, ignore_errors=True)
+    n = len(ml100k.item_ids)
+    codes = np.stack([np.arange(n) // 256, (np.arange(n) // 16) % 16, np.arange(n) % 16], axis=1)
+    ItemIndex.from_codes(ml100k.item_ids, codes).save(root / "ids" / "item_index.json")
+    for name, examples, seed in (("target", 6000, 0), ("draft", 1500, 1)):
+        config = TrainConfig(epochs=1, batch_size=128, lr=3e-3, warmup_steps=10, max_train_examples=examples,
+                             seed=seed, precision="fp32")
+        fit("ml-100k", root / name, "draft-tiny", ids=root / "ids", split_kind="loo", config=config,
+            valid_users=32, progress=False)

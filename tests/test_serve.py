@@ -36,18 +36,15 @@ K = 10
 
 
 @pytest.fixture(scope="module")
-def models(ml100k, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def models(trained_models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A draft-tiny target and a weaker draft-tiny draft, trained on MovieLens-100K (leave-one-out)
-    over identifiers made from the item number (three levels of 16)."""
+    over identifiers made from the item number (three levels of 16): this module's own copy of
+    :func:`trained_models`, so that what `auto` keeps beside a model (timings) is the module's own."""
+    import shutil
+
     root = tmp_path_factory.mktemp("serve")
-    n = len(ml100k.item_ids)
-    codes = np.stack([np.arange(n) // 256, (np.arange(n) // 16) % 16, np.arange(n) % 16], axis=1)
-    ItemIndex.from_codes(ml100k.item_ids, codes).save(root / "ids" / "item_index.json")
-    for name, examples, seed in (("target", 6000, 0), ("draft", 1500, 1)):
-        config = TrainConfig(epochs=1, batch_size=128, lr=3e-3, warmup_steps=10, max_train_examples=examples,
-                             seed=seed, precision="fp32")
-        fit("ml-100k", root / name, "draft-tiny", ids=root / "ids", split_kind="loo", config=config,
-            valid_users=32, progress=False)
+    for name in ("target", "draft"):
+        shutil.copytree(trained_models / name, root / name)
     return root / "target", root / "draft"
 
 
