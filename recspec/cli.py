@@ -360,6 +360,8 @@ def align_train(
     head: Annotated[bool, typer.Option(help="Train a feature-level draft head over the target's hidden states "
                                             "instead of a draft model (needs --target).")] = False,
     head_layers: Annotated[int, typer.Option(help="Blocks of the head.")] = 1,
+    head_attention: Annotated[int, typer.Option(help="Attention heads with which the head reads the target's "
+                                                     "features at the prompt's tokens (0: it does not).")] = 0,
     feature_weight: Annotated[float, typer.Option(help="Weight of the head's feature regression loss.")] = 1.0,
     epochs: int = 10,
     batch_size: int = 64,
@@ -383,6 +385,10 @@ def align_train(
     config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
                          seed=seed, precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads)
     _positive(eval_users=eval_users, eval_k=eval_k, head_layers=head_layers)
+    if head_attention < 0:
+        raise RecspecError(f"--head-attention must be at least 0, got {head_attention}")
+    if head_attention and not head:
+        raise RecspecError("--head-attention shapes a head: use it with --head")
     if head and target is None:
         raise RecspecError("--head needs --target: a head drafts from that target's features")
     if not math.isfinite(feature_weight) or feature_weight < 0:
@@ -392,7 +398,7 @@ def align_train(
             from recspec.align.train import head_fit
 
             result = head_fit(data, target, out, method, alpha, head_layers, feature_weight, config, eval_users,
-                              eval_k, overwrite=overwrite)
+                              eval_k, overwrite=overwrite, context_heads=head_attention)
         else:
             result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k,
                                overwrite=overwrite)

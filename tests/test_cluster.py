@@ -155,17 +155,18 @@ def test_bad_input_is_one_line(cluster, models, tmp_path: Path) -> None:
 def test_knowledge_on_ray_equals_one_process_and_resumes(cluster, task, old_store, smollm2_dir,  # noqa: F811
                                                           tmp_path: Path) -> None:
     """LASER, whose workers also read the retrieval pool (plain greedy generation is the same job
-    without it: each Ray job starts workers that load SmolLM2, about 40 s of a 2-core machine)."""
+    without it: each Ray job starts workers that load SmolLM2, about 40 s of a 2-core machine), on
+    a store that one process began: the Ray job does only what is missing, and the whole equals
+    the one-process store."""
     runner = ray_runner({"model": str(smollm2_dir), "dataset": "ml-100k"}, TWO)
-    for name, config, pool in (("laser", KnowledgeConfig(side="item", method="laser", verification=GREEDY,
-                                                         max_new_tokens=8), old_store),):
-        local, ray_store = tmp_path / f"{name}-local.db", tmp_path / f"{name}-ray.db"
-        run_job(task, config, local, pool, limit=4, progress=False)
-        first = run_job(task, config, ray_store, pool, limit=2, progress=False, runner=runner)
-        rest = run_job(task, config, ray_store, pool, limit=4, progress=False, runner=runner)
-        assert (first.requests, rest.skipped, rest.requests) == (2, 2, 2), name
-        rows = {row.entity: (row.text, row.tokens) for row in read_rows(ray_store)}
-        assert len(rows) == len(list(read_rows(ray_store))) == 4
-        assert rows == {row.entity: (row.text, row.tokens) for row in read_rows(local)}, name
+    config = KnowledgeConfig(side="item", method="laser", verification=GREEDY, max_new_tokens=8)
+    local, ray_store = tmp_path / "laser-local.db", tmp_path / "laser-ray.db"
+    run_job(task, config, local, old_store, limit=4, progress=False)
+    first = run_job(task, config, ray_store, old_store, limit=2, progress=False)
+    rest = run_job(task, config, ray_store, old_store, limit=4, progress=False, runner=runner)
+    assert (first.requests, rest.skipped, rest.requests) == (2, 2, 2)
+    rows = {row.entity: (row.text, row.tokens) for row in read_rows(ray_store)}
+    assert len(rows) == len(list(read_rows(ray_store))) == 4
+    assert rows == {row.entity: (row.text, row.tokens) for row in read_rows(local)}
     with pytest.raises(RecspecError, match="drafts from the job's own texts"):
         check_shared_pools(KnowledgeConfig(side="item", part="old", method="resd", verification=GREEDY), None)

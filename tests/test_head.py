@@ -32,12 +32,12 @@ from tests.test_speculative import small_llama
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_head(setup: Setup, seed: int, scale: float = 1.0) -> HeadDraft:
-    """An untrained head over ``setup``'s target, its weights perturbed by ``scale`` so that it
-    disagrees with the target."""
+def random_head(setup: Setup, seed: int, scale: float = 1.0, context_heads: int = 0) -> HeadDraft:
+    """An untrained head over ``setup``'s target (attending over the prompt's features with
+    ``context_heads`` heads), its weights perturbed by ``scale`` so that it disagrees with the target."""
     torch.manual_seed(seed)
     head = DraftHead(HeadConfig(hidden=setup.model.config.hidden_size, intermediate=48, layers=1,
-                                levels=setup.trie.depth))
+                                levels=setup.trie.depth, context_heads=context_heads))
     with torch.no_grad():
         for parameter in head.parameters():
             parameter.add_(scale * torch.randn_like(parameter) * 0.1)
@@ -54,7 +54,8 @@ def test_strict_with_a_head_equals_beam_search(setup: Setup, k: int) -> None:
     reference = beam_search(setup.model, setup.prompts, setup.trie, k, PAD)
     longest = setup.trie.depth - 1
     for seed, n, gamma, batch in ((0, k, None, None), (1, 2 * k, 1, 3), (2, 4 * k, None, 1), (3, 3 * k, longest, 4)):
-        result = speculative_beam_search(setup.model, random_head(setup, seed), setup.prompts, setup.trie, k, PAD,
+        head = random_head(setup, seed, context_heads=seed % 2 * 2)  # seeds 1 and 3 attend over the prompt
+        result = speculative_beam_search(setup.model, head, setup.prompts, setup.trie, k, PAD,
                                          SpecConfig(draft_beams=n, gamma=gamma), batch_size=batch)
         assert torch.equal(result.topk.items, reference.items), (seed, n, gamma, batch)
         torch.testing.assert_close(result.topk.scores, reference.scores, atol=1e-4, rtol=0)
@@ -70,7 +71,7 @@ def test_strict_with_a_model_then_a_head_equals_beam_search(setup: Setup, k: int
     reference = beam_search(setup.model, setup.prompts, setup.trie, k, PAD)
     draft = small_llama(setup.model.config.vocab_size, seed=7)
     for seed, n, gamma, batch in ((5, k, None, None), (6, 2 * k, 1, 3), (7, 3 * k, None, 1)):
-        pair = HybridPair(draft, random_head(setup, seed))
+        pair = HybridPair(draft, random_head(setup, seed, context_heads=seed % 2 * 2))  # 5 and 7 attend
         result = speculative_beam_search(setup.model, pair, setup.prompts, setup.trie, k, PAD,
                                          SpecConfig(draft_beams=n, gamma=gamma), batch_size=batch)
         assert torch.equal(result.topk.items, reference.items), (seed, n, gamma, batch)
@@ -79,6 +80,39 @@ def test_strict_with_a_model_then_a_head_equals_beam_search(setup: Setup, k: int
     perfect = speculative_beam_search(setup.model, HybridPair(setup.model, random_head(setup, 0)), setup.prompts,
                                       setup.trie, k, PAD, SpecConfig(draft_beams=k))
     assert (perfect.stats.target_calls == 1).all()  # the model drafts the first round, in the prompt's call
+
+
+def test_an_attending_head_reads_each_users_own_prompt() -> None:
+    """The attention reads the real prompt tokens only (what lies under the mask does not matter),
+    what it reads changes the guess, and a batch drafts for each user from that user's prompt:
+    the same drafts, so the same acceptance per user, whether users run alone or batched with
+    prompts of other lengths."""
+    head = DraftHead(HeadConfig(hidden=16, intermediate=32, layers=1, levels=3, context_heads=2))
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    parent, embedded, level = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.zeros(2, 3, dtype=torch.int64)
+    context, mask = torch.randn(2, 5, 16), torch.tensor([[True] * 5, [True, True, True, False, False]])
+    guess = head(parent, embedded, level, (context, mask))
+    masked = context.clone()
+    masked[1, 3:] = 100.0
+    torch.testing.assert_close(head(parent, embedded, level, (masked, mask)), guess)
+    moved = context.clone()
+    moved[1, 0] += 1.0
+    assert not torch.allclose(head(parent, embedded, level, (moved, mask))[1], guess[1])
+    torch.testing.assert_close(head(parent, embedded, level, (moved, mask))[0], guess[0])
+    with pytest.raises(RuntimeError, match="attends over the prompt's features"):
+        head(parent, embedded, level)
+    with pytest.raises(RecspecError, match="do not divide"):
+        HeadConfig(hidden=16, intermediate=32, layers=1, levels=3, context_heads=3).check()
+
+    setup = SETUPS["L3"]()
+    drafter = random_head(setup, 11, scale=0.2, context_heads=2)
+    alone = speculative_beam_search(setup.model, drafter, setup.prompts, setup.trie, 3, PAD,
+                                    SpecConfig(draft_beams=12, gamma=1), batch_size=1).stats
+    batched = speculative_beam_search(setup.model, drafter, setup.prompts, setup.trie, 3, PAD,
+                                      SpecConfig(draft_beams=12, gamma=1), batch_size=len(setup.prompts)).stats
+    assert torch.equal(alone.accepted_steps, batched.accepted_steps) and int(alone.accepted_steps.sum()) > 0
 
 
 def test_relaxed_with_a_head_returns_k_real_items() -> None:
@@ -129,9 +163,9 @@ def test_features_are_kept_before_training_and_equal_those_computed_lazily(small
     target_dir, _ = small_target
     recommender = Recommender.load(target_dir)
 
-    def task(out: Path) -> HeadAlignmentTask:
+    def task(out: Path) -> HeadAlignmentTask:  # a head that attends: the prompt's features are kept too
         head = DraftHead(HeadConfig(hidden=recommender.model.config.hidden_size, intermediate=32, layers=1,
-                                    levels=recommender.trie.depth))
+                                    levels=recommender.trie.depth, context_heads=2))
         bound = bind_head(head, recommender.model, recommender.tokenizer, recommender.index)
         base = AlignmentTask.load(alignment_data, recommender.encoder, recommender.trie, "sft", 0.5)
         return HeadAlignmentTask(base, bound, HeadStore(out, {}, {}))
@@ -141,8 +175,13 @@ def test_features_are_kept_before_training_and_equal_those_computed_lazily(small
     assert set(eager.kept) == {(i, row) for i, part in enumerate(PARTS) for row in range(len(eager.data[part]))}
     for part in PARTS:
         batch = lazy.batch(np.arange(5), part)
-        torch.testing.assert_close(eager.target_features(batch, None), lazy.target_features(batch, None),
-                                   atol=1e-3, rtol=2e-3)
+        (nodes, (context, mask)), (lazy_nodes, lazy_context) = (eager.target_features(batch, None),
+                                                                lazy.target_features(batch, None))
+        torch.testing.assert_close(nodes, lazy_nodes, atol=1e-3, rtol=2e-3)
+        torch.testing.assert_close((context, mask), lazy_context, atol=1e-3, rtol=2e-3)
+        assert torch.equal(mask.sum(dim=1), batch["attention_mask"].sum(dim=1))  # every real prompt token
+        last = context[torch.arange(len(context)), mask.sum(dim=1) - 1]  # the last prompt token is the root
+        torch.testing.assert_close(last, nodes[:, 0], atol=1e-3, rtol=2e-3)
     assert len(lazy.kept) == 10
 
 
@@ -152,10 +191,15 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     target_dir, _ = small_target
     config = TrainConfig(epochs=3, batch_size=32, lr=0.003, warmup_steps=2, precision="fp32", patience=3)
     result = head_fit(alignment_data, target_dir, tmp_path / "head", "atspeed-s", config=config, eval_users=20,
-                      eval_k=5, progress=False)
+                      eval_k=5, progress=False, context_heads=2)  # a head that attends over the prompt
     losses = [row["train_loss"] for row in result.history if "train_loss" in row]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert result.metric == "accepted_steps" and 0 < result.best_value <= 2
+    saved = json.loads((tmp_path / "head" / "best" / "head.json").read_text())
+    assert saved["config"]["context_heads"] == 2 and saved["shape"] == {"layers": 1, "context_heads": 2}
+    with pytest.raises(RecspecError, match="a head trained otherwise"):  # resumed with another shape: refused
+        head_fit(alignment_data, target_dir, tmp_path / "head", "atspeed-s", config=config, eval_users=20,
+                 eval_k=5, progress=False)
 
     recommender = Recommender.load(target_dir, draft_dir=tmp_path / "head")
     assert isinstance(recommender.draft, HeadDraft)
@@ -220,11 +264,14 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
 
     cli = recspec("align", "train", "--head", "--data", str(alignment_data), "--out", str(tmp_path / "cli"),
                   "--target", str(target_dir), "--epochs", "1", "--precision", "fp32", "--batch-size", "32",
-                  "--eval-users", "10", "--eval-k", "5")
+                  "--eval-users", "10", "--eval-k", "5", "--head-attention", "4")
     assert cli.returncode == 0, cli.stderr
-    assert (tmp_path / "cli" / "best" / "head.json").is_file()
+    assert json.loads((tmp_path / "cli" / "best" / "head.json").read_text())["config"]["context_heads"] == 4
     no_target = recspec("align", "train", "--head", "--data", str(alignment_data), "--out", str(tmp_path / "x"))
     assert no_target.returncode == 2 and "--head needs --target" in no_target.stderr
+    no_head = recspec("align", "train", "--head-attention", "2", "--data", str(alignment_data), "--out",
+                      str(tmp_path / "x"))
+    assert no_head.returncode == 2 and "use it with --head" in no_head.stderr
     dsbd = recspec("recommend", "--target", str(target_dir), "--decoder", "dsbd", "--draft", str(tmp_path / "head"),
                    "--k", "5", "--out", str(tmp_path / "dsbd.jsonl"))
     assert dsbd.returncode == 2 and "dsbd drafts with a draft model" in dsbd.stderr

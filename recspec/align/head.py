@@ -11,7 +11,10 @@ position, a deeper node the head's own guess at its parent. Its distributions at
 the same alignment losses as a draft model's (AtSpeed-S / -R, WordKD, SeqKD, TVDKD, SFT:
 :class:`~recspec.align.task.AlignmentTask`), with the target's exact level-1 distribution at the
 root (a head never drafts level 1), plus EAGLE's feature regression: ``feature_weight`` times the
-smooth-L1 distance between the guessed and the true features.
+smooth-L1 distance between the guessed and the true features. For a head that attends
+(``context_heads``), the same forward also gives the target's features at every real prompt
+token, kept with the nodes' (float16, about ``T x H x 2`` bytes more per prompt) and read by the
+head's attention as it reads them when drafting.
 
 The folder is a head folder (``best/``: :func:`~recspec.models.head.save_head`), tied to the
 target's weights and item index; the checkpoint is the head's weights with the trainer's state
@@ -111,14 +114,18 @@ class HeadAlignmentTask(AlignmentTask):
         return {**out, "rows": torch.as_tensor(rows, dtype=torch.int64),
                 "part": torch.tensor(PARTS.index(part))}
 
-    def target_features(self, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    def target_features(self, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The frozen target's features at the root and at every node of the batch: float32
-        ``[B, 1 + M, H]`` (zeros at padding nodes). Computed by one target forward over the prompts
-        and the node tree the first time a row is seen, then kept (float16, per row: the data
-        does not change between epochs)."""
+        ``[B, 1 + M, H]`` (zeros at padding nodes); for a head that attends, also the features at
+        the prompts' real tokens, float32 ``[B, T, H]`` with their mask bool ``[B, T]`` (real
+        tokens first), else None. Computed by one target forward over the prompts and the node
+        tree the first time a row is seen, then kept (float16, per row: the data does not change
+        between epochs)."""
         parents, tokens = batch["node_parents"], batch["node_tokens"]
         counts = 1 + batch["real"][:, 1:].any(dim=2).sum(dim=1)  # root + real nodes (they come first)
         keys = [(int(batch["part"]), row) for row in batch["rows"].tolist()]
+        attends = self.bound.attends
         if any(key not in self.kept for key in keys):
             visible, depths = tree_view(parents, batch["attention_mask"])
             lengths = batch["attention_mask"].sum(dim=1)
@@ -126,12 +133,21 @@ class HeadAlignmentTask(AlignmentTask):
             with torch.no_grad(), autocast(tokens.device, autocast_dtype):
                 features = forward_features(target, None, *prompt_and_tree(
                     batch["input_ids"], batch["attention_mask"], batch["position_ids"], tokens, visible,
-                    lengths[:, None] + depths))[1]
-            for key, row, count in zip(keys, features, counts.tolist()):
-                self.kept[key] = row[:count].to("cpu", torch.float16)
-        rows = torch.nn.utils.rnn.pad_sequence([self.kept[key] for key in keys], batch_first=True)
+                    lengths[:, None] + depths), all_features=attends)[1]
+            real = batch["attention_mask"].bool()
+            for i, (key, count) in enumerate(zip(keys, counts.tolist())):
+                nodes = features[i, features.shape[1] - tokens.shape[1] - 1:][:count].to("cpu", torch.float16)
+                prompt = features[i, :real.shape[1]][real[i]].to("cpu", torch.float16) if attends else None
+                self.kept[key] = (nodes, prompt)
+        rows = torch.nn.utils.rnn.pad_sequence([self.kept[key][0] for key in keys], batch_first=True)
         rows = torch.nn.functional.pad(rows, (0, 0, 0, tokens.shape[1] + 1 - rows.shape[1]))
-        return rows.to(tokens.device, torch.float32)
+        if not attends:
+            return rows.to(tokens.device, torch.float32), None
+        prompts = [self.kept[key][1] for key in keys]
+        lengths = torch.as_tensor([len(prompt) for prompt in prompts], device=tokens.device)
+        mask = torch.arange(int(lengths.max()), device=tokens.device)[None, :] < lengths[:, None]
+        context = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(tokens.device, torch.float32)
+        return rows.to(tokens.device, torch.float32), (context, mask)
 
     def keep_features(self, device: torch.device, autocast_dtype: torch.dtype | None, batch_size: int = 64,
                       progress: bool = True) -> None:
@@ -155,7 +171,7 @@ class HeadAlignmentTask(AlignmentTask):
         bound = self.bound
         parents, tokens = batch["node_parents"], batch["node_tokens"]  # [B, M]
         depths = tree_view(parents, batch["attention_mask"])[1]
-        features = self.target_features(batch, autocast_dtype)  # [B, 1 + M, H]: the root, then the nodes
+        features, context = self.target_features(batch, autocast_dtype)  # [B, 1 + M, H]: the root, then the nodes
         real = batch["real"][:, 1:].any(dim=2)  # [B, M]
         guessed = torch.zeros_like(features[:, 1:])
         with autocast(tokens.device, autocast_dtype):
@@ -163,7 +179,7 @@ class HeadAlignmentTask(AlignmentTask):
                 above = guessed.gather(1, parents.clamp(min=0)[:, :, None].expand_as(guessed))
                 parent = torch.where((parents < 0)[:, :, None], features[:, :1].expand_as(guessed), above)
                 now = (depths == depth) & real
-                guessed = torch.where(now[:, :, None], bound.features(parent, tokens, depths).float(), guessed)
+                guessed = torch.where(now[:, :, None], bound.features(parent, tokens, depths, context).float(), guessed)
         feature_loss = torch.nn.functional.smooth_l1_loss(guessed[real], features[:, 1:][real])
         rows = bound.id_log_probs(guessed)  # [B, M, V_id]
         ids = bound.token_ids.to(tokens.device)

@@ -93,10 +93,11 @@ def align_fit(data_dir: Path, out_dir: Path, method: str, alpha: float = 0.5, pr
 def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha: float = 0.5,
              layers: int = 1, feature_weight: float = 1.0, config: TrainConfig | None = None,
              eval_users: int = 256, eval_k: int = 10, eval_beams: int = 40, overwrite: bool = False,
-             progress: bool = True) -> TrainResult:
+             progress: bool = True, context_heads: int = 0) -> TrainResult:
     """Train a draft head for the target of ``target_dir`` on its alignment data ``data_dir``
     (:mod:`recspec.align.head`): ``layers`` blocks of the target's width with an MLP of twice
-    that; epochs selected by validation acceptance."""
+    that, attending over the prompt's features with ``context_heads`` heads (0: not at all);
+    epochs selected by validation acceptance."""
     from recspec.align.head import HeadAlignmentTask, HeadStore
     from recspec.models.head import DraftHead, bind_head, head_fingerprint
     from recspec.recommend import Recommender
@@ -110,11 +111,13 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
         raise RecspecError(f"{data_dir}: alignment data made for another item index than {target_dir}'s")
     out_dir = prepare_training_dir(out_dir, overwrite)
     hidden = recommender.model.config.get_text_config().hidden_size
-    head = HeadConfig(hidden=hidden, intermediate=2 * hidden, layers=layers, levels=recommender.trie.depth)
+    head = HeadConfig(hidden=hidden, intermediate=2 * hidden, layers=layers, levels=recommender.trie.depth,
+                      context_heads=context_heads)
+    head.check()
     torch.manual_seed(config.seed)
     model = DraftHead(head)
     bound = bind_head(model, recommender.model, recommender.tokenizer, recommender.index)
-    info = {"target": str(Path(target_dir).resolve()),
+    info = {"target": str(Path(target_dir).resolve()), "shape": {"layers": layers, "context_heads": context_heads},
             "alignment": {"method": method, "alpha": alpha, "feature_weight": feature_weight,
                           "data": str(Path(data_dir).resolve())}}
     store = HeadStore(out_dir, head_fingerprint(trained_model_dir(target_dir), recommender.index), info)

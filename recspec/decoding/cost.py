@@ -146,15 +146,19 @@ def measure_cost_model(model, prompt_len: int, repeats: int = 10, sizes: Sequenc
 
 
 @torch.inference_mode()
-def measure_head_cost(head: HeadDraft, repeats: int = 10, sizes: Sequence[int] = COST_SIZES) -> CallCost:
+def measure_head_cost(head: HeadDraft, repeats: int = 10, sizes: Sequence[int] = COST_SIZES,
+                      prompt_len: int = 64) -> CallCost:
     """``F`` and ``r`` of one drafting step of a head (:class:`~recspec.models.head.HeadDraft`):
-    guessed features and log-probs for ``n`` nodes of one row, for each of ``sizes``."""
+    guessed features and log-probs for ``n`` nodes of one row, for each of ``sizes`` (over a
+    prompt of ``prompt_len`` features for a head that attends)."""
     hidden = head.head.config.hidden
+    context = ((torch.randn(1, prompt_len, hidden, device=head.device),
+                torch.ones(1, prompt_len, dtype=torch.bool, device=head.device)) if head.attends else None)
     seconds = []
     for n in sizes:
         parent = torch.randn(1, n, hidden, device=head.device)
         tokens = head.token_ids[torch.arange(n, device=head.device) % len(head.token_ids)][None]
         level = torch.zeros(1, n, dtype=torch.int64, device=head.device)
-        seconds.append(median_seconds(lambda: head.log_probs(head.features(parent, tokens, level)), head.device,
-                                      repeats))
+        seconds.append(median_seconds(lambda: head.log_probs(head.features(parent, tokens, level, context)),
+                                      head.device, repeats))
     return fit_call_cost(list(sizes), seconds)

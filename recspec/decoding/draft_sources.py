@@ -92,10 +92,14 @@ class ModelDraft:
 @dataclass
 class FeatureDraft:
     """A draft head (:class:`~recspec.models.head.HeadDraft`): level 0's nodes take the target's
-    feature at their parent (``front.draft_state``), deeper levels the head's own guess at theirs."""
+    feature at their parent (``front.draft_state``), deeper levels the head's own guess at theirs.
+    A head that attends also reads the target's features at the prompt's tokens, kept from the
+    first round by batch row (``context``: ``[B, P, H]`` and the prompts' mask ``[B, P]``) and
+    picked by :attr:`Frontier.users`, so the users that finish early need no narrowing here."""
 
     head: HeadDraft
     guessed: list[torch.Tensor] = field(default_factory=list)  # this round's features, per level
+    context: tuple[torch.Tensor, torch.Tensor] | None = None
     wants_features = True
     feature_layers = ()
     caches = ()
@@ -107,7 +111,8 @@ class FeatureDraft:
         level, j = levels[-1], len(levels) - 1
         parent = parent_features(levels, front, self.guessed)
         depth = (front.depth - 1 + j)[:, None].expand_as(level.tokens)  # 0-based level of the nodes' tokens
-        feature = self.head.features(parent.to(self.head.device), level.tokens, depth)
+        context = None if self.context is None else tuple(part[front.users] for part in self.context)
+        feature = self.head.features(parent.to(self.head.device), level.tokens, depth, context)
         self.guessed = [*self.guessed[:j], feature]
         return self.head.log_probs(feature)
 
@@ -116,6 +121,8 @@ class FeatureDraft:
 
     def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
+        if prompts is not None and self.head.attends:  # the first round: the prompt's columns come first
+            self.context = (features[:, :prompts.input_ids.shape[1]], prompts.attention_mask.bool())
         return at_parents(features, levels, parent_at)
 
 
@@ -146,7 +153,7 @@ class HybridDraft:
 
     def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
-        return at_parents(features, levels, parent_at)
+        return self.head.scored(levels, features, prompts, front, beams, parent_at)
 
 
 @dataclass

@@ -11,9 +11,15 @@ prompt. At a tree node whose parent the target has seen, the target's last hidde
 
 and the target's own output layer, restricted to the identifier tokens, turns ``h_hat`` into the
 draft's distribution over the next identifier token. Deeper levels of a round feed the head its
-own ``h_hat`` as the parent feature (autoregressive in feature space). A head never attends: it
-sees the prompt only through the target's feature, so it keeps no KV cache and a draft step over
-``n`` nodes is a few ``[n, H] x [H, *]`` products, no prompt, no framework overhead per layer.
+own ``h_hat`` as the parent feature (autoregressive in feature space). A plain head never attends:
+it sees the prompt only through the target's feature at the parent, so it keeps no KV cache and a
+draft step over ``n`` nodes is a few ``[n, H] x [H, *]`` products, no prompt, no framework
+overhead per layer. With ``context_heads > 0`` the head also attends, once, from every node over
+the target's features at the user's prompt tokens (``u = u + Attn(norm(u), P)`` before the blocks,
+``P``: the prompt's ``[T, H]`` features, which the target's first call computes anyway): which
+history items bear on the next level depends on the token just chosen, and one feature at the
+parent, shaped to predict that token, does not carry it (BENCHMARKS.md, "Why the Beauty heads
+plateau"). Its output projection starts at zero, so a new attending head starts as the plain one.
 
 The folder a head is saved in (:func:`save_head`, :func:`load_head`) holds ``head.safetensors``
 (its own weights only, never the target's), ``head.json`` (shape, and the fingerprint of what it
@@ -47,16 +53,20 @@ HEAD_FORMAT = "recspec-head/1"
 @dataclass(frozen=True)
 class HeadConfig:
     """``hidden``: the target's hidden size; ``intermediate``: the MLP width; ``layers``: blocks;
-    ``levels``: identifier length L (one level embedding per level)."""
+    ``levels``: identifier length L (one level embedding per level); ``context_heads``: attention
+    heads over the prompt's features (0: none; they must divide ``hidden``)."""
 
     hidden: int
     intermediate: int
     layers: int
     levels: int
+    context_heads: int = 0
 
     def check(self) -> None:
-        if min(self.hidden, self.intermediate, self.layers, self.levels) < 1:
+        if min(self.hidden, self.intermediate, self.layers, self.levels) < 1 or self.context_heads < 0:
             raise RecspecError(f"a head needs positive sizes, got {self}")
+        if self.context_heads and self.hidden % self.context_heads:
+            raise RecspecError(f"a head's {self.context_heads} attention heads do not divide its width {self.hidden}")
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +97,34 @@ class Block(nn.Module):
         return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
 
 
+class ContextAttention(nn.Module):
+    """Attention from nodes over the prompt's features (``heads`` heads of ``hidden / heads``);
+    ``out`` starts at zero."""
+
+    def __init__(self, hidden: int, heads: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm, self.context_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.query = nn.Linear(hidden, hidden, bias=False)
+        self.key_value = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        with torch.no_grad():
+            nn.init.normal_(self.query.weight, std=0.02)
+            nn.init.normal_(self.key_value.weight, std=0.02)
+            nn.init.zeros_(self.out.weight)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x``: float ``[B, n, H]`` (the nodes); ``context``: float ``[B, T, H]`` (the prompt's
+        features); ``mask``: bool ``[B, T]``, True on real prompt tokens. Returns ``[B, n, H]``."""
+        batch, n, hidden = x.shape
+        split = (batch, -1, self.heads, hidden // self.heads)
+        query = self.query(self.norm(x)).view(split).transpose(1, 2)  # [B, heads, n, d]
+        key, value = self.key_value(self.context_norm(context.to(x.dtype))).chunk(2, dim=-1)
+        key, value = key.reshape(split).transpose(1, 2), value.reshape(split).transpose(1, 2)  # [B, heads, T, d]
+        attended = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None, None, :])
+        return self.out(attended.transpose(1, 2).reshape(batch, n, hidden))
+
+
 class DraftHead(nn.Module):
     """The head's own parameters (see the module doc). :meth:`forward` maps parent features,
     token embeddings and levels to the guessed features of the nodes."""
@@ -97,6 +135,7 @@ class DraftHead(nn.Module):
         self.config = config
         self.fc = nn.Linear(2 * config.hidden, config.hidden, bias=False)
         self.level = nn.Embedding(config.levels, config.hidden)
+        self.context = ContextAttention(config.hidden, config.context_heads) if config.context_heads else None
         self.blocks = nn.ModuleList(Block(config.hidden, config.intermediate) for _ in range(config.layers))
         self.norm_out = RMSNorm(config.hidden)
         with torch.no_grad():  # start as "the parent's feature": the first guess is the parent's distribution
@@ -108,11 +147,18 @@ class DraftHead(nn.Module):
                 nn.init.normal_(block.up.weight, std=0.02)
                 nn.init.zeros_(block.down.weight)
 
-    def forward(self, parent: torch.Tensor, embedded: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
-        """``parent``, ``embedded``: float ``[..., H]``; ``level``: int64 ``[...]`` (0-based level of
-        the node's token, clamped to the table). Returns float ``[..., H]``."""
+    def forward(self, parent: torch.Tensor, embedded: torch.Tensor, level: torch.Tensor,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``parent``, ``embedded``: float ``[B, n, H]``; ``level``: int64 ``[B, n]`` (0-based level
+        of the node's token, clamped to the table); ``context``: the prompt's features float
+        ``[B, T, H]`` and their mask bool ``[B, T]`` (needed when the head attends, else unused).
+        Returns float ``[B, n, H]``."""
         u = self.fc(torch.cat((parent, embedded.to(parent.dtype)), dim=-1))
         u = u + self.level(level.clamp(0, self.config.levels - 1))
+        if self.context is not None:
+            if context is None:
+                raise RuntimeError("this head attends over the prompt's features: pass them")
+            u = u + self.context(u, *context)
         for block in self.blocks:
             u = block(u)
         return self.norm_out(u)
@@ -135,12 +181,18 @@ class HeadDraft:
     def device(self) -> torch.device:
         return self.token_ids.device
 
-    def features(self, parent: torch.Tensor, tokens: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
-        """Guessed target features ``[..., H]`` of nodes with tokens ``tokens`` (int64 ``[...]``) at
-        0-based identifier level ``level`` (int64 ``[...]``), under parents with features ``parent``
-        ``[..., H]``."""
+    @property
+    def attends(self) -> bool:
+        """Whether the head reads the prompt's features (:class:`ContextAttention`)."""
+        return self.head.context is not None
+
+    def features(self, parent: torch.Tensor, tokens: torch.Tensor, level: torch.Tensor,
+                 context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Guessed target features ``[B, n, H]`` of nodes with tokens ``tokens`` (int64 ``[B, n]``)
+        at 0-based identifier level ``level`` (int64 ``[B, n]``), under parents with features
+        ``parent`` ``[B, n, H]``; ``context`` as :meth:`DraftHead.forward`."""
         embedded = self.target.get_input_embeddings()(tokens)
-        return self.head(parent, embedded, level)
+        return self.head(parent, embedded, level, context)
 
     def id_log_probs(self, feature: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., V_id]``: log-softmax over the identifier tokens of the target's output
