@@ -272,6 +272,10 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     no_head = recspec("align", "train", "--head-attention", "2", "--data", str(alignment_data), "--out",
                       str(tmp_path / "x"))
     assert no_head.returncode == 2 and "use it with --head" in no_head.stderr
+    uneven = recspec("align", "train", "--head", "--head-attention", "3", "--data", str(alignment_data), "--out",
+                     str(tmp_path / "uneven"), "--target", str(target_dir))
+    assert uneven.returncode == 2 and "do not divide its width 128" in uneven.stderr
+    assert not (tmp_path / "uneven").exists()  # refused before the folder is made
     dsbd = recspec("recommend", "--target", str(target_dir), "--decoder", "dsbd", "--draft", str(tmp_path / "head"),
                    "--k", "5", "--out", str(tmp_path / "dsbd.jsonl"))
     assert dsbd.returncode == 2 and "dsbd drafts with a draft model" in dsbd.stderr

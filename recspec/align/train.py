@@ -109,11 +109,11 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
     recommender = Recommender.load(target_dir)
     if index_fingerprint(recommender.index) != manifest["index_fingerprint"]:
         raise RecspecError(f"{data_dir}: alignment data made for another item index than {target_dir}'s")
-    out_dir = prepare_training_dir(out_dir, overwrite)
     hidden = recommender.model.config.get_text_config().hidden_size
     head = HeadConfig(hidden=hidden, intermediate=2 * hidden, layers=layers, levels=recommender.trie.depth,
                       context_heads=context_heads)
-    head.check()
+    head.check()  # before the folder is made: a bad shape leaves nothing behind
+    out_dir = prepare_training_dir(out_dir, overwrite)
     torch.manual_seed(config.seed)
     model = DraftHead(head)
     bound = bind_head(model, recommender.model, recommender.tokenizer, recommender.index)
