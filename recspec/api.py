@@ -41,7 +41,7 @@ from pydantic import ValidationError
 
 from recspec.cluster.knowledge import check_shared_pools, ray_runner
 from recspec.cluster.recommend import RayReport, recommend_on_ray
-from recspec.cluster.runtime import Workers
+from recspec.cluster.runtime import Engine
 from recspec.devices import resolve_device
 from recspec.errors import RecspecError
 from recspec.fileio import check_output_file, check_writable_dir
@@ -111,22 +111,6 @@ def load(target: str | Path, draft: str | Path | None = None, decoder: str = "au
         torch.set_num_threads(threads)
     recommender = Recommender.load(target, device=str(resolve_device(device)), draft_dir=draft)
     return RecspecModel(RecommendService(recommender, decoder, DecodeOptions(draft_beams=draft_beams)))
-
-
-@dataclass(frozen=True)
-class Engine:
-    """Where a batch job runs: ``local`` (this process) or ``ray`` (actors of the Ray cluster at
-    ``address``, or of a local one started for the job when None; ``workers`` the pool)."""
-
-    name: str = "local"
-    address: str | None = None
-    workers: Workers = Workers(count=2)
-
-    def __post_init__(self) -> None:
-        if self.name not in ("local", "ray"):
-            raise RecspecError(f"unknown engine {self.name!r}; choose local or ray")
-        if self.address is not None and self.name != "ray":
-            raise RecspecError("--address names a Ray cluster: use it with --engine ray")
 
 
 @dataclass

@@ -48,12 +48,12 @@ TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
 ResultsOpt = Annotated[Path, typer.Option(help="Results folder.")]
 ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without extension).")]
-EngineOpt = Annotated[str, typer.Option(help="local (this process) or ray (a pool of Ray actors).")]
+EngineOpt = Annotated[str, typer.Option(help="local (this process) or ray (Ray workers).")]
 AddressOpt = Annotated[Optional[str], typer.Option(help="Ray cluster: auto (the one running here) or HOST:PORT of a "
                                                         "head node; default: start a local one.")]
-WorkersOpt = Annotated[int, typer.Option(help="Ray actors (each loads the models once).")]
-CpusPerWorkerOpt = Annotated[int, typer.Option(help="CPU cores (torch threads) of each Ray actor.")]
-GpusPerWorkerOpt = Annotated[float, typer.Option(help="GPUs of each Ray actor (a fraction shares one).")]
+WorkersOpt = Annotated[int, typer.Option(help="Ray workers (each loads the models once per job).")]
+CpusPerWorkerOpt = Annotated[int, typer.Option(help="CPU cores (torch threads) of each Ray worker.")]
+GpusPerWorkerOpt = Annotated[float, typer.Option(help="GPUs of each Ray worker (a fraction shares one).")]
 PromptTemplateOpt = Annotated[Optional[str], typer.Option(help="Prompt as text with one {history} slot, where the "
                                                                "history's identifiers go (oldest first).")]
 PromptTemplateFileOpt = Annotated[Optional[Path], typer.Option(help="The prompt text (with {history}) in a UTF-8 "
@@ -77,11 +77,13 @@ def _device(name: str) -> str:
 
 def _engine(engine: str, address: str | None, workers: int = 1, cpus_per_worker: int = 1,
             gpus_per_worker: float = 0.0):
-    """Where a job runs (:class:`recspec.api.Engine`), checked before any work."""
-    from recspec.api import Engine
-    from recspec.cluster.runtime import Workers
+    """Where a job runs (:class:`recspec.cluster.runtime.Engine`), checked before any work (and
+    before the heavy imports: an address that does not answer is refused at once)."""
+    from recspec.cluster.runtime import Engine, Workers, check_address
 
-    return Engine(engine, address, Workers(workers, cpus_per_worker, gpus_per_worker))
+    where = Engine(engine, address, Workers(workers, cpus_per_worker, gpus_per_worker))
+    check_address(where.address)
+    return where
 
 
 def _positive(**values: Optional[int]) -> None:
@@ -487,8 +489,9 @@ def recommend_command(
     gpus_per_worker: GpusPerWorkerOpt = 0.0,
 ) -> None:
     """Top-K items for every test (or validation) user, trie-constrained: only real items come out.
-    With --engine ray the users are decoded in shards by Ray actors (resumable: a re-run skips the
+    With --engine ray the users are decoded in shards by Ray workers (resumable: a re-run skips the
     shards in OUT.parts/), and OUT is the same file."""
+    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     from recspec.api import recommend_users
     from recspec.recommend import DecodeOptions
 
@@ -503,7 +506,6 @@ def recommend_command(
     options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
                             threshold=threshold, one_cache=one_cache)
-    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     kept = ("the committed shards are kept; run the same command to resume" if where.name == "ray" else
             f"nothing was written to {out} (it is written once every user is decoded)")
     with _on_interrupt(kept):
@@ -543,9 +545,6 @@ def serve_command(
     GET /health, /v1/models, /metrics; concurrent requests decoded in dynamic batches. SIGTERM or
     Ctrl-C: stop accepting, answer what is in flight, exit 0. With --engine ray: the same service as
     --replicas Ray Serve replicas behind Serve's proxy on HOST:PORT."""
-    from recspec.recommend import DecodeOptions, check_decoder, check_folders
-    from recspec.serve.app import ServeConfig
-
     _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
               max_body_kb=max_body_kb, replicas=replicas)
     if _engine(engine, address).name == "local" and replicas is not None:
@@ -554,6 +553,9 @@ def serve_command(
         raise RecspecError(f"--port must lie in [0, 65535], got {port}")
     if max_wait_ms < 0 or timeout_s <= 0:
         raise RecspecError("--max-wait-ms must be at least 0 and --timeout-s above 0")
+    from recspec.recommend import DecodeOptions, check_decoder, check_folders
+    from recspec.serve.app import ServeConfig
+
     check_decoder(decoder, draft is not None)
     check_folders(target, draft)  # a wrong folder is named before the server starts
     config = ServeConfig(target=target, draft=draft, decoder=decoder, device=_device(device), max_batch=max_batch,
@@ -1326,13 +1328,13 @@ def knowledge_generate(
     gpus_per_worker: GpusPerWorkerOpt = 0.0,
 ) -> None:
     """Generate user or item knowledge for many users/items, persisting each result (resumable).
-    With --engine ray, Ray actors decode the requests and this process stores every result."""
+    With --engine ray, Ray workers decode the requests and this process stores every result."""
+    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     from recspec.api import generate_knowledge
 
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
                                draft, head_width, head_depth, head_nodes, fixed_tree, head_gate)
-    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
         run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where)
     for line in run.lines():

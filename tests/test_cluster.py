@@ -51,8 +51,7 @@ def test_every_kind_of_decoder_writes_the_single_process_file(cluster, models, t
     """One decoder of each kind the shards treat differently: exact without statistics (tree-beam;
     beam and hf are exact the same way, tests/test_exactness_*), sampled (seeded per chunk) and
     drafted with statistics (dsbd is both; beam-sample and spec-relaxed are one of them each), and
-    auto. A Ray job costs 12-13 s of worker start-up alone here, 30-40 s beside CI's other worker,
-    so the other four would add two minutes and cover no other path."""
+    auto; the other four cover no other path."""
     target, draft = models
     options = DecodeOptions(draft_beams=20, temperature=0.8, seed=3)
     for decoder in ("tree-beam", "dsbd", "auto"):
@@ -69,12 +68,12 @@ def test_every_kind_of_decoder_writes_the_single_process_file(cluster, models, t
 
 
 def _decoding_worker() -> int | None:
-    """PID of a Ray actor process decoding a shard: Ray titles it ``ray::<actor class>.submit``
-    while it runs a task (``.__init__`` while it loads, bare while idle)."""
+    """PID of a Ray worker process decoding a shard: Ray titles it ``ray::<task function>`` while
+    it runs a task (``ray::IDLE`` while idle)."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"ShardWorker)).submit" in (entry / "cmdline").read_bytes():
+                if b"ray::run_part" in (entry / "cmdline").read_bytes():
                     return int(entry.name)
             except OSError:
                 continue

@@ -1,38 +1,33 @@
-"""``recspec recommend --engine ray``: the users of a job decoded by a pool of Ray actors.
+"""``recspec recommend --engine ray``: the users of a job decoded by Ray workers.
 
 The users are cut into the chunks :meth:`~recspec.recommend.Recommender.recommend` decodes one
 after another (:func:`~recspec.recommend.user_chunks`: whole batches, chunk ``i`` of a sampling
-decoder seeded ``seed + i``); each chunk is one shard. The shards still to do become a Ray
-Dataset and go through ``map_batches`` with :class:`ShardWorker`, a callable class, so each actor
-loads the target, draft and trie once (``auto`` is resolved once per actor, from the
-measurements kept beside the models). Results stream back to this process, which commits each
-shard atomically with its checksum (:class:`~recspec.cluster.shards.ShardFolder`, beside the
-output as ``OUT.parts/``) and, once all are there, writes ``OUT``: byte for byte the file the
-single-process path writes, for every decoder (same batches, same seeds).
+decoder seeded ``seed + i``); each chunk is one shard. The shards still to do run as Ray tasks
+(:func:`~recspec.cluster.runtime.map_on_workers`) through :class:`ShardWorker`, which each worker
+process builds once per job: it loads the target, draft and trie once (``auto`` is resolved once
+per worker, from the measurements kept beside the models). Results stream back to this process,
+which commits each shard atomically with its checksum (:class:`~recspec.cluster.shards.ShardFolder`,
+beside the output as ``OUT.parts/``) and, once all are there, writes ``OUT``: byte for byte the
+file the single-process path writes, for every decoder (same batches, same seeds).
 
-Ray retries the work of an actor that dies (its actors restart, its tasks are retried), and a
-re-run skips the shards already committed, so a job killed at any point loses at most the shards
-in flight and never writes one twice. The model folders must be readable at the same paths on
-every node.
+Ray runs the shard of a worker that dies again on another, and a re-run skips the shards already
+committed, so a job killed at any point loses at most the shards in flight and never writes one
+twice. The model folders must be readable at the same paths on every node.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from recspec.calibration import draft_identity
-from recspec.cluster.runtime import Workers, check_address, connect, map_on_actors, ray_errors
+from recspec.cluster.runtime import Workers, check_address, connect, map_on_workers, ray_errors
 from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
-from recspec.decoding.rounds import SpecStats
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
 from recspec.recommend import (RecommendJob, check_folders, is_item_draft, recs_text, run_dataset, trained_examples,
@@ -57,45 +52,30 @@ def job_settings(job: RecommendJob, folder: Path, info: dict[str, Any], drafts: 
 
 
 class ShardWorker:
-    """A Ray Data callable class: the job's models loaded once per actor; each call decodes the
-    shards of its batch (column ``shard``) and returns their lines."""
+    """What a Ray worker process builds once per job: the job's models loaded; each call decodes
+    one shard and returns its lines, users, decode seconds and speculative statistics."""
 
-    def __init__(self, job: RecommendJob, threads: int, device: str) -> None:
-        started = time.perf_counter()
-        torch.set_num_threads(threads)
+    def __init__(self, job: RecommendJob, device: str) -> None:
         self.job = job
         self.recommender = job.load(device)
         self.examples = self.recommender.examples(job.part, job.users)
         self.chunks = user_chunks(len(self.examples), job.batch_size)
-        self.decoder, self.options, self.choice = job.decoder, job.options, ""
-        if job.decoder == "auto":  # once per actor, as the single-process path does once per job
+        self.decoder, self.options = job.decoder, job.options
+        if job.decoder == "auto":  # once per worker, as the single-process path does once per job
             from recspec.auto import choose
 
             choice = choose(self.recommender, job.k, job.batch_size)
-            self.decoder, self.options, self.choice = choice.decoder, choice.options, choice.reason
-        self.load_s = time.perf_counter() - started
+            self.decoder, self.options = choice.decoder, choice.options
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out: dict[str, list] = {"shard": [], "text": [], "users": [], "seconds": [], "stats": [], "pid": [],
-                                "load_s": []}
-        for shard in batch["shard"].tolist():  # one shard per call (batch_size=1)
-            rows = self.chunks[shard]
-            examples = self.examples.subset(np.arange(rows.start, rows.stop))
-            started = time.perf_counter()
-            decoded = self.recommender.recommend(examples, self.job.k, self.decoder, self.job.batch_size,
-                                                 replace(self.options, seed=self.options.seed + shard))
-            out["seconds"].append(time.perf_counter() - started)
-            out["shard"].append(shard)
-            out["text"].append(recs_text(self.recommender, examples, decoded.topk))
-            out["users"].append(len(rows))
-            out["stats"].append(_stats_json(decoded.stats))
-            out["pid"].append(os.getpid())
-            out["load_s"].append(self.load_s)
-        return {name: np.asarray(values) for name, values in out.items()}
-
-
-def _stats_json(stats: SpecStats | None) -> str:
-    return json.dumps(None if stats is None else stats.summary())
+    def __call__(self, shard: int) -> dict[str, Any]:
+        rows = self.chunks[shard]
+        examples = self.examples.subset(np.arange(rows.start, rows.stop))
+        started = time.perf_counter()
+        decoded = self.recommender.recommend(examples, self.job.k, self.decoder, self.job.batch_size,
+                                             replace(self.options, seed=self.options.seed + shard))
+        return {"shard": shard, "text": recs_text(self.recommender, examples, decoded.topk), "users": len(rows),
+                "seconds": time.perf_counter() - started,
+                "stats": None if decoded.stats is None else decoded.stats.summary()}
 
 
 @dataclass
@@ -123,7 +103,7 @@ class RayReport:
 
 def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: str | None = None,
                      overwrite: bool = False, progress: bool = True) -> RayReport:
-    """Run ``job`` on a pool of Ray actors (module doc) and write ``out``; the report."""
+    """Run ``job`` on Ray workers (module doc) and write ``out``; the report."""
     started = time.perf_counter()
     check_address(address)
     folder, info, models, heads = check_folders(job.target, job.draft_dir)
@@ -139,19 +119,17 @@ def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: st
         from tqdm.auto import tqdm
 
         connect(address, workers=workers)
-        results = map_on_actors([{"shard": shard} for shard in todo], ShardWorker, workers, job=job,
-                                threads=workers.cpus, device=workers.device)
         summaries = []
         with ray_errors(), tqdm(total=sum(len(chunks[s]) for s in todo), unit="user", desc=f"{job.decoder} (ray)",
                                 disable=not progress, dynamic_ncols=True) as bar:
-            for row in results.iter_rows():
-                shards.commit(int(row["shard"]), str(row["text"]))
-                report.users += int(row["users"])
-                report.decode_s += float(row["seconds"])
-                report.load_s[int(row["pid"])] = float(row["load_s"])
-                if (summary := json.loads(str(row["stats"]))) is not None:
-                    summaries.append((int(row["users"]), summary))
-                bar.update(int(row["users"]))
+            for done, pid, load_s in map_on_workers(todo, ShardWorker, workers, job=job, device=workers.device):
+                shards.commit(done["shard"], done["text"])
+                report.users += done["users"]
+                report.decode_s += done["seconds"]
+                report.load_s[pid] = load_s
+                if done["stats"] is not None:
+                    summaries.append((done["users"], done["stats"]))
+                bar.update(done["users"])
         if summaries:
             total = sum(users for users, _ in summaries)
             report.stats = {name: sum(users * s[name] for users, s in summaries) / total for name in summaries[0][1]}

@@ -7,17 +7,23 @@ an address that does not answer is refused after a short TCP probe instead of Ra
 retry loop, and a pool that cannot fit in the cluster (``Workers``) is refused before a job
 would wait for it forever.
 
-Ray moves task arguments and results between its own processes with its own serialization; what
-recspec reads from disk stays safetensors and JSON.
+A job's parts run as Ray tasks (:func:`map_on_workers`) on Ray's pool of worker processes, which
+Ray keeps warm between the jobs of one driver process: only the first job of a process pays for
+its workers importing torch and transformers (about 7 s here, against about 1 s for loading a
+``target-small``). Ray moves task arguments and results between its own processes with its own
+serialization; what recspec reads from disk stays safetensors and JSON.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +31,14 @@ from recspec.errors import RecspecError
 
 #: How long the TCP probe of a HOST:PORT address waits.
 PROBE_S = 5.0
+#: How often a part whose worker process died is run again on another before the job fails.
+RETRIES = 3
 
 
 @dataclass(frozen=True)
 class Workers:
-    """The actors a job runs on: ``count`` of them, each with ``cpus`` CPU cores (its torch
-    threads) and ``gpus`` GPUs (a fraction shares one)."""
+    """The workers a job runs on: ``count`` of them at a time, each with ``cpus`` CPU cores (its
+    torch threads) and ``gpus`` GPUs (a fraction shares one)."""
 
     count: int = 1
     cpus: int = 1
@@ -50,8 +58,25 @@ class Workers:
         return "cuda" if self.gpus > 0 else "cpu"
 
     def remote_args(self) -> dict[str, float]:
-        """The resources of one actor, as Ray's ``num_cpus`` / ``num_gpus``."""
+        """The resources of one worker (a task, or a Serve replica's actor), as Ray's ``num_cpus`` /
+        ``num_gpus``."""
         return {"num_cpus": self.cpus, "num_gpus": self.gpus}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where a batch job runs: ``local`` (this process) or ``ray`` (workers of the Ray cluster at
+    ``address``, or of a local one started for the job when None; ``workers`` how many)."""
+
+    name: str = "local"
+    address: str | None = None
+    workers: Workers = Workers(count=2)
+
+    def __post_init__(self) -> None:
+        if self.name not in ("local", "ray"):
+            raise RecspecError(f"unknown engine {self.name!r}; choose local or ray")
+        if self.address is not None and self.name != "ray":
+            raise RecspecError("--address names a Ray cluster: use it with --engine ray")
 
 
 def probe(address: str) -> None:
@@ -100,7 +125,6 @@ def _join(address: str | None, num_cpus: int | None) -> None:
 
     if ray.is_initialized():
         return
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
     options = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
@@ -130,32 +154,73 @@ def _refuse_unfit(workers: Workers, cpus: float, gpus: float) -> None:
 
 @contextlib.contextmanager
 def ray_errors() -> Iterator[None]:
-    """Re-raise a :class:`RecspecError` that a worker raised (which Ray wraps in its own task and
-    data errors) as itself, so the command line prints its one line."""
+    """Re-raise a :class:`RecspecError` that a worker raised (which Ray wraps in its task errors,
+    themselves subclasses of the error they wrap) as a plain one, so the command line prints its
+    one line."""
+    import ray.exceptions
+
     try:
         yield
-    except RecspecError:
-        raise
     except Exception as err:
         cause: BaseException | None = err
-        for _ in range(8):  # Ray nests a few layers: data error, task error, the worker's own
-            if cause is None or isinstance(cause, RecspecError):
+        for _ in range(8):  # Ray may nest a few layers: task error, the worker's own
+            if cause is None or (isinstance(cause, RecspecError) and not isinstance(cause, ray.exceptions.RayError)):
                 break
             cause = getattr(cause, "cause", None) or cause.__cause__
-        if isinstance(cause, RecspecError):
-            raise RecspecError(str(cause)) from None
-        raise
+        if cause is err or not isinstance(cause, RecspecError):
+            raise
+        raise RecspecError(str(cause)) from None
 
 
-def map_on_actors(rows: list[dict[str, Any]], worker: type, workers: Workers, **constructor_kwargs: Any):
-    """``rows`` as a Ray Dataset of one-row blocks mapped through ``worker`` (a Ray Data callable
-    class, built once per actor with ``constructor_kwargs``), one row per call, on a pool of
-    ``workers`` actors (no more than there are rows); Ray Data's progress bars off, as the caller
-    shows its own. The lazy result Dataset; needs a connection (:func:`connect`)."""
+#: In a Ray worker process: the job it last set up (its key), the callable ``setup`` built for it
+#: and the seconds that took. One job at a time, so a warm worker holds one job's models.
+_SET_UP: dict[str, tuple[Callable[[Any], Any], float]] = {}
+
+
+def run_part(key: str, setup: Callable[..., Callable[[Any], Any]], kwargs: dict[str, Any], threads: int,
+             part: Any) -> tuple[Any, int, float]:
+    """The Ray task of :func:`map_on_workers`, in a worker process: build ``setup(**kwargs)`` once
+    per job ``key`` (dropping the previous job's), with ``threads`` torch threads, and call it on
+    ``part``. Its result, this process's id and the seconds the set-up took."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if key not in _SET_UP:
+        _SET_UP.clear()
+        started = time.perf_counter()
+        worker = setup(**kwargs)
+        _SET_UP[key] = (worker, time.perf_counter() - started)
+    worker, setup_s = _SET_UP[key]
+    return worker(part), os.getpid(), setup_s
+
+
+@functools.cache
+def _remote_run_part() -> Any:
+    """:func:`run_part` as a Ray remote function (made once per process: it needs Ray imported).
+    ``max_calls=0`` keeps worker processes for more calls (Ray's default for GPU tasks is one)."""
     import ray
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    return ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-        worker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(workers.count, len(rows))),
-        fn_constructor_kwargs=constructor_kwargs, **workers.remote_args())
+    return ray.remote(max_calls=0, max_retries=RETRIES)(run_part)
 
+
+def map_on_workers(parts: list[Any], setup: Callable[..., Callable[[Any], Any]], workers: Workers,
+                   **kwargs: Any) -> Iterator[tuple[Any, int, float]]:
+    """Every one of ``parts`` through the callable that ``setup(**kwargs)`` returns (built once per
+    worker process and job, e.g. the models loaded), as Ray tasks, at most ``workers.count`` at a
+    time, each with ``workers``' cores and GPUs. Yields ``(result, worker pid, set-up seconds)`` as
+    the parts finish, in no fixed order. A part whose worker process dies runs again on another (up
+    to :data:`RETRIES` times); when the caller stops early or a part fails, the parts still running
+    are cancelled. Needs a connection (:func:`connect`)."""
+    import ray
+
+    remote = _remote_run_part().options(**workers.remote_args())
+    key, todo, running = uuid.uuid4().hex, list(reversed(parts)), []
+    try:
+        while todo or running:
+            while todo and len(running) < workers.count:
+                running.append(remote.remote(key, setup, kwargs, workers.cpus, todo.pop()))
+            done, running = ray.wait(running, num_returns=1)
+            yield ray.get(done[0])
+    finally:
+        for ref in running:
+            ray.cancel(ref)
