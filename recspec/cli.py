@@ -946,6 +946,27 @@ def bench_coverage(
     typer.echo(run(_results_dir(out), target, draft, k, factor, users, name))
 
 
+@bench_app.command("level-prior")
+def bench_level_prior(
+    target: Annotated[Path, typer.Option(help="A trained target folder.")],
+    draft: Annotated[Path, typer.Option(help="Its draft head (`recspec align train --head`).")],
+    out: ResultsOpt = Path("benchmarks/results"),
+    k: Annotated[int, typer.Option(help="Beam width.")] = 10,
+    factor: Annotated[list[float], typer.Option(help="N = factor * K (repeatable).")] = [1.0, 2.0, 4.0],
+    users: Annotated[int, typer.Option(help="Test users measured.")] = 200,
+    prior_users: Annotated[int, typer.Option(help="The next test users, whose average is the target prior.")] = 1000,
+    name: ResultNameOpt = "level-prior",
+) -> None:
+    """Level 2 taken apart: a head's coverage and recall of the target's top-K pairs against the
+    target's own p(x2 | x1) averaged over other users (a table per node) and uniform."""
+    from recspec.bench.level_prior import run
+
+    _positive(users=users, prior_users=prior_users, k=k)
+    if any(not math.isfinite(f) or f < 1 for f in factor):
+        raise RecspecError(f"--factor must be >= 1 (N >= K), got {factor}")
+    typer.echo(run(_results_dir(out), target, draft, k, factor, users, prior_users, name=name))
+
+
 @bench_app.command("auto")
 def bench_auto(
     target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],

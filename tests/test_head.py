@@ -196,7 +196,7 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert result.metric == "accepted_steps" and 0 < result.best_value <= 2
     saved = json.loads((tmp_path / "head" / "best" / "head.json").read_text())
-    assert saved["config"]["context_heads"] == 2 and saved["shape"] == {"layers": 1, "context_heads": 2}
+    assert saved["config"]["context_heads"] == 2 and "shape" not in saved  # the config is the shape
     with pytest.raises(RecspecError, match="a head trained otherwise"):  # resumed with another shape: refused
         head_fit(alignment_data, target_dir, tmp_path / "head", "atspeed-s", config=config, eval_users=20,
                  eval_k=5, progress=False)
@@ -285,3 +285,56 @@ def recommender_options(n: int):
     from recspec.recommend import DecodeOptions
 
     return DecodeOptions(draft_beams=n)
+
+
+def test_level_prior_takes_level_two_apart(small_target, tmp_path: Path) -> None:  # noqa: F811
+    """`recspec bench level-prior`: the target's level-1 beams and level-2 log-probs of a padded
+    batch are those of plain unpadded forwards; a prior counted from one user is that user's own
+    distribution, so it ranks all K target pairs first, as the target itself does; the command
+    writes one row per draft and N and refuses more users than the data has, in one line."""
+    from recspec.bench.level_prior import NodePrior, first_levels, level_two, ranked_hits
+    from recspec.models.head import head_fingerprint
+    from recspec.models.checkpoint import trained_model_dir
+    from tests.test_align import forward_log_probs
+
+    target_dir, _ = small_target
+    recommender = Recommender.load(target_dir)
+    prompts = recommender.encoder.prompts(recommender.examples("test", 6))
+    k, levels = 4, first_levels(recommender.trie, torch.device("cpu"))
+    with torch.no_grad():
+        two = level_two(recommender, prompts, k, levels)
+        for i, prompt in enumerate(prompts):
+            root = forward_log_probs(recommender.model, prompt, [])
+            torch.testing.assert_close(two.log_p1[i], root[two.x1[i]], atol=1e-4, rtol=0)
+            assert two.log_p1[i].min() >= root[levels[0]].topk(k).values.min() - 1e-4  # the K best first tokens
+            for beam in range(k):
+                below = forward_log_probs(recommender.model, prompt, [int(two.x1[i, beam])])
+                real = two.real[i, beam]
+                torch.testing.assert_close(two.log_p2[i, beam][real], below[two.children[i, beam][real]],
+                                           atol=1e-4, rtol=0)
+        ns = [k, 2 * k]
+        assert (ranked_hits(two, two.log_p2, k, ns) == k).all()  # the target drafting for itself
+        for i in range(len(prompts)):
+            one = level_two(recommender, prompts[i:i + 1], k, levels)
+            prior = NodePrior(*levels[1].shape)
+            prior.add(one)
+            log_q, unseen = prior.log_q(one)
+            assert unseen == 0 and (ranked_hits(one, log_q, k, ns) == k).all()
+            assert NodePrior(*levels[1].shape).log_q(one)[1] == k  # an empty prior knows no beam
+
+    head = DraftHead(HeadConfig(hidden=recommender.model.config.hidden_size, intermediate=32, layers=1,
+                                levels=recommender.trie.depth))
+    save_head(tmp_path / "head", head, head_fingerprint(trained_model_dir(target_dir), recommender.index), {})
+    out = tmp_path / "results"
+    run = recspec("bench", "level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
+                  "--k", str(k), "--users", "8", "--prior-users", "16", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    saved = json.loads((out / "level-prior.json").read_text())
+    assert [(row["draft"], row["n"]) for row in saved["rows"]] == [
+        (draft, n) for draft in ("head", "target prior", "uniform") for n in (4, 8, 16)]
+    assert all(0 <= row["coverage"] <= row["recall"] <= 1 for row in saved["rows"])
+    run = recspec("bench", "level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
+                  "--users", "8", "--prior-users", "100000", "--out", str(out))
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == ("error: --users 8 and --prior-users 100000 need 100008 test "
+                                                   "users; the data has 60")

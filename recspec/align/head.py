@@ -51,14 +51,19 @@ class HeadStore:
     folder)."""
 
     def __init__(self, out_dir: Path, fingerprint: dict[str, str], info: dict[str, Any],
-                 kind: HeadKind = ITEM_HEAD) -> None:
+                 kind: HeadKind = ITEM_HEAD, shape: dict[str, Any] | None = None) -> None:
         self.out_dir, self.fingerprint, self.info, self.kind = Path(out_dir), fingerprint, info, kind
+        self.shape = shape
         self.checkpoint_path, self.best_dir = state_files(out_dir, CHECKPOINT)[1], Path(out_dir) / BEST
 
     def run(self) -> dict[str, Any]:
         """What the checkpoint records the head was trained for: its info, with the target named by
-        its fingerprint rather than by the path (or name) it was given."""
-        return {**{key: value for key, value in self.info.items() if key != "target"}, "fingerprint": self.fingerprint}
+        its fingerprint rather than by the path (or name) it was given, and the head's ``shape``
+        (its config, when given: a resume with another shape is refused; the head folder records
+        the config itself)."""
+        shape = {} if self.shape is None else {"shape": self.shape}
+        return {**{key: value for key, value in self.info.items() if key != "target"}, **shape,
+                "fingerprint": self.fingerprint}
 
     def read_checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint's state, or None; one trained for another target, method or data is refused."""

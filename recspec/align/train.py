@@ -6,6 +6,7 @@ validation alignment loss."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,11 @@ def head_fit(data_dir: Path, target_dir: Path, out_dir: Path, method: str, alpha
     torch.manual_seed(config.seed)
     model = DraftHead(head)
     bound = bind_head(model, recommender.model, recommender.tokenizer, recommender.index)
-    info = {"target": str(Path(target_dir).resolve()), "shape": {"layers": layers, "context_heads": context_heads},
+    info = {"target": str(Path(target_dir).resolve()),
             "alignment": {"method": method, "alpha": alpha, "feature_weight": feature_weight,
                           "data": str(Path(data_dir).resolve())}}
-    store = HeadStore(out_dir, head_fingerprint(trained_model_dir(target_dir), recommender.index), info)
+    store = HeadStore(out_dir, head_fingerprint(trained_model_dir(target_dir), recommender.index), info,
+                      shape=asdict(head))
     store.read_checkpoint()  # a checkpoint trained otherwise is refused before the feature pass
     base = AlignmentTask.load(Path(data_dir), recommender.encoder, recommender.trie.to("cpu"), method, alpha)
     task = HeadAlignmentTask(base, bound, store, feature_weight)
