@@ -949,7 +949,8 @@ def bench_coverage(
 @bench_app.command("level-prior")
 def bench_level_prior(
     target: Annotated[Path, typer.Option(help="A trained target folder.")],
-    draft: Annotated[Path, typer.Option(help="Its draft head (`recspec align train --head`).")],
+    draft: Annotated[Optional[Path], typer.Option(help="Its draft head (`recspec align train --head`); "
+                                                       "without one, the target prior alone.")] = None,
     out: ResultsOpt = Path("benchmarks/results"),
     k: Annotated[int, typer.Option(help="Beam width.")] = 10,
     factor: Annotated[list[float], typer.Option(help="N = factor * K (repeatable).")] = [1.0, 2.0, 4.0],

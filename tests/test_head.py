@@ -333,6 +333,12 @@ def test_level_prior_takes_level_two_apart(small_target, tmp_path: Path) -> None
     assert [(row["draft"], row["n"]) for row in saved["rows"]] == [
         (draft, n) for draft in ("head", "target prior", "uniform") for n in (4, 8, 16)]
     assert all(0 <= row["coverage"] <= row["recall"] <= 1 for row in saved["rows"])
+    assert 1 <= saved["head_sibling_rank_mean"] and 0 < saved["head_mass_on_children"] <= 1
+    run = recspec("bench", "level-prior", "--target", str(target_dir), "--k", str(k), "--users", "8",
+                  "--prior-users", "16", "--out", str(out), "--name", "prior-alone")  # no head: the table alone
+    assert run.returncode == 0, run.stderr
+    alone = json.loads((out / "prior-alone.json").read_text())
+    assert alone["rows"] == saved["rows"][3:] and alone["head"] is None  # the same table, the same users
     run = recspec("bench", "level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
                   "--users", "8", "--prior-users", "100000", "--out", str(out))
     assert run.returncode == 2 and "Traceback" not in run.stderr

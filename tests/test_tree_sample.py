@@ -47,14 +47,16 @@ def texts(target, head: TextHeadDraft | None, warp: Warp, draws: int, seed: int)
 def test_tree_sampling_draws_the_target_distribution(target, heads, which: str, warp: Warp) -> None:
     """The texts follow the target's warped distribution over all 216 sequences, drafts are
     accepted (fewer calls than tokens), and every text is the one plain sampling draws with the
-    same seed."""
+    same seed (checked on the first 500: one generator runs through the texts in turn, and each
+    text takes one uniform per position whatever the tree, so a shorter run draws the same first
+    texts)."""
     table = next_table(target, LENGTH)
     exact = sequence_distribution(lambda prefix: warp(table[prefix]).exp())
     drawn, calls = texts(target, heads[which], warp, 2000, seed=11)
     assert goodness_of_fit(Counter(drawn), exact) > 1e-3
     assert calls < 0.8 * 2000 * LENGTH  # drafts are accepted
-    plain, plain_calls = texts(target, None, warp, 2000, seed=11)
-    assert plain_calls == 2000 * LENGTH and drawn == plain
+    plain, plain_calls = texts(target, None, warp, 500, seed=11)
+    assert plain_calls == 500 * LENGTH and drawn[:500] == plain
 
 
 def test_a_wrong_draft_distribution_would_be_caught(target, heads) -> None:

@@ -137,14 +137,14 @@ def ranked_hits(two: LevelTwo, log_q: torch.Tensor, k: int, ns: Sequence[int]) -
     return torch.stack([(rank < n).sum(dim=1) for n in ns], dim=1)
 
 
-def run(out: Path, target: Path, head: Path, k: int = 10, factors: Sequence[float] = (1.0, 2.0, 4.0),
+def run(out: Path, target: Path, head: Path | None, k: int = 10, factors: Sequence[float] = (1.0, 2.0, 4.0),
         users: int = 200, prior_users: int = 1000, batch_size: int = 16, name: str = "level-prior") -> str:
-    """Level-2 coverage and recall of ``head``, the target prior and uniform (module doc); writes
-    ``{name}.json`` / ``.md``; the Markdown."""
+    """Level-2 coverage and recall of ``head`` (None: the target prior and uniform alone), the
+    target prior and uniform (module doc); writes ``{name}.json`` / ``.md``; the Markdown."""
     from tqdm.auto import tqdm
 
     recommender = Recommender.load(target, draft_dir=head)
-    if not isinstance(recommender.draft, HeadDraft):
+    if head is not None and not isinstance(recommender.draft, HeadDraft):
         raise RecspecError(f"{head}: not a draft head (`recspec align train --head` writes one)")
     examples = recommender.examples("test", users + prior_users)
     if len(examples) < users + prior_users:
@@ -152,51 +152,57 @@ def run(out: Path, target: Path, head: Path, k: int = 10, factors: Sequence[floa
                            f"users; the data has {len(examples)}")
     prompts = recommender.encoder.prompts(examples)
     ns = [max(k, round(f * k)) for f in factors]
+    drafts = DRAFTS if head is not None else DRAFTS[1:]
     levels = first_levels(recommender.trie, next(recommender.model.parameters()).device)
     prior = NodePrior(*levels[1].shape)
+    hits: dict[str, list[torch.Tensor]] = {draft: [] for draft in drafts}
+    mass, sibling_rank, unseen = [], [], 0
     with torch.no_grad():
         for start in tqdm(range(users, users + prior_users, batch_size), desc="target prior", unit="batch"):
             prior.add(level_two(recommender, prompts[start:start + batch_size], k, levels))
-        hits = {draft: [] for draft in DRAFTS}
-        mass, sibling_rank, unseen = [], [], 0
         for start in tqdm(range(0, users, batch_size), desc="level 2", unit="batch"):
             two = level_two(recommender, prompts[start:start + batch_size], k, levels)
-            log_q = head_log_q(recommender.draft, two)
             prior_q, missing = prior.log_q(two)
             unseen += missing
             uniform = torch.where(two.real, -two.real.sum(dim=2, keepdim=True).float().log(), -torch.inf)
-            for draft, q in zip(DRAFTS, (log_q, prior_q, uniform)):
-                hits[draft].append(ranked_hits(two, q, k, ns))
-            mass.append(log_q.logsumexp(dim=2).exp().reshape(-1))
-            exact = (two.log_p1[:, :, None] + two.log_p2).flatten(1)
-            best = exact.topk(k, dim=1).indices
-            beam, child = best // two.children.shape[2], best % two.children.shape[2]  # [B, K] each
-            own = log_q[torch.arange(len(beam))[:, None], beam, child]
-            sibling_rank.append((log_q[torch.arange(len(beam))[:, None], beam] > own[:, :, None]).sum(dim=2) + 1)
-    ranks = torch.cat([r.reshape(-1) for r in sibling_rank]).float()
+            drafted = {"target prior": prior_q, "uniform": uniform}
+            if head is not None:
+                drafted["head"] = log_q = head_log_q(recommender.draft, two)
+                mass.append(log_q.logsumexp(dim=2).exp().reshape(-1))
+                best = (two.log_p1[:, :, None] + two.log_p2).flatten(1).topk(k, dim=1).indices
+                beam, child = best // two.children.shape[2], best % two.children.shape[2]  # [B, K] each
+                rows = torch.arange(len(beam))[:, None]
+                own = log_q[rows, beam, child]
+                sibling_rank.append((log_q[rows, beam] > own[:, :, None]).sum(dim=2).reshape(-1) + 1)
+            for draft in drafts:
+                hits[draft].append(ranked_hits(two, drafted[draft], k, ns))
     rows: list[dict[str, Any]] = []
-    for draft in DRAFTS:
+    for draft in drafts:
         got = torch.cat(hits[draft])  # [users, len(ns)]
         for j, n in enumerate(ns):
             rows.append({"draft": draft, "k": k, "n": n, "coverage": float((got[:, j] == k).float().mean()),
                          "recall": float(got[:, j].float().mean() / k)})
-    results = {"target": str(target), "head": str(head), "users": users, "prior_users": prior_users, "k": k,
-               "rows": rows, "head_mass_on_children": float(torch.cat(mass).mean()),
-               "head_sibling_rank_mean": float(ranks.mean()),
-               "head_sibling_rank_at_most": {str(r): float((ranks <= r).float().mean()) for r in (1, 2, 4, 8)},
-               "prior_unseen_beams": unseen / (users * k)}
-    markdown = "\n\n".join([
-        f"# Level 2: a head against the target's own average ({target})",
-        f"{users} test users; the target's exact level-1 beams (K = {k}); candidates: all their trie children, "
-        f"scored log p(x1) + log q(x2 | x1). Target prior: the target's p(x2 | x1) averaged over the next "
-        f"{prior_users} test users ({results['prior_unseen_beams']:.1%} of the beams had no prior user: uniform "
-        f"there). Coverage: users whose K target pairs all rank in the draft's top N (strict acceptance of "
-        f"level 2); recall: the share of the K pairs that do.",
-        markdown_table(["draft", "K", "N", "coverage", "recall"],
-                       [[r["draft"], r["k"], r["n"], f"{r['coverage']:.1%}", f"{r['recall']:.1%}"] for r in rows]),
-        f"The head's mass on x1's trie children: {results['head_mass_on_children']:.1%}; the target's pairs rank "
-        f"{results['head_sibling_rank_mean']:.1f} among their siblings under the head on average (first: "
-        f"{results['head_sibling_rank_at_most']['1']:.1%}, in the first 4: "
-        f"{results['head_sibling_rank_at_most']['4']:.1%})."])
+    results: dict[str, Any] = {"target": str(target), "head": None if head is None else str(head), "users": users,
+                               "prior_users": prior_users, "k": k, "rows": rows,
+                               "prior_unseen_beams": unseen / (users * k)}
+    parts = [f"# Level 2: {'a head' if head is not None else 'drafts'} against the target's own average ({target})",
+             f"{users} test users; the target's exact level-1 beams (K = {k}); candidates: all their trie children, "
+             f"scored log p(x1) + log q(x2 | x1). Target prior: the target's p(x2 | x1) averaged over the next "
+             f"{prior_users} test users ({results['prior_unseen_beams']:.1%} of the beams had no prior user: "
+             f"uniform there). Coverage: users whose K target pairs all rank in the draft's top N (strict "
+             f"acceptance of level 2); recall: the share of the K pairs that do.",
+             markdown_table(["draft", "K", "N", "coverage", "recall"],
+                            [[r["draft"], r["k"], r["n"], f"{r['coverage']:.1%}", f"{r['recall']:.1%}"]
+                             for r in rows])]
+    if head is not None:
+        ranks = torch.cat(sibling_rank).float()
+        results.update({"head_mass_on_children": float(torch.cat(mass).mean()),
+                        "head_sibling_rank_mean": float(ranks.mean()),
+                        "head_sibling_rank_at_most": {str(r): float((ranks <= r).float().mean()) for r in (1, 2, 4, 8)}})
+        parts.append(f"The head's mass on x1's trie children: {results['head_mass_on_children']:.1%}; the target's "
+                     f"pairs rank {results['head_sibling_rank_mean']:.1f} among their siblings under the head on "
+                     f"average (first: {results['head_sibling_rank_at_most']['1']:.1%}, in the first 4: "
+                     f"{results['head_sibling_rank_at_most']['4']:.1%}).")
+    markdown = "\n\n".join(parts)
     write_results(out, name, results, markdown)
     return markdown
