@@ -202,7 +202,7 @@ def generate_knowledge(out: str | Path, config: KnowledgeConfig = KnowledgeConfi
     """Generate ``config``'s knowledge (side, part, method, verification, ...) with the LLM
     ``model`` for every user or item of ``dataset`` (the first ``limit``) missing from the store
     ``out`` (SQLite; an existing one is resumed), each text persisted as it completes; ``pool``:
-    the old-part store LASER and ReSD draft from. On Ray, actors decode and this process stores."""
+    the old-part store LASER and ReSD draft from. On Ray, Ray workers decode and this process stores."""
     out = Path(out)
     if out.is_dir():
         raise RecspecError(f"{out}: is a folder; --out takes the file name of a knowledge store")

@@ -44,7 +44,7 @@ def setups(cores: int) -> dict[str, Workers | None]:
 
 def _recommend(job: RecommendJob, workers: Workers | None, out: Path, cores: int) -> tuple[float, float]:
     """Seconds to run ``job`` end to end, writing ``out``, and of them the seconds spent loading
-    the models (the slowest actor's, on Ray)."""
+    the models (the slowest worker's, on Ray)."""
     started = time.perf_counter()
     if workers is None:
         torch.set_num_threads(cores)

@@ -3,7 +3,7 @@
 The job is the one of :func:`~recspec.knowledge.job.run_job` (same store, same batches, same
 resume rule); only its runner differs. This process plans the work: the entities still missing
 from the store, their prompts, and the pools they draft from, whose routing (an MF-BPR model for
-the collaborative pools) and tries are built here once and shipped to the actors through Ray's
+the collaborative pools) and tries are built here once and shipped to the workers through Ray's
 object store. Each worker process builds a :class:`KnowledgeWorker` once per job, which loads the
 target model, and decodes batches as Ray tasks (:func:`~recspec.cluster.runtime.map_on_workers`);
 every result flows back to this process, the store's one writer,
@@ -30,10 +30,11 @@ class KnowledgeWorker:
     one batch ``(entities, prompts)`` and returns its generations."""
 
     def __init__(self, task_args: dict[str, Any], config: KnowledgeConfig, pools: Any) -> None:
+        """``pools``: the Ray object reference of the job's :class:`PoolSet` (or of None)."""
         import ray
 
         task = KnowledgeTask(**task_args)
-        self.generate = make_generator(task, config, ray.get(pools) if isinstance(pools, ray.ObjectRef) else pools)
+        self.generate = make_generator(task, config, ray.get(pools))
 
     def __call__(self, batch: tuple[list[int], list[list[int]]]) -> tuple[list[int], list[Generation]]:
         entities, prompts = batch

@@ -83,7 +83,7 @@ class RayReport:
     """What a Ray job did: users decoded now and before (committed shards skipped), decode
     seconds summed over shards, wall seconds of the whole job (Ray start-up and model loading
     included), per-user means of the speculative statistics (None for plain decoders), and per
-    actor process the seconds it took to load the models (``auto``'s choice included)."""
+    worker process the seconds it took to load the models (``auto``'s choice included)."""
 
     users: int = 0
     skipped: int = 0
