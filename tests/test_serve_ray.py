@@ -1,15 +1,14 @@
 """`recspec serve --engine ray` for real: the command starts its own local Ray cluster (this
 machine's cores) and serves two replicas behind Ray Serve's proxy on 127.0.0.1 (a free port);
 httpx as the client, the models and the `recspec recommend` answers of tests/test_serve.py. The
-same answers through two replicas at once, the same refusals, SIGTERM with requests in flight
-(last: it stops the module's one service), and one-line errors for what cannot start."""
+same answers through two replicas at once, the same refusals, SIGTERM with requests in flight,
+and one-line errors for what cannot start."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 
 import httpx
@@ -42,23 +41,24 @@ def test_user_errors_are_one_line(models) -> None:  # noqa: F811
         assert run.stderr.strip().splitlines()[-1].startswith(f"error: {start}"), (args, run.stderr)
 
 
+def test_sigterm_answers_every_request_in_flight_on_every_replica(models, expected) -> None:  # noqa: F811
+    target, _ = models
+    # no draft; a batch waits up to 2 s to fill: SIGTERM comes while the requests are queued in the replicas
+    with server(target, *RAY, "--decoder", "tree-beam", "--max-wait-ms", "2000", "--max-batch", "64") as (url,
+                                                                                                         process):
+        refused = httpx.post(f"{url}/v1/recommend", json={"history": expected[0]["history"], "decoder": "spec-strict"})
+        assert refused.status_code == 422 and refused.json()["error"]["kind"] == "needs_draft"
+        # /metrics is one replica's: once one has queued some, the rest reach theirs within `settle`
+        sigterm_while_queued(url, process, expected[:12], lambda: metric(url, "recspec_queue_depth") > 0, settle=0.3)
+
+
 @pytest.fixture(scope="module")
-def ray_service(models) -> Iterator[tuple[str, subprocess.Popen]]:  # noqa: F811
-    """Two replicas with the target and the draft, tree-beam by default, a batch waiting up to 2 s
-    to fill (so that the last test's SIGTERM comes while requests are queued); its URL and
-    process. One service for the whole module: a Ray Serve start costs about a minute here."""
+def ray_server(models) -> Iterator[str]:  # noqa: F811
+    """Two replicas with the target and the draft, tree-beam by default; its URL."""
     target, draft = models
-    with server(target, *RAY, "--draft", str(draft), "--decoder", "tree-beam", "--max-wait-ms", "2000",
-                "--max-batch", "64") as (url, process):
-        yield url, process
-
-
-@pytest.fixture
-def ray_server(ray_service: tuple[str, subprocess.Popen]) -> str:
-    """The module's service (:func:`ray_service`), still running; its URL."""
-    url, process = ray_service
-    assert process.poll() is None, "the module's service stopped before this test"
-    return url
+    with server(target, *RAY, "--draft", str(draft), "--decoder", "tree-beam", "--max-wait-ms", "200",
+                "--max-batch", "64") as (url, _):
+        yield url
 
 
 def test_health_and_models(ray_server: str, models) -> None:  # noqa: F811
@@ -109,11 +109,3 @@ def test_bad_requests_are_refused_as_by_one_server(ray_server: str, expected) ->
         assert response.status_code == 422 and response.json()["error"]["kind"] == kind, response.text
     good = httpx.post(url, json={"history": history, "k": K}, timeout=60)
     assert good.status_code == 200 and same_answer(good.json(), expected[0])
-
-
-def test_sigterm_answers_every_request_in_flight_on_every_replica(ray_service, expected) -> None:  # noqa: F811
-    """Last in the module: it stops the module's service."""
-    url, process = ray_service
-    # a batch waits up to 2 s to fill: SIGTERM comes while the requests are queued in the replicas;
-    # /metrics is one replica's: once one has queued some, the rest reach theirs within `settle`
-    sigterm_while_queued(url, process, expected[:12], lambda: metric(url, "recspec_queue_depth") > 0, settle=0.3)
