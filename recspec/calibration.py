@@ -29,6 +29,7 @@ from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafters import TopNDrafter
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ITEM_DRAFT, ItemDraft
+from recspec.decoding.target_prior import PRIOR_WEIGHTS, TargetPrior, is_prior_dir
 from recspec.decoding.prefix import shared_columns
 from recspec.decoding.prompts import prompt_batches
 from recspec.decoding.rounds import RoundOutcome, SpecStats, drafted_per_row, run_rounds
@@ -197,7 +198,9 @@ def draft_identity(folders: Sequence[Path], item_draft: bool = False) -> dict[st
     (``item_draft``), a function of the target's training data, is named."""
     identity = {"draft": ITEM_DRAFT} if item_draft else {}
     for folder in folders:
-        if is_head_dir(folder):
+        if is_prior_dir(folder):
+            identity["prior_sha256"] = weights_fingerprint(folder, PRIOR_WEIGHTS)
+        elif is_head_dir(folder):
             identity["head_sha256"] = weights_fingerprint(head_dir(folder), HEAD_WEIGHTS)
         else:
             identity["draft_sha256"] = weights_fingerprint(trained_model_dir(folder))
@@ -238,6 +241,8 @@ def draft_costs(recommender, prompt_len: int, repeats: int = 10,
     draft, free = recommender.draft, CallCost(0.0, 0.0)
     if isinstance(draft, ItemDraft):  # a table: no model call (its Python work shows in auto's probe)
         return free, free, free, False
+    if isinstance(draft, TargetPrior):  # a table too, and the first round is the target's prefill alone
+        return free, free, free, True
     folders = {is_head_dir(folder): folder for folder in recommender.draft_dirs}
     head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
     model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft

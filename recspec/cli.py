@@ -409,6 +409,32 @@ def align_train(
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
 
 
+@align_app.command("prior")
+def align_prior(
+    target: Annotated[Path, typer.Option(help="The trained target (a `recspec train` or `recspec import` folder).")],
+    out: Annotated[Path, typer.Option(help="The prior's folder (replaced whole when the fit is done).")],
+    users: Annotated[int, typer.Option(help="Training prompts fitted on (a seeded subsample).")] = 2000,
+    k: Annotated[int, typer.Option(help="Beams of the target's search the prior averages over.")] = 10,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    seed: int = 0,
+    device: str = "cpu",
+) -> None:
+    """Fit a target prior: the target's own next-level distributions averaged over its beams on
+    many users, a draft that costs no model call (`--draft OUT` with spec-strict / spec-relaxed)."""
+    from recspec.align.prior import fit_target_prior
+    from recspec.fileio import check_writable_dir
+
+    _positive(users=users, k=k, batch_size=batch_size)
+    if out.exists() and not out.is_dir():
+        raise RecspecError(f"{out}: is a file; --out takes a folder")
+    check_writable_dir(out)
+    with _on_interrupt(f"nothing was written to {out}; run the same command again"):
+        fit = fit_target_prior(target, out, users, k, batch_size, seed, _device(device))
+    reached = ", ".join(f"{share:.0%}" for share in fit.reached)
+    typer.echo(f"fitted on {fit.prompts} prompts in {fit.seconds:.0f} s; inner nodes reached per level: {reached}; "
+               f"wrote {out}")
+
+
 @app.command("import")
 def import_command(
     model: Annotated[Path, typer.Option(help="A Hugging Face causal LM folder trained elsewhere (config, safetensors "

@@ -24,6 +24,7 @@ from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.item_prior import DECAY, ITEM_DRAFT, SMOOTHING, ItemDraft, TransitionPrior
+from recspec.decoding.target_prior import is_prior_dir, load_prior, read_prior_config
 from recspec.decoding.prefix import share_prefix
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.beam_search import sampling_beam_search
@@ -189,8 +190,9 @@ class Recommender:
         one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
         trained with the same item index and tokenizer, or a draft head (`recspec align train
         --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
-        the model drafts the first round, the head the rest; or ``"items"``: the item prior of
-        :meth:`item_draft`, which costs no model call. ``k``: the number of items to be asked for,
+        the model drafts the first round, the head the rest; or a target prior (`recspec align
+        prior`), refused unless it was fitted for this target; or ``"items"``: the item prior of
+        :meth:`item_draft`. Neither prior costs a model call. ``k``: the number of items to be asked for,
         refused before any model is loaded when the index has fewer items."""
         folder, info, models, heads = check_folders(model_dir, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
@@ -208,15 +210,19 @@ class Recommender:
                    ) -> Recommender:
         """A recommender from a loaded target ``model``, its prompt ``encoder`` for ``dataset`` and
         its run ``info``, with the draft ``models`` and ``heads`` (folders checked by
-        :func:`check_drafts`; at most one of each) loaded and checked against it. ``folder``: the
-        target's model folder, which heads are tied to and ``auto`` keeps its measurements in
-        (None for a model loaded from elsewhere, :mod:`recspec.importer`)."""
+        :func:`check_drafts`; at most one of each, or a target prior alone in ``heads``) loaded and
+        checked against it. ``folder``: the target's model folder, which heads and priors are tied
+        to and ``auto`` keeps its measurements in (None for a model loaded from elsewhere,
+        :mod:`recspec.importer`)."""
         index, tokenizer = encoder.index, encoder.tokenizer
+        trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         draft_model = head = None
-        if heads:
-            if folder is None:
-                raise RecspecError("a draft head is tied to its target's model folder; import the target first "
-                                   "(`recspec import`) and train the head for that folder")
+        if heads and folder is None:
+            raise RecspecError("a draft head or target prior is tied to its target's model folder; import the "
+                               "target first (`recspec import`) and fit the draft for that folder")
+        if heads and is_prior_dir(heads[0]):
+            head = load_prior(heads[0], head_fingerprint(folder, index), trie)
+        elif heads:
             head = bind_head(load_head(heads[0], head_fingerprint(folder, index), device), model, tokenizer, index)
         if models:
             draft_model, draft_tokenizer = load_trained(models[0], index, device=device)
@@ -228,7 +234,6 @@ class Recommender:
             if loaded is not None:
                 share_prefix(loaded, encoder.template.prefix)
         draft = HybridPair(draft_model, head) if draft_model is not None and head is not None else draft_model or head
-        trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))
 
     def with_draft(self, draft_dir: str | Path | Sequence[str | Path]) -> Recommender:
@@ -341,18 +346,24 @@ def is_item_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> bool:
 
 def check_drafts(draft_dir: str | Path | Sequence[str | Path] | None) -> tuple[list[Path], list[Path]]:
     """The draft models and heads of ``draft_dir`` (:func:`draft_folders`): at most one of each,
-    each folder readable."""
+    each folder readable; a target prior (:mod:`recspec.decoding.target_prior`) comes alone, in the
+    heads' place (it is tied to its target's folder as a head is)."""
     folders = draft_folders(draft_dir)
+    priors = [path for path in folders if is_prior_dir(path)]
     heads = [path for path in folders if is_head_dir(path)]
-    models = [path for path in folders if not is_head_dir(path)]
+    models = [path for path in folders if not is_head_dir(path) and not is_prior_dir(path)]
+    if priors and len(folders) > 1:
+        raise RecspecError("a target prior (`recspec align prior`) drafts alone; give --draft that folder only")
     if len(heads) > 1 or len(models) > 1:
         raise RecspecError(f"--draft takes a draft model, a head, or a model and a head joined by '+' "
                            f"(got {len(models)} models and {len(heads)} heads)")
+    for path in priors:
+        read_prior_config(path)
     for path in heads:
         read_head_config(head_dir(path))
     for path in models:
         trained_model_dir(path)
-    return models, heads
+    return models, [*priors, *heads]
 
 
 def check_k(k: int | None, index: ItemIndex, source: str | Path) -> None:

@@ -151,6 +151,26 @@ def check_item_draft(recommender: Recommender, beams: dict[int, TopK]) -> None:
     assert (relaxed.items >= 0).all() and all(len(set(row)) == 5 for row in relaxed.items.tolist())
 
 
+def check_target_prior(recommender: Recommender, beams: dict[int, TopK], folder: Path) -> None:
+    """Strict speculative search drafted by a target prior (`recspec align prior`, fitted here on
+    500 training prompts and saved in ``folder``) returns what `beam` returns, with some of its
+    drafted levels accepted."""
+    from recspec.align.prior import fit_target_prior
+
+    fit_target_prior(recommender.folder, folder, users=500, progress=False)
+    drafted = recommender.with_draft(folder)
+    examples = drafted.examples("test", TEST_USERS)
+    prompts, pad = drafted.encoder.prompts(examples), drafted.encoder.pad_id
+    accepted = 0.0
+    for k, gamma in ((5, None), (10, 1)):
+        result = speculative_beam_search(drafted.model, drafted.draft, prompts, drafted.trie, k, pad,
+                                         SpecConfig(draft_beams=4 * k, gamma=gamma), batch_size=64)
+        assert_agree(f"spec-strict, target prior, N={4 * k} gamma={gamma} vs beam, K={k}", result.topk, beams[k],
+                     beams[k].margin, examples.users)
+        accepted += float(result.stats.accepted_steps.sum())
+    assert accepted > 0
+
+
 # The tests, imported by each data set's file, which defines the module fixture ``model``.
 
 @pytest.fixture(scope="module")
@@ -168,3 +188,8 @@ def test_strict_speculative_equals_beam(model: Recommender, beams: dict[int, Top
 
 def test_strict_speculative_with_the_item_draft_equals_beam(model: Recommender, beams: dict[int, TopK]) -> None:
     check_item_draft(model, beams)
+
+
+def test_strict_speculative_with_a_target_prior_equals_beam(model: Recommender, beams: dict[int, TopK],
+                                                            tmp_path: Path) -> None:
+    check_target_prior(model, beams, tmp_path / "prior")

@@ -95,7 +95,7 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
                            (["--decoder", "spec-relaxed", "--draft", str(draft), "--temperature", "0"],
                             "temperature must be a positive number"),
                            (["--decoder", "spec-strict", "--draft", str(foreign)], "trained for another item index"),
-                           (["--decoder", "dsbd", "--draft", "items"], "the item draft serve")):
+                           (["--decoder", "dsbd", "--draft", "items"], "and a target prior serve")):
         result = recspec("recommend", "--target", str(out), "--k", "5", "--out", str(tmp_path / "x.jsonl"), *extra)
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
 

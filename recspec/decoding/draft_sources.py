@@ -56,6 +56,7 @@ from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ItemDraft, ItemPriorDraft
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import prefill
+from recspec.decoding.target_prior import TargetPrior, TargetPriorDraft
 from recspec.decoding.tree import gather_rows
 from recspec.models.head import HeadDraft
 from recspec.models.text_head import TextHeadDraft
@@ -297,12 +298,15 @@ class HybridPair:
     head: HeadDraft
 
 
-def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDraft | ItemPriorDraft:
+def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDraft | ItemPriorDraft | TargetPriorDraft:
     """The source for ``draft``: a :class:`~recspec.models.head.HeadDraft`, a :class:`HybridPair`,
     a :class:`~recspec.models.text_head.TextHeadDraft`, an
-    :class:`~recspec.decoding.item_prior.ItemDraft` or a causal LM."""
+    :class:`~recspec.decoding.item_prior.ItemDraft`, a
+    :class:`~recspec.decoding.target_prior.TargetPrior` or a causal LM."""
     if isinstance(draft, ItemDraft):
         return ItemPriorDraft(draft)
+    if isinstance(draft, TargetPrior):
+        return TargetPriorDraft(draft)
     if isinstance(draft, HybridPair):
         return HybridDraft(ModelDraft(draft.model), FeatureDraft(draft.head))
     if isinstance(draft, TextHeadDraft):

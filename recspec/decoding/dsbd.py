@@ -72,6 +72,7 @@ from recspec.decoding.beams import Ends, TopK, best_first
 from recspec.decoding.drafters import SampledDrafter
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ItemDraft
+from recspec.decoding.target_prior import TargetPrior
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_batches
 from recspec.decoding.rounds import SpecStats, run_rounds
 from recspec.decoding.verifiers import ForestVerifier
@@ -188,9 +189,9 @@ def dsbd_beam_search(target, draft, prompts: Sequence[torch.Tensor], trie: ItemT
         if trie.depth < 2:
             raise RecspecError("DSBD needs identifiers of at least 2 tokens: with 1 there is nothing to draft")
         config.check(trie.depth - 1)
-        if isinstance(draft, (HeadDraft, HybridPair, ItemDraft)):
-            raise RecspecError("dsbd drafts with a draft model; a draft head and the item draft serve spec-strict "
-                               "and spec-relaxed")
+        if isinstance(draft, (HeadDraft, HybridPair, ItemDraft, TargetPrior)):
+            raise RecspecError("dsbd drafts with a draft model; a draft head, the item draft and a target prior "
+                               "serve spec-strict and spec-relaxed")
         check_draft_vocabulary(target, draft)
 
     generator = torch.Generator(device=target.device).manual_seed(config.seed)

@@ -44,6 +44,7 @@ from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ItemDraft
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_batches
 from recspec.decoding.rounds import SpecStats, run_rounds
+from recspec.decoding.target_prior import TargetPrior
 from recspec.decoding.tree_plan import CostPlanner
 from recspec.decoding.verifiers import StepVerifier
 from recspec.decoding.warp import Warp
@@ -133,7 +134,7 @@ def speculative_beam_search(
     def check() -> None:
         config.check(k, trie)
         model = draft.model if isinstance(draft, HybridPair) else draft
-        if isinstance(model, ItemDraft):
+        if isinstance(model, (ItemDraft, TargetPrior)):
             model.check(trie)
         elif not isinstance(model, HeadDraft):  # a head drafts over its target's own output layer
             check_draft_vocabulary(target, model)
