@@ -216,14 +216,14 @@ class Recommender:
         :mod:`recspec.importer`)."""
         index, tokenizer = encoder.index, encoder.tokenizer
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
-        draft_model = head = None
+        draft_model = tied = None  # tied: a head, or a target prior (which comes alone)
         if heads and folder is None:
             raise RecspecError("a draft head or target prior is tied to its target's model folder; import the "
                                "target first (`recspec import`) and fit the draft for that folder")
         if heads and is_prior_dir(heads[0]):
-            head = load_prior(heads[0], head_fingerprint(folder, index), trie)
+            tied = load_prior(heads[0], head_fingerprint(folder, index), trie)
         elif heads:
-            head = bind_head(load_head(heads[0], head_fingerprint(folder, index), device), model, tokenizer, index)
+            tied = bind_head(load_head(heads[0], head_fingerprint(folder, index), device), model, tokenizer, index)
         if models:
             draft_model, draft_tokenizer = load_trained(models[0], index, device=device)
             check_same_vocabulary(draft_tokenizer, tokenizer)
@@ -233,7 +233,7 @@ class Recommender:
         for loaded in (model, draft_model):  # prefix caching: the template's fixed prefix is computed once
             if loaded is not None:
                 share_prefix(loaded, encoder.template.prefix)
-        draft = HybridPair(draft_model, head) if draft_model is not None and head is not None else draft_model or head
+        draft = HybridPair(draft_model, tied) if draft_model is not None and tied is not None else draft_model or tied
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))
 
     def with_draft(self, draft_dir: str | Path | Sequence[str | Path]) -> Recommender:

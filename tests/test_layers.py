@@ -26,7 +26,7 @@ DECODING = (
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),
     ("frontier", "acceptance", "chain_drafts"),
-    ("drafters", "draft_sources", "item_prior"),
+    ("drafters", "draft_sources", "item_prior", "target_prior"),
     ("rounds",),
     ("verifiers",),
     ("speculative_beam", "dsbd"),
