@@ -114,6 +114,12 @@ class TransitionPrior:
         return (1 - self.smoothing) * spread + self.smoothing * self.popular
 
 
+def same_trie(trie: ItemTrie, other: ItemTrie) -> bool:
+    """Whether two tries have the same vocabulary, nodes and depth (a table read through one can be
+    read through the other)."""
+    return (trie.vocab_size, trie.num_nodes, trie.depth) == (other.vocab_size, other.num_nodes, other.depth)
+
+
 def identifier_tokens(trie: ItemTrie) -> torch.Tensor:
     """Bool ``[V]`` on the trie's device: True for every token of some item's identifier."""
     nodes = torch.arange(1, trie.num_nodes, device=trie.device)
@@ -188,9 +194,7 @@ class ItemDraft:
     def check(self, trie: ItemTrie) -> None:
         """Refuse to draft for a decode over another trie than the one this draft reads (and over
         more items than the prior knows)."""
-        same = (trie.vocab_size, trie.num_nodes, trie.depth) == (self.trie.vocab_size, self.trie.num_nodes,
-                                                                  self.trie.depth)
-        if not same or self.trie.num_items > self.prior.popular.shape[0]:
+        if not same_trie(trie, self.trie) or self.trie.num_items > self.prior.popular.shape[0]:
             raise RecspecError("the item draft was built for another item index than the decode's; build it from "
                                "the same recommender (Recommender.item_draft)")
 

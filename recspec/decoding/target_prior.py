@@ -42,11 +42,12 @@ from recspec.decoding.beam_search import TreeCache, beam_decode
 from recspec.decoding.beams import Beams, select_top_k
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.frontier import Frontier
-from recspec.decoding.item_prior import child_log_probs
+from recspec.decoding.item_prior import child_log_probs, same_trie
 from recspec.decoding.prompts import Prompts, decode_in_batches
 from recspec.errors import RecspecError
-from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, verify_checksums, write_json_atomic
+from recspec.fileio import atomic_dir, record_checksums, write_json_atomic
 from recspec.itemids.trie import ItemTrie
+from recspec.models.head import check_tied, read_tied_config
 
 #: The weight a parent's children share evenly before any fitted beam adds to them: a parent no
 #: fitted beam reached drafts its children uniformly, one reached by a single beam moves by at most
@@ -117,8 +118,7 @@ class TargetPrior:
 
     def check(self, trie: ItemTrie) -> None:
         """Refuse to draft for a decode over another trie than the one this prior was fitted on."""
-        if (trie.vocab_size, trie.num_nodes, trie.depth) != (self.trie.vocab_size, self.trie.num_nodes,
-                                                             self.trie.depth):
+        if not same_trie(trie, self.trie):
             raise RecspecError("the target prior was fitted over another item trie than the decode's; fit it "
                                "for this target (recspec align prior)")
 
@@ -172,13 +172,7 @@ def is_prior_dir(path: str | Path) -> bool:
 
 def read_prior_config(path: Path) -> dict[str, Any]:
     """The ``prior.json`` of a prior folder, its checksums checked first."""
-    if not (path / CHECKSUMS).is_file():
-        raise RecspecError(f"{path}: not a target prior written by recspec (no {CHECKSUMS}); {REMEDY}")
-    verify_checksums(path, REMEDY)
-    meta = read_json(path / PRIOR_CONFIG)
-    if not isinstance(meta, dict) or meta.get("format") != PRIOR_FORMAT:
-        raise RecspecError(f"{path / PRIOR_CONFIG}: not a {PRIOR_FORMAT} folder; {REMEDY}")
-    return meta
+    return read_tied_config(path, PRIOR_CONFIG, PRIOR_FORMAT, "target prior", REMEDY)
 
 
 def load_prior(path: str | Path, fingerprint: dict[str, str], trie: ItemTrie) -> TargetPrior:
@@ -187,11 +181,8 @@ def load_prior(path: str | Path, fingerprint: dict[str, str], trie: ItemTrie) ->
     from safetensors.torch import load_file
 
     path = Path(path)
-    saved = read_prior_config(path).get("fingerprint", {})
-    for key, value in fingerprint.items():
-        if saved.get(key) != value:
-            raise RecspecError(f"{path}: this prior was fitted for another target ({key.replace('_', ' ')} differs); "
-                               f"fit one for this target (recspec align prior)")
+    check_tied(path, read_prior_config(path), fingerprint, "this prior was fitted",
+               "fit one for this target (recspec align prior)")
     weights = load_file(str(path / PRIOR_WEIGHTS)).get("weights")
     if weights is None or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
         raise RecspecError(f"{path / PRIOR_WEIGHTS}: no finite, non-negative weights; {REMEDY}")

@@ -255,15 +255,32 @@ def head_dir(path: str | Path, kind: HeadKind = ITEM_HEAD) -> Path:
     return path if (path / kind.config_file).is_file() else path / "best"
 
 
+def read_tied_config(path: Path, config_file: str, fmt: str, what: str, remedy: str) -> dict[str, Any]:
+    """The ``config_file`` of a folder tied to a target (a head, a target prior), its checksums
+    checked first and its format tag ``fmt``; ``what`` names such a folder in refusals, ``remedy``
+    says what to do."""
+    if not (path / CHECKSUMS).is_file():
+        raise RecspecError(f"{path}: not a {what} written by recspec (no {CHECKSUMS}); {remedy}")
+    verify_checksums(path, remedy)
+    meta = read_json(path / config_file)
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise RecspecError(f"{path / config_file}: not a {fmt} {what}; {remedy}")
+    return meta
+
+
+def check_tied(path: Path, meta: dict[str, Any], fingerprint: dict[str, str], made: str, remedy: str) -> None:
+    """Refuse the folder ``path`` whose config ``meta`` was not made for the target of
+    ``fingerprint`` (:func:`head_fingerprint`: every key must match); ``made`` says how it was
+    made (``"this head was trained"``), ``remedy`` what to do."""
+    saved = meta.get("fingerprint", {})
+    for key, value in fingerprint.items():
+        if saved.get(key) != value:
+            raise RecspecError(f"{path}: {made} for another target ({key.replace('_', ' ')} differs); {remedy}")
+
+
 def read_head_config(path: Path, kind: HeadKind = ITEM_HEAD) -> dict[str, Any]:
     """The config file of a head folder of ``kind``, its checksums checked first."""
-    if not (path / CHECKSUMS).is_file():
-        raise RecspecError(f"{path}: not a head folder written by recspec (no {CHECKSUMS}); {kind.remedy}")
-    verify_checksums(path, kind.remedy)
-    meta = read_json(path / kind.config_file)
-    if not isinstance(meta, dict) or meta.get("format") != kind.format:
-        raise RecspecError(f"{path / kind.config_file}: not a {kind.format} head; {kind.remedy}")
-    return meta
+    return read_tied_config(path, kind.config_file, kind.format, "head folder", kind.remedy)
 
 
 def load_head(path: str | Path, fingerprint: dict[str, str], device: torch.device | str = "cpu",
@@ -274,11 +291,7 @@ def load_head(path: str | Path, fingerprint: dict[str, str], device: torch.devic
 
     path = head_dir(path, kind)
     meta = read_head_config(path, kind)
-    saved = meta.get("fingerprint", {})
-    for key, value in fingerprint.items():
-        if saved.get(key) != value:
-            raise RecspecError(f"{path}: this head was trained for another target ({key.replace('_', ' ')} "
-                               f"differs); train a head for this target with {kind.trained_by}")
+    check_tied(path, meta, fingerprint, "this head was trained", f"train a head for this target with {kind.trained_by}")
     try:
         head = kind.build(meta["config"])
     except (KeyError, TypeError, ValueError) as err:
