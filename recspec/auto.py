@@ -19,16 +19,20 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from recspec.calibration import (acceptance_tables, call_cost, decoding_key, draft_costs, kept_record,
                                  median_prompt_length)
 from recspec.decoding.tree_plan import CostPlanner
+from recspec.itemids.trie import ItemTrie
 from recspec.recommend import DecodeOptions, Recommender
 
 #: Widths tried per drafted level, as multiples of K.
 WIDTH_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
-#: Validation users of the timed check of a predicted win, and the margin it must show.
-PROBE_USERS = 16
+#: Validation users of the timed check of a predicted win, the margin it must show, and its runs.
+PROBE_USERS = 32
 PROBE_MARGIN = 0.03
+PROBE_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     if recommender.draft is None:
         return replace(plain, reason=f"auto: tree-beam (no draft loaded; {predicted['tree-beam']:.1f} ms/user "
                                      f"predicted at batch {rows})")
-    choices = tuple(sorted({max(k, round(f * k)) for f in WIDTH_FACTORS}))
+    choices = width_choices(recommender.trie, k)
     first, later = acceptance_tables(recommender, k, choices, valid_users)
     first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len)
     planner = CostPlanner(first, later, target, first_draft, later_draft, k, prompt_len, choices, rows)
@@ -102,14 +106,24 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     return replace(plain, reason=f"auto: tree-beam ({detail})")
 
 
+def width_choices(trie: ItemTrie, k: int) -> tuple[int, ...]:
+    """The widths tried per drafted level: :data:`WIDTH_FACTORS` times ``k``, and the root's
+    number of children (a first level of all of them is always accepted: the first beam step then
+    costs no call of its own, which pays where the root has few children)."""
+    root_children = int(trie.children(torch.tensor([trie.root], device=trie.device))[1].sum())
+    widths = {max(k, round(f * k)) for f in WIDTH_FACTORS}
+    return tuple(sorted(widths | {root_children} if root_children > k else widths))
+
+
 def probe(recommender: Recommender, k: int, batch_size: int, options: DecodeOptions) -> dict[str, float]:
     """ms per user of ``tree-beam`` and of the planned ``spec-strict`` on the first
-    :data:`PROBE_USERS` validation users (best of two alternating runs), kept beside the target
+    :data:`PROBE_USERS` validation users (best of :data:`PROBE_RUNS` alternating runs: the least
+    disturbed by the machine's other work), kept beside the target
     while target, draft, K, batch size, device and threads match."""
     def measure() -> dict[str, float]:
         examples = recommender.examples("valid", PROBE_USERS)
         best = {"tree-beam": math.inf, "spec-strict": math.inf}
-        for _ in range(2):
+        for _ in range(PROBE_RUNS):
             for name, opts in (("tree-beam", DecodeOptions()), ("spec-strict", options)):
                 started = time.perf_counter()
                 recommender.recommend(examples, k, name, batch_size, opts)

@@ -219,9 +219,11 @@ def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int 
     while target, draft, K, widths and users match."""
     key = {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender), "k": k,
            "choices": list(choices), "users": users}
-    prompts = recommender.encoder.prompts(recommender.examples("valid", users))
-    value = kept_record(recommender.folder / f"acceptance-k{k}.json", key,
-                        lambda: measure_acceptance(recommender, recommender.draft, prompts, k, choices), remeasure)
+    def measure() -> dict[str, Any]:
+        prompts = recommender.encoder.prompts(recommender.examples("valid", users))
+        return measure_acceptance(recommender, recommender.draft, prompts, k, choices)
+
+    value = kept_record(recommender.folder / f"acceptance-k{k}.json", key, measure, remeasure)
     return Acceptance.from_json(value["first"]), Acceptance.from_json(value["later"])
 
 
@@ -239,10 +241,8 @@ def draft_costs(recommender, prompt_len: int, repeats: int = 10,
     rounds, the draft's prefill, and whether the first round is the target's prefill alone (a
     head without a draft model)."""
     draft, free = recommender.draft, CallCost(0.0, 0.0)
-    if isinstance(draft, ItemDraft):  # a table: no model call (its Python work shows in auto's probe)
+    if isinstance(draft, (ItemDraft, TargetPrior)):  # a table: no model call (its Python work shows in auto's probe)
         return free, free, free, False
-    if isinstance(draft, TargetPrior):  # a table too, and the first round is the target's prefill alone
-        return free, free, free, True
     folders = {is_head_dir(folder): folder for folder in recommender.draft_dirs}
     head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
     model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,8 @@ class Recommender:
     draft: Any = None
     folder: Path | None = None  # the target's model folder
     draft_dirs: tuple[Path, ...] = ()  # the draft's folders (a model, a head, or both)
+    # what ``auto`` chose for these models, per (K, batch size): made once per loaded recommender
+    auto_choices: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
@@ -273,7 +275,8 @@ class Recommender:
             if self.folder is None:
                 raise RecspecError("decoder auto keeps its measurements in the model folder; import the model "
                                    "first (`recspec import`) or name a decoder")
-            choice = choose(self, k, batch_size or len(examples))
+            key = (k, batch_size or len(examples))
+            choice = self.auto_choices[key] = self.auto_choices.get(key) or choose(self, *key)
             decoded = self.recommend(examples, k, choice.decoder, batch_size, choice.options, progress)
             return replace(decoded, choice=choice.reason)
         prompts = self.encoder.prompts(examples)

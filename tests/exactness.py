@@ -43,7 +43,7 @@ from recspec.recommend import Recommender, item_rows
 KS = (1, 5, 10, 20)
 SPEC_KS = (1, 3, 5, 10, 20)
 TEST_USERS = 1000
-HF_USERS = 300
+HF_USERS = 200
 SCORE_ATOL = 1e-4
 TIE_GAP = 1e-5
 MODELS = Path(os.environ.get("RECSPEC_MODELS", Path(__file__).resolve().parents[1] / "runs" / "models"))

@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 @pytest.fixture(scope="module")
 def built_ids(ml100k, smollm2_dir: Path, tmp_path_factory) -> Path:
     """MovieLens identifiers built by ``recspec ids build`` from the embeddings of SmolLM2 cut to
-    its first 4 layers, given as ``--embedder`` (a model folder): the command's whole path on the
-    real items at 4/30 of the default embedder's pass (160 s on one core here, a sixth of CI's
+    its first 2 layers, given as ``--embedder`` (a model folder): the command's whole path on the
+    real items at 2/30 of the default embedder's pass (the full pass would take a sixth of CI's
     test time on its worker); built once for this module's check and its models."""
     from recspec.hub import load_tokenizer
     from recspec.models.hf import load_causal_lm
@@ -33,11 +33,11 @@ def built_ids(ml100k, smollm2_dir: Path, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("built")
     model = load_causal_lm(smollm2_dir)
-    keep_first_layers(model, 4)
-    model.save_pretrained(root / "smollm2-4")
-    load_tokenizer(smollm2_dir).save_pretrained(root / "smollm2-4")
+    keep_first_layers(model, 2)
+    model.save_pretrained(root / "smollm2-2")
+    load_tokenizer(smollm2_dir).save_pretrained(root / "smollm2-2")
     result = recspec("ids", "build", "--dataset", "ml-100k", "--out", str(root / "ids"), "--embedder",
-                     str(root / "smollm2-4"))
+                     str(root / "smollm2-2"))
     assert result.returncode == 0, result.stderr
     return root / "ids"
 
@@ -61,7 +61,7 @@ def test_ids_build_on_movielens(ml100k, built_ids: Path) -> None:
     # the output folder is refused a second time, and nothing is half-written
     again = recspec("ids", "build", "--dataset", "ml-100k", "--out", str(built_ids))
     assert again.returncode == 2 and "--overwrite" in again.stderr
-    assert sorted(p.name for p in built_ids.parent.iterdir()) == ["ids", "smollm2-4"]
+    assert sorted(p.name for p in built_ids.parent.iterdir()) == ["ids", "smollm2-2"]
     # every MovieLens item has an identifier; the trie accepts them all
     trie = index.trie()
     assert (trie.items(trie.walk(torch.as_tensor(index.codes))) == torch.arange(1682)).all()

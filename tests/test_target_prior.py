@@ -104,9 +104,10 @@ def draft_log_q(draft: TargetPriorDraft, node: int) -> torch.Tensor:
 
 def test_strict_search_with_the_prior_returns_tree_beams_items(target: Recommender, trained_models: Path,
                                                               prior_dir: Path, tmp_path: Path) -> None:
-    """Through the API (two widths and gammas, batches of 1 and 16) and the command line: the same
-    items and scores as tree-beam, with levels accepted; the first round drafts nothing (one target
-    call more than rounds drafted)."""
+    """Through the API (widths, gammas, batches of 1 and 16) and the command line: the same items
+    and scores as tree-beam, with levels accepted. The first round drafts from the root: drafted
+    wider than the root has children, level 1 is all of them (no dead node fed) and always
+    accepted, so the first two levels cost one target call."""
     recommender = target.with_draft(prior_dir)
     assert isinstance(recommender.draft, TargetPrior) and recommender.draft_names == [str(prior_dir)]
     examples = recommender.examples("test", 48)
@@ -117,7 +118,17 @@ def test_strict_search_with_the_prior_returns_tree_beams_items(target: Recommend
         torch.testing.assert_close(decoded.topk.scores, reference.scores, atol=1e-4, rtol=0)
         if n == 40:
             assert float(decoded.stats.accepted_steps.sum()) > 0
-        assert bool((decoded.stats.draft_calls < decoded.stats.target_calls).all())
+    trie = recommender.trie
+    fanout = int(trie.children(torch.tensor([trie.root]))[1].sum())
+
+    def root_only(first: bool, remaining: int) -> tuple[int, ...]:  # the root's children, nothing later
+        return (fanout + 5,) if first else ()
+
+    decoded = recommender.recommend(examples, 10, "spec-strict", 16, DecodeOptions(planner=root_only))
+    assert torch.equal(decoded.topk.items, reference.items)
+    stats = decoded.stats
+    assert bool((stats.accepted_steps == 1).all()) and bool((stats.target_calls == trie.depth - 1).all())
+    assert bool((stats.tree_nodes == fanout + 10 * (trie.depth - 2)).all())
     relaxed = recommender.recommend(examples, 5, "spec-relaxed", 16).topk
     assert (relaxed.items >= 0).all() and all(len(set(row)) == 5 for row in relaxed.items.tolist())
     out = tmp_path / "recs.jsonl"

@@ -83,7 +83,14 @@ class TopNDrafter:
 
     def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor,
                 width: int) -> Level:
+        """The top ``width`` children, fewer where no row has that many (e.g. the root's children
+        at a width above their number): columns dead in every row are not drafted, so not fed."""
         chosen = select_top_k(level_beams(parent, front.beams.margin), log_q, self.trie, width)
+        live = max(int(chosen.scores.isfinite().sum(dim=1).max()), 1)  # dead fillers come last
+        if live < width:
+            scores, nodes, tokens, parents = (part[:, :live].contiguous() for part in
+                                              (chosen.scores, chosen.nodes, chosen.tokens, chosen.parents))
+            chosen = Beams(scores=scores, nodes=nodes, tokens=tokens, parents=parents, margin=chosen.margin)
         return _child(parent, chosen, depth)
 
 

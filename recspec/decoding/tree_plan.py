@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from recspec.decoding.cost import CallCost
 
@@ -107,12 +107,18 @@ class CostPlanner:
     prompt_len: int
     choices: tuple[int, ...]
     rows: int = 1
+    plans: dict[tuple[bool, int], RoundPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def plan(self, first: bool, remaining: int) -> RoundPlan:
-        draft = self.first_draft if first else self.later_draft
-        return plan_round(self.first if first else self.later, remaining, self.target,
-                          self.prompt_len if first else self.k, lambda n: draft.call_s(self.rows * n),
-                          self.choices, self.rows)
+        """The round's plan, worked out once per kind of round and levels left (the search over
+        widths is Python work that a round would otherwise repeat)."""
+        key = (first, remaining)
+        if key not in self.plans:
+            draft = self.first_draft if first else self.later_draft
+            self.plans[key] = plan_round(self.first if first else self.later, remaining, self.target,
+                                         self.prompt_len if first else self.k, lambda n: draft.call_s(self.rows * n),
+                                         self.choices, self.rows)
+        return self.plans[key]
 
     def __call__(self, first: bool, remaining: int) -> tuple[int, ...]:
         return self.plan(first, remaining).widths
