@@ -28,7 +28,7 @@ from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafters import TopNDrafter
 from recspec.decoding.frontier import Frontier
-from recspec.decoding.item_prior import ITEM_DRAFT, ItemDraft
+from recspec.decoding.item_prior import ItemDraft
 from recspec.decoding.target_prior import PRIOR_WEIGHTS, TargetPrior, is_prior_dir
 from recspec.decoding.prefix import shared_columns
 from recspec.decoding.prompts import prompt_batches
@@ -193,10 +193,11 @@ def decoding_key(recommender) -> dict[str, Any]:
             **timing_key(next(recommender.model.parameters()).device)}
 
 
-def draft_identity(folders: Sequence[Path], item_draft: bool = False) -> dict[str, str]:
-    """sha256 of the weights of each draft folder (a model and / or a head); the item prior
-    (``item_draft``), a function of the target's training data, is named."""
-    identity = {"draft": ITEM_DRAFT} if item_draft else {}
+def draft_identity(folders: Sequence[Path], named: str | None = None) -> dict[str, str]:
+    """sha256 of the weights of each draft folder (a model and / or a head); a draft ``named``
+    instead (``items``: the item prior, a function of the target's training data; ``root``: the
+    unfitted prior, a function of the trie) is named."""
+    identity = {"draft": named} if named else {}
     for folder in folders:
         if is_prior_dir(folder):
             identity["prior_sha256"] = weights_fingerprint(folder, PRIOR_WEIGHTS)
@@ -209,7 +210,8 @@ def draft_identity(folders: Sequence[Path], item_draft: bool = False) -> dict[st
 
 def loaded_draft_identity(recommender) -> dict[str, str]:
     """:func:`draft_identity` of a loaded recommender's draft."""
-    return draft_identity(recommender.draft_dirs, isinstance(recommender.draft, ItemDraft))
+    named = None if recommender.draft_dirs else next(iter(recommender.draft_names), None)
+    return draft_identity(recommender.draft_dirs, named)
 
 
 def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int = 128,

@@ -39,9 +39,10 @@ KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
 DraftOpt = Annotated[Optional[str], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd), a draft "
                                                  "head (`align train --head`), MODEL+HEAD: the model drafts the "
-                                                 "first round, the head the rest, or items: an item-transition prior "
-                                                 "fitted on the training data, no model call (spec-strict, "
-                                                 "spec-relaxed).")]
+                                                 "first round, the head the rest, a target prior (`align prior`), "
+                                                 "items: an item-transition prior fitted on the training data, or "
+                                                 "root: the unfitted target prior, level 1 fed with the prompt; "
+                                                 "no model call for the last three (spec-strict, spec-relaxed).")]
 DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")]
 GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")]

@@ -24,7 +24,8 @@ from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.item_prior import DECAY, ITEM_DRAFT, SMOOTHING, ItemDraft, TransitionPrior
-from recspec.decoding.target_prior import is_prior_dir, load_prior, read_prior_config
+from recspec.decoding.target_prior import (ROOT_DRAFT, TargetPrior, is_prior_dir, load_prior, read_prior_config,
+                                           uniform_prior)
 from recspec.decoding.prefix import share_prefix
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.beam_search import sampling_beam_search
@@ -204,7 +205,8 @@ class Recommender:
         dataset = run_dataset(info, index, dataset)
         encoder = PromptEncoder(index, dataset.item_ids, tokenizer, saved_template(model_folder, tokenizer))
         recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder)
-        return replace(recommender, draft=recommender.item_draft()) if is_item_draft(draft_dir) else recommender
+        named = named_draft(draft_dir)
+        return replace(recommender, draft=recommender.named_draft(named)) if named else recommender
 
     @classmethod
     def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset, info: dict[str, Any], device: str = "cpu",
@@ -241,8 +243,9 @@ class Recommender:
     def with_draft(self, draft_dir: str | Path | Sequence[str | Path]) -> Recommender:
         """This recommender with another draft (``draft_dir`` as in :meth:`load`), the target's
         weights, encoder and data shared rather than loaded again."""
-        if is_item_draft(draft_dir):
-            return replace(self, draft=self.item_draft(), draft_dirs=())
+        named = named_draft(draft_dir)
+        if named:
+            return replace(self, draft=self.named_draft(named), draft_dirs=())
         models, heads = check_drafts(draft_dir)
         device = str(next(self.model.parameters()).device)
         return type(self).from_parts(self.model, self.encoder, self.dataset, self.info, device, models, heads,
@@ -250,8 +253,17 @@ class Recommender:
 
     @property
     def draft_names(self) -> list[str]:
-        """What ``--draft`` named: the draft's folders, or ``items`` for the item prior."""
-        return [ITEM_DRAFT] if isinstance(self.draft, ItemDraft) else [str(path) for path in self.draft_dirs]
+        """What ``--draft`` named: the draft's folders, ``items`` for the item prior or ``root``
+        for the unfitted target prior."""
+        if isinstance(self.draft, ItemDraft):
+            return [ITEM_DRAFT]
+        if isinstance(self.draft, TargetPrior) and not self.draft_dirs:
+            return [ROOT_DRAFT]
+        return [str(path) for path in self.draft_dirs]
+
+    def named_draft(self, name: str) -> ItemDraft | TargetPrior:
+        """The draft a ``--draft`` name stands for (:func:`named_draft`), built for this target."""
+        return self.item_draft() if name == ITEM_DRAFT else uniform_prior(self.trie)
 
     def item_draft(self, decay: float = DECAY, smoothing: float = SMOOTHING) -> ItemDraft:
         """The draft of ``--draft items``: an item-transition prior fitted on the training part
@@ -336,15 +348,18 @@ def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | 
                   ) -> tuple[Path, dict[str, Any], list[Path], list[Path]]:
     """What :meth:`Recommender.load` checks before loading any weights: the target's trained
     folder and run info, then the drafts (:func:`check_drafts`), so that a damaged draft is
-    named first. The item prior (``--draft items``) has no folders."""
+    named first. The named drafts (``--draft items``, ``--draft root``) have no folders."""
     folder, info = run_info(Path(model_dir))
-    models, heads = ([], []) if is_item_draft(draft_dir) else check_drafts(draft_dir)
+    models, heads = ([], []) if named_draft(draft_dir) else check_drafts(draft_dir)
     return folder, info, models, heads
 
 
-def is_item_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> bool:
-    """Whether a ``--draft`` value names the item prior (:data:`~recspec.decoding.item_prior.ITEM_DRAFT`)."""
-    return isinstance(draft_dir, (str, Path)) and str(draft_dir) == ITEM_DRAFT
+def named_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> str | None:
+    """The draft a ``--draft`` value names instead of a folder, if it does: ``items`` (the item
+    prior, :data:`~recspec.decoding.item_prior.ITEM_DRAFT`) or ``root`` (the unfitted target
+    prior, :data:`~recspec.decoding.target_prior.ROOT_DRAFT`); else None."""
+    name = str(draft_dir) if isinstance(draft_dir, (str, Path)) else None
+    return name if name in (ITEM_DRAFT, ROOT_DRAFT) else None
 
 
 def check_drafts(draft_dir: str | Path | Sequence[str | Path] | None) -> tuple[list[Path], list[Path]]:

@@ -139,6 +139,43 @@ def test_strict_search_with_the_prior_returns_tree_beams_items(target: Recommend
     assert [row["items"] for row in read_recs(out)] == [[keys[i] for i in row] for row in reference.items.tolist()]
 
 
+def test_the_root_draft_takes_level_one_with_the_prompt(target: Recommender, trained_models: Path,
+                                                        tmp_path: Path) -> None:
+    """``--draft root``, the unfitted prior: it drafts every node's children alike, and drafted as
+    wide as the root's children its first round feeds all of them with the prompt, so the first
+    two beam steps cost one target call; tree-beam's items through the API (batches of 1 and 16),
+    ``auto`` and the command line; dsbd refuses it."""
+    recommender = target.with_draft("root")
+    assert isinstance(recommender.draft, TargetPrior) and recommender.draft_names == ["root"]
+    assert Recommender.load(trained_models / "target", draft_dir="root").draft_names == ["root"]
+    trie = recommender.trie
+    tokens, real = trie.children(torch.tensor([trie.root]))
+    fanout = int(real.sum())
+    shares = draft_log_q(TargetPriorDraft(recommender.draft), trie.root)[tokens[0][real[0]]].exp()
+    torch.testing.assert_close(shares, torch.full_like(shares, 1 / fanout))
+
+    def root_only(first: bool, remaining: int) -> tuple[int, ...]:
+        return (fanout,) if first else ()
+
+    examples = recommender.examples("test", 40)
+    reference = recommender.recommend(examples, 10, "tree-beam", 16).topk
+    for batch in (1, 16):
+        decoded = recommender.recommend(examples, 10, "spec-strict", batch, DecodeOptions(planner=root_only))
+        assert torch.equal(decoded.topk.items, reference.items), batch
+        torch.testing.assert_close(decoded.topk.scores, reference.scores, atol=1e-4, rtol=0)
+        assert bool((decoded.stats.target_calls == trie.depth - 1).all())
+    auto = recommender.recommend(examples, 10, "auto", 8)
+    assert auto.choice.startswith("auto: ") and torch.equal(auto.topk.items, reference.items), auto.choice
+    with pytest.raises(RecspecError, match="dsbd"):
+        recommender.recommend(examples, 5, "dsbd")
+    out = tmp_path / "recs.jsonl"
+    done = recspec("recommend", "--target", str(trained_models / "target"), "--out", str(out), "--decoder", "auto",
+                   "--draft", "root", "--users", "40", "--k", "10", "--batch-size", "8")
+    assert done.returncode == 0 and done.stdout.startswith("auto: "), done.stderr
+    keys = recommender.index.item_keys
+    assert [row["items"] for row in read_recs(out)] == [[keys[i] for i in row] for row in reference.items.tolist()]
+
+
 def test_prior_folders_are_checked(target: Recommender, trained_models: Path, prior_dir: Path,
                                    tmp_path: Path) -> None:
     """A prior loads only for the target it was fitted on, with its checksums intact, alone; dsbd

@@ -30,7 +30,7 @@ from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
-from recspec.recommend import (RecommendJob, check_folders, is_item_draft, recs_text, run_dataset, trained_examples,
+from recspec.recommend import (RecommendJob, check_folders, named_draft, recs_text, run_dataset, trained_examples,
                                user_chunks)
 
 
@@ -46,7 +46,7 @@ def job_settings(job: RecommendJob, folder: Path, info: dict[str, Any], drafts: 
     set, part, users and batch size."""
     options = {f.name: getattr(job.options, f.name) for f in fields(job.options) if f.name != "planner"}
     return {"target_sha256": weights_fingerprint(trained_model_dir(folder)),
-            **draft_identity(drafts, is_item_draft(job.draft)),
+            **draft_identity(drafts, named_draft(job.draft)),
             "decoder": job.decoder, "k": job.k, "options": options, "dataset": job.dataset or info["dataset"],
             "format": job.format, "part": job.part, "users": job.users, "batch_size": job.batch_size}
 

@@ -60,6 +60,8 @@ PRIOR_WEIGHTS = "prior.safetensors"
 PRIOR_CONFIG = "prior.json"
 PRIOR_FORMAT = "recspec-target-prior/1"
 REMEDY = "fit it again (recspec align prior)"
+#: The ``--draft`` value of the unfitted prior (:func:`uniform_prior`).
+ROOT_DRAFT = "root"
 
 
 def empty_weights(trie: ItemTrie) -> torch.Tensor:
@@ -71,6 +73,14 @@ def empty_weights(trie: ItemTrie) -> torch.Tensor:
     weights = torch.zeros(trie.num_nodes, dtype=torch.float64, device=trie.device)
     weights[nodes] = PSEUDO_COUNT / fanout[parents]
     return weights
+
+
+def uniform_prior(trie: ItemTrie) -> TargetPrior:
+    """The prior before any fit (``--draft root``): every node's children drafted alike. What it
+    gives is its first round: drafted as wide as the root's children, level 1 is all of them, fed
+    in the prompt's own target call and always accepted, so the first two beam steps cost one call
+    with no draft trained; later levels it drafts as the target's best beams' children."""
+    return TargetPrior(empty_weights(trie).float(), trie)
 
 
 def add_step(weights: torch.Tensor, trie: ItemTrie, beams: Beams, log_probs: torch.Tensor) -> None:
