@@ -210,8 +210,7 @@ def draft_identity(folders: Sequence[Path], named: str | None = None) -> dict[st
 
 def loaded_draft_identity(recommender) -> dict[str, str]:
     """:func:`draft_identity` of a loaded recommender's draft."""
-    named = None if recommender.draft_dirs else next(iter(recommender.draft_names), None)
-    return draft_identity(recommender.draft_dirs, named)
+    return draft_identity(recommender.draft_dirs, recommender.draft_name)
 
 
 def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int = 128,

@@ -206,7 +206,7 @@ class Recommender:
         encoder = PromptEncoder(index, dataset.item_ids, tokenizer, saved_template(model_folder, tokenizer))
         recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder)
         named = named_draft(draft_dir)
-        return replace(recommender, draft=recommender.named_draft(named)) if named else recommender
+        return replace(recommender, draft=recommender.build_named_draft(named)) if named else recommender
 
     @classmethod
     def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset, info: dict[str, Any], device: str = "cpu",
@@ -245,23 +245,29 @@ class Recommender:
         weights, encoder and data shared rather than loaded again."""
         named = named_draft(draft_dir)
         if named:
-            return replace(self, draft=self.named_draft(named), draft_dirs=())
+            return replace(self, draft=self.build_named_draft(named), draft_dirs=())
         models, heads = check_drafts(draft_dir)
         device = str(next(self.model.parameters()).device)
         return type(self).from_parts(self.model, self.encoder, self.dataset, self.info, device, models, heads,
                                      self.folder)
 
     @property
-    def draft_names(self) -> list[str]:
-        """What ``--draft`` named: the draft's folders, ``items`` for the item prior or ``root``
-        for the unfitted target prior."""
+    def draft_name(self) -> str | None:
+        """The name ``--draft`` gave the draft instead of a folder (:func:`named_draft`): ``items``
+        for the item prior, ``root`` for the unfitted target prior; else None."""
         if isinstance(self.draft, ItemDraft):
-            return [ITEM_DRAFT]
+            return ITEM_DRAFT
         if isinstance(self.draft, TargetPrior) and not self.draft_dirs:
-            return [ROOT_DRAFT]
-        return [str(path) for path in self.draft_dirs]
+            return ROOT_DRAFT
+        return None
 
-    def named_draft(self, name: str) -> ItemDraft | TargetPrior:
+    @property
+    def draft_names(self) -> list[str]:
+        """What ``--draft`` named: the draft's folders, or its :attr:`draft_name`."""
+        name = self.draft_name
+        return [name] if name else [str(path) for path in self.draft_dirs]
+
+    def build_named_draft(self, name: str) -> ItemDraft | TargetPrior:
         """The draft a ``--draft`` name stands for (:func:`named_draft`), built for this target."""
         return self.item_draft() if name == ITEM_DRAFT else uniform_prior(self.trie)
 
