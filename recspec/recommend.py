@@ -123,6 +123,13 @@ class Decoded:
     stats: SpecStats | None = None
     choice: str = ""
 
+    @staticmethod
+    def joined(parts: Sequence[Decoded]) -> Decoded:
+        """The results of consecutive groups of users as one (statistics kept where every part has
+        them)."""
+        stats = None if any(part.stats is None for part in parts) else SpecStats.cat([part.stats for part in parts])
+        return Decoded(TopK.cat([part.topk for part in parts]), stats, parts[0].choice)
+
 
 def item_rows(dataset_keys: Sequence[str], keys: Sequence[str]) -> np.ndarray:
     """int64 [len(keys)]: the dense data-set item of each raw item id (-1 where the data set lacks it)."""
@@ -309,8 +316,7 @@ class Recommender:
                 parts.append(run_decoder(decoder, self.model, self.draft, prompts[rows.start:rows.stop], self.trie, k,
                                          self.encoder.pad_id, replace(options, seed=options.seed + i), batch_size))
                 bar.update(len(rows))
-        stats = None if parts[0].stats is None else SpecStats.cat([part.stats for part in parts])
-        return Decoded(TopK.cat([part.topk for part in parts]), stats)
+        return Decoded.joined(parts)
 
 
 

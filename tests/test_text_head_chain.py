@@ -314,27 +314,33 @@ def test_dsbd_with_a_head_samples_the_targets_beam_sampling(vocab) -> None:
     assert float(result.stats.accepted_steps.sum()) > 0 and float(result.stats.drafted_steps.sum()) > 0
 
 
-@pytest.mark.parametrize(("one_cache", "which"), [(False, "trained"), (True, "trained"), (False, "fused")],
-                         ids=["beams", "one-cache", "fused"])
+@pytest.mark.parametrize(("one_cache", "which", "slack"),
+                         [(False, "trained", 0), (True, "trained", None), (False, "fused", None)],
+                         ids=["beams-compacted", "one-cache", "fused"])
 def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, target, heads, fused, one_cache: bool,
-                                                                which: str) -> None:
+                                                                which: str, slack: int | None) -> None:
     """After every round, each beam's view of the head's tree cache (the prompt and its ancestors)
     holds exactly the inputs of its text with the target's true features, as one teacher-forced
     call over that text computes them (column 0, the placeholder, aside), and the input of its
     pending token, computed ahead in the round's last head call, is that call's next input (guess,
     key and value); rows of different prompt lengths in one batch; the run is DSBD's with the head
-    drafting (also one reading fused layers)."""
-    from recspec.decoding import rounds
+    drafting (also one reading fused layers), its caches compacted after every round (``slack`` 0)
+    or left uncompacted (the default slack, which 8 new tokens never exceed)."""
+    from recspec.decoding import frontier, rounds
 
     from recspec.decoding.draft_sources import TextTreeDraft
 
     target, head = fused if which == "fused" else (target, heads["trained"])
     source = TextTreeDraft(head)  # unpacks a frontier's state
     checked: list[int] = []
-    compact = rounds.compact_frontier
+    settle = rounds.settle_frontier
+    if slack is not None:
+        monkeypatch.setattr(frontier, "SLACK", slack)
+    widths: set[int] = set()
 
-    def checking(front, caches):
-        front = compact(front, caches)
+    def checking(front, caches, compacted):
+        front, compacted = settle(front, caches, compacted)
+        widths.add(caches[0].layers[0].keys.shape[2] - front.visible.shape[2])
         keys, values = caches[1].layers[0].keys, caches[1].layers[0].values
         for b in range(len(front.users)):
             prompt = PROMPTS[int(front.users[b]) % len(PROMPTS)]
@@ -352,12 +358,13 @@ def test_dsbd_head_cache_holds_the_true_features_of_every_beam(monkeypatch, targ
                     torch.testing.assert_close(got[b, k] if got.dim() == 3 else got[b, :, k], want, rtol=1e-4,
                                                atol=1e-4)
                 checked.append(len(text))
-        return front
+        return front, compacted
 
-    monkeypatch.setattr(rounds, "compact_frontier", checking)
+    monkeypatch.setattr(rounds, "settle_frontier", checking)
     options = TextOptions(max_new_tokens=8, gamma=2, beams=2, draft_width=3, one_cache=one_cache, seed=6)
     result = generate("dsbd", target, head, PROMPTS * 2, options, pad_token_id=0, eos=None)
     assert len(checked) > 20 and max(checked) > len(PROMPTS[2]) + 4
+    assert widths == {0}  # the beams' view spans the target's cache, compacted or not
     assert result.stats is not None and float(result.stats.accepted_steps.sum()) > 0
 
 

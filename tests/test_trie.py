@@ -125,13 +125,24 @@ def test_additive_mask_values(trie: ItemTrie, dtype: torch.dtype) -> None:
     assert trie.additive_mask(nodes).dtype == torch.float32
 
 
+def test_child_edges_lead_where_step_goes(trie: ItemTrie) -> None:
+    """``child_edges`` gives ``children``' tokens and, for every real child, the node ``step``
+    reaches with its token (over every node, leaves and ``-1`` included)."""
+    nodes = torch.tensor([*range(trie.num_nodes), -1])
+    tokens, real, children = trie.child_edges(nodes)
+    assert torch.equal(tokens, trie.children(nodes)[0]) and torch.equal(real, trie.children(nodes)[1])
+    stepped = trie.step(nodes[:, None].expand_as(tokens).reshape(-1), tokens.reshape(-1)).view(tokens.shape)
+    assert torch.equal(children[real], stepped[real]) and bool((stepped[real] > 0).all())
+    assert int(real.sum()) == trie.num_nodes - 1  # every edge once
+
+
 def test_accelerator_mask_path_on_cpu(trie: ItemTrie, monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the CPU, masks gather the trie's largest fan-out per row; check that path here too."""
     nodes = torch.tensor([*range(trie.num_nodes), -1])
     expected = trie.allowed_mask(nodes), trie.additive_mask(nodes)
 
     def fixed_width(nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, count = trie._padded_children(nodes, trie._max_children)
+        tokens, count, _ = trie._padded_children(nodes, trie._max_children)
         return tokens, count > 0
 
     monkeypatch.setattr(trie, "_mask_columns", fixed_width)

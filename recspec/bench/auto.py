@@ -3,9 +3,10 @@
 For each (target, draft) pair, K and batch size, on the first ``users`` test users: ``beam``,
 ``tree-beam``, ``spec-strict`` (fixed N = 2K, the rest of the identifier per round) and ``auto``
 (its choice made once per cell before timing, from the measurements kept beside the models;
-the time to measure them the first time is reported apart) decode all users, taking turns run by
-run, each run starting with the next decoder (a decoder run right after a wide speculative one was
-measured up to 15% slower: the allocator and caches); the median of ``repeats`` runs is reported. ``auto / best`` is auto's speed over the fastest
+the time to measure them the first time is reported apart) decode all users, taking turns batch by
+batch in a balanced order (:func:`~recspec.bench.report.take_turns`: a drift of the machine's speed
+reaches them all alike, and none always follows the same one: a decoder run right after a wide
+speculative one was measured up to 15% slower); the median of ``repeats`` runs is reported. ``auto / best`` is auto's speed over the fastest
 exact decoder of the cell (the issue's bar: at least 0.97). Every decoder's items are checked
 against ``beam``'s.
 """
@@ -21,9 +22,10 @@ from typing import Any
 import torch
 
 from recspec.auto import choose
-from recspec.bench.compare import take_turns
+from recspec.bench.compare import joined_outputs, user_batches
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, take_turns, write_results
+from recspec.data.splits import Examples
 from recspec.recommend import DecodeOptions, Decoded, Recommender
 
 
@@ -33,15 +35,15 @@ def _cell(recommender: Recommender, k: int, batch: int, users: int,
     started = time.perf_counter()
     choice = choose(recommender, k, batch)
     choose_s = time.perf_counter() - started
-    runs: dict[str, Callable[[], Decoded]] = {
-        "beam": lambda: recommender.recommend(examples, k, "beam", batch),
-        "tree-beam": lambda: recommender.recommend(examples, k, "tree-beam", batch),
-        "spec-strict": lambda: recommender.recommend(examples, k, "spec-strict", batch,
-                                                     DecodeOptions(draft_beams=2 * k)),
-        "auto": lambda: recommender.recommend(examples, k, choice.decoder, batch, choice.options),
+    runs: dict[str, Callable[[Examples], Decoded]] = {
+        "beam": lambda part: recommender.recommend(part, k, "beam", batch),
+        "tree-beam": lambda part: recommender.recommend(part, k, "tree-beam", batch),
+        "spec-strict": lambda part: recommender.recommend(part, k, "spec-strict", batch,
+                                                          DecodeOptions(draft_beams=2 * k)),
+        "auto": lambda part: recommender.recommend(part, k, choice.decoder, batch, choice.options),
     }
-    seconds, outputs = take_turns(runs, repeats)
-    return seconds, outputs, choice.reason, choose_s
+    seconds, batches = take_turns(runs, user_batches(examples, batch), repeats)
+    return seconds, joined_outputs(batches), choice.reason, choose_s
 
 
 def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 5, 10, 20),
@@ -67,7 +69,7 @@ def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 5
     markdown = "\n\n".join([
         "# `--decoder auto` against the exact decoders",
         f"{users} test users per cell at batch 1 ({users} x batch / 4 above batch 4), median of {repeats} runs "
-        f"(decoders alternate run by run, each run starting with the next); spec-strict at "
+        f"(decoders take turns batch by batch, in a balanced order); spec-strict at "
         f"N = 2K; auto's choice is made once per cell before timing (choose s: measuring costs and acceptance "
         f"the first time, then read back). torch threads: {torch.get_num_threads()}.",
         markdown_table(["target", "K", "batch", "users", "beam ms/user", "tree-beam", "spec-strict N=2K", "auto", "best",

@@ -1,10 +1,11 @@
 """`recspec bench compare`: recommendation decoders side by side on one model pair, the table
 `make demo` prints.
 
-On the first ``users`` test users each decoder decodes all of them once untimed, then
-``repeats`` timed times, the decoders taking turns run by run in a balanced order
-(:func:`~recspec.bench.report.turn_order`: none always follows the same one; a decoder run right
-after a wide speculative one was measured up to 15% slower). Reported per decoder: users/s of the
+On the first ``users`` test users each decoder decodes one batch untimed, then all of them
+``repeats`` timed times, the decoders taking turns batch by batch in a balanced order
+(:func:`~recspec.bench.report.take_turns`: a drift of the machine's speed reaches them all alike,
+and none always follows the same one; a decoder run right after a wide speculative one was
+measured up to 15% slower). Reported per decoder: users/s of the
 median run, its speed-up over the first decoder, whether its items are the first decoder's (same items and
 scores, order free only among tied scores), and for ``auto`` what it chose and why (chosen once
 before timing). ``spec-strict`` runs with ``N = 2K`` draft beams. The ceiling of the table is the
@@ -14,16 +15,17 @@ fastest decoder of the run: ``auto`` is measured against it.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from recspec.auto import choose
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, turn_order, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, take_turns, write_results
+from recspec.data.splits import Examples
 from recspec.errors import RecspecError
 from recspec.recommend import DECODERS, DecodeOptions, Decoded, Recommender
 
@@ -33,21 +35,16 @@ DEMO_DECODERS = ("beam", "tree-beam", "spec-strict", "auto")
 EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 
 
-def take_turns(runs: dict[str, Callable[[], Decoded]], repeats: int) -> tuple[dict[str, list[float]], dict[str, Decoded]]:
-    """Each of ``runs`` once untimed, then ``repeats`` timed rounds in which every run goes once, in
-    the balanced order of :func:`turn_order`; the seconds of each run's timed calls and its last
-    output."""
-    for run in runs.values():  # warm-up
-        run()
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    outputs: dict[str, Decoded] = {}
-    names = list(runs)
-    for repeat in range(repeats):
-        for name in turn_order(names, repeat):
-            start = time.perf_counter()
-            outputs[name] = runs[name]()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds, outputs
+def user_batches(examples: Examples, batch_size: int) -> list[Examples]:
+    """``examples`` in consecutive batches of ``batch_size`` users (the last one may be smaller): the
+    parts the decoders take turns over."""
+    return [examples.subset(np.arange(start, min(start + batch_size, len(examples))))
+            for start in range(0, len(examples), batch_size)]
+
+
+def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:
+    """Each decoder's outputs over the batches as one result."""
+    return {name: Decoded.joined(parts) for name, parts in outputs.items()}
 
 
 def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = DEMO_DECODERS, k: int = 10,
@@ -72,9 +69,10 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
         choice = choose(recommender, k, batch_size)
         reason, options["auto"] = choice.reason, choice.options
     named = {decoder: choice.decoder if decoder == "auto" else decoder for decoder in decoders}
-    runs = {decoder: (lambda d=decoder: recommender.recommend(examples, k, named[d], batch_size, options[d]))
+    runs = {decoder: (lambda part, d=decoder: recommender.recommend(part, k, named[d], batch_size, options[d]))
             for decoder in decoders}
-    seconds, outputs = take_turns(runs, repeats)
+    seconds, batches = take_turns(runs, user_batches(examples, batch_size), repeats)
+    outputs = joined_outputs(batches)
     reference = decoders[0]
     median = {decoder: statistics.median(times) for decoder, times in seconds.items()}
     rows = [{"decoder": decoder, "runs_s": seconds[decoder], "users_per_s": len(examples) / median[decoder],
@@ -86,7 +84,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     label = f"{recommender.dataset.name}: {Path(target).name}" + (f" + {Path(draft).name}" if draft else "")
     lines = [f"# Decoders side by side ({label})",
              f"{len(examples)} test users, K = {k}, batch {batch_size}, median of {repeats} timed runs (decoders take "
-             f"turns); speed-up over {reference}; same items: {reference}'s items and scores. torch threads: "
+             f"turns batch by batch); speed-up over {reference}; same items: {reference}'s items and scores. torch threads: "
              f"{torch.get_num_threads()}.",
              markdown_table(["decoder", "users/s", f"x {reference}", "same items"],
                             [[row["decoder"], row["users_per_s"], f"{row['speedup']:.2f}x",

@@ -26,7 +26,6 @@ verification (atspeed.txt Table 2).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, target_label, turn_order, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, take_turns, target_label, write_results
 from recspec.decoding.rounds import SpecStats
 from recspec.eval.metrics import recall_ndcg
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
@@ -62,31 +61,15 @@ def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
 
 def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
                    repeats: int, warmup: bool = True) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
-    """Per decoder: total seconds of each run over all users (one call per user) and the last
-    run's outputs, after one warm-up call each unless ``warmup`` is False (decoders already
-    warm). Within a run the decoders take turns user by user, in a balanced order
-    (:func:`~recspec.bench.report.turn_order`), so that a drift in the machine's speed reaches
-    them all alike. The ceiling counts only its verification phase (see the module doc)."""
-    for decode in decoders.values() if warmup else ():
-        decode(prompts[:1])
-    names = list(decoders)
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    outputs: dict[str, list[Decoded]] = {}
-    for repeat in range(repeats):
-        totals = dict.fromkeys(names, 0.0)
-        outputs = {name: [] for name in names}
-        for user, prompt in enumerate(prompts):
-            for name in turn_order(names, repeat * len(prompts) + user):
-                start = time.perf_counter()
-                decoded = decoders[name]([prompt])
-                seconds = time.perf_counter() - start
-                if name == "ceiling":
-                    seconds = float(decoded.stats.verify_s.sum() + decoded.stats.overhead_s.sum())
-                totals[name] += seconds
-                outputs[name].append(decoded)
-        for name in names:
-            runs[name].append(totals[name])
-    return runs, outputs
+    """:func:`~recspec.bench.report.take_turns` user by user (one call per user): per decoder the
+    total seconds of each run and the last run's outputs. The ceiling counts only its verification
+    phase (see the module doc)."""
+    def charge(name: str, decoded: Decoded, seconds: float) -> float:
+        if name == "ceiling":
+            return float(decoded.stats.verify_s.sum() + decoded.stats.overhead_s.sum())
+        return seconds
+
+    return take_turns(decoders, [[prompt] for prompt in prompts], repeats, warmup, charge)
 
 
 def _speed_rows(target: str, k: int, runs: dict[str, list[float]],

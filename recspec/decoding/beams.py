@@ -117,7 +117,7 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
     vectorised: no Python loop over users, beams or tokens.
     """
     batch, width = beams.nodes.shape
-    tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=-(-k // width))  # [B*S, C]
+    tokens, real, children = at_least(-(-k // width), *trie.child_edges(beams.nodes.view(-1)))  # [B*S, C]
     fanout = tokens.shape[1]
     step_log_probs = log_probs.reshape(batch * width, -1).gather(1, tokens)
     candidates = (beams.scores.reshape(-1, 1) + step_log_probs).masked_fill_(~real, -torch.inf)
@@ -129,7 +129,7 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
         margin = torch.minimum(margin, gap)
     parents = index // fanout
     chosen = tokens.view(batch, width * fanout).gather(1, index)
-    nodes = trie.step(beams.nodes.gather(1, parents).view(-1), chosen.view(-1)).view(batch, k)
+    nodes = children.view(batch, width * fanout).gather(1, index)
     history = beams.tokens.gather(1, parents[:, :, None].expand(-1, -1, beams.tokens.shape[2]))
     return Beams(
         scores=scores,
@@ -140,17 +140,12 @@ def select_top_k(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) 
     )
 
 
-def trie_children(
-    trie: ItemTrie, nodes: torch.Tensor, min_count: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``trie.children(nodes)``, ``[N, C]`` tokens and real flags, padded to at least
-    ``min_count`` columns so that a user's ``S * C`` candidates are never fewer than ``k``."""
-    tokens, real = trie.children(nodes)
-    missing = min_count - tokens.shape[1]
-    if missing > 0:
-        tokens = torch.nn.functional.pad(tokens, (0, missing))
-        real = torch.nn.functional.pad(real, (0, missing))
-    return tokens, real
+def at_least(min_count: int, *columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``columns`` (``[N, C]`` each: a space's children of ``N`` nodes, their real flags, ...)
+    padded with zeros / False to at least ``min_count`` columns, so that a user's ``S * C``
+    candidates are never fewer than the ``k`` a step keeps or draws."""
+    missing = min_count - columns[0].shape[1]
+    return tuple(torch.nn.functional.pad(part, (0, missing)) for part in columns) if missing > 0 else columns
 
 
 class Ends(Protocol):
@@ -212,7 +207,7 @@ def candidates(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, warp: Warp
     to be made from them, :func:`draw`).
     """
     batch, width = beams.nodes.shape
-    tokens, real = trie_children(trie, beams.nodes.view(-1), min_count=-(-draws // width))  # [B*S, C]
+    tokens, real = at_least(-(-draws // width), *trie.children(beams.nodes.view(-1)))  # [B*S, C]
     fanout = tokens.shape[1]
     log_joint = (beams.scores.reshape(-1, 1) + log_probs.reshape(batch * width, -1).gather(1, tokens))
     log_joint = torch.where(real, log_joint, -torch.inf).view(batch, width * fanout)

@@ -40,6 +40,11 @@ def require_full_attention(cache) -> None:
             )
 
 
+def cache_width(cache) -> int:
+    """The positions ``cache`` holds per row (every initialised layer holds as many)."""
+    return _kv_layers(cache)[0].keys.shape[2]
+
+
 def select_rows(cache, rows: torch.Tensor) -> None:
     """Make row ``r`` of every layer's keys and values a copy of old row ``rows[r]``, in place.
 

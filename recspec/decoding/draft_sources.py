@@ -193,7 +193,7 @@ class TextTreeDraft:
         layer = self.cache.layers[0]
         past = (torch.cat((layer.keys, *self.keys), dim=2), torch.cat((layer.values, *self.values), dim=2))
         guessed, keys, values = self.head.step(parent, level.tokens, level.positions - 1,
-                                               placeholder_hidden(level.visible, torch.zeros_like(front.lengths),
+                                               placeholder_hidden(level.visible, placeholder_column(front),
                                                                   past[0].shape[2]), past)
         self.keys.append(keys)
         self.values.append(values)
@@ -218,7 +218,7 @@ class TextTreeDraft:
             _, keys, values = self.unpacked(front)
             skip, past = levels[0].width, (torch.cat((layer.keys, keys), dim=2), torch.cat((layer.values, values),
                                                                                            dim=2))
-            parents, first = [], torch.zeros_like(front.lengths)
+            parents, first = [], placeholder_column(front)
         else:  # the first round: every prompt column's parent is the column before it
             prompt_len = prompts.input_ids.shape[1]
             skip, past = 0, (layer.keys, layer.values)
@@ -278,6 +278,13 @@ def parent_features(levels: list[Level], front: Frontier, guessed: list[torch.Te
             raise RuntimeError("a head drafts from the target's features: the first round must draft nothing")
         return front.draft_state
     return gather_rows(guessed[j - 1], levels[j].parents)
+
+
+def placeholder_column(front: Frontier) -> torch.Tensor:
+    """int64 ``[B]``: the cache column of each user's first prompt token (whose head input is a
+    placeholder), the first column any of its beams sees: 0 once the caches were compacted, the
+    prompt's left padding before (:func:`~recspec.decoding.frontier.settle_frontier`)."""
+    return front.visible.any(dim=1).int().argmax(dim=1)
 
 
 def placeholder_hidden(visible: torch.Tensor, first: torch.Tensor, start: int) -> torch.Tensor:

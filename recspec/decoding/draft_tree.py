@@ -82,6 +82,8 @@ def stacked(levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     """Consecutive levels as one block of nodes: tokens and positions ``[B, M]`` and visibility
     ``[B, M, W]`` (each level's rows padded on the right with False: a node never sees nodes
     that come after it)."""
+    if len(levels) == 1:
+        return levels[0].tokens, levels[0].visible, levels[0].positions
     width = levels[-1].visible.shape[2]
     rows = [torch.nn.functional.pad(level.visible, (0, width - level.visible.shape[2])) for level in levels]
     return (torch.cat([level.tokens for level in levels], dim=1), torch.cat(rows, dim=1),

@@ -12,7 +12,7 @@ import torch
 
 from recspec.decoding.beams import Beams
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.cache import compact, select_rows
+from recspec.decoding.cache import cache_width, compact, select_rows
 from recspec.decoding.draft_tree import Level, stacked
 from recspec.decoding.tree import child_rows, gather_rows
 
@@ -122,12 +122,32 @@ def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
                     draft_state=None if front.draft_state is None else pick(front.draft_state))
 
 
+#: Positions fed after the prompt that the caches may hold, dead ones included (hidden from every
+#: beam by ``visible``), before a round compacts them: attending to a few hundred hidden positions
+#: costs the later calls less than copying every layer's tail (0.6 ms a round on the small target
+#: here), and an item search, a few rounds over a few dozen nodes, never reaches it.
+SLACK = 256
+
+
+def settle_frontier(front: Frontier, caches: Sequence, compacted: int) -> tuple[Frontier, int]:
+    """The frontier for the next round, and the cache width it starts from if compacted: the caches
+    are compacted (:func:`compact_frontier`) when they hold more than :data:`SLACK` positions past
+    ``compacted`` (the width after the last compaction, or the prompt's), or when their widths
+    differ; else they are left as they are and the beams' view is cut to the fed positions (a
+    round's last level may have gone unfed)."""
+    widths = {cache_width(cache) for cache in caches}
+    width = cache_width(caches[0])
+    if len(widths) == 1 and width - compacted <= SLACK:
+        return replace(front, visible=front.visible[:, :, :width]), compacted
+    front = compact_frontier(front, caches)
+    return front, cache_width(caches[0])
+
+
 def compact_frontier(front: Frontier, caches: Sequence) -> Frontier:
     """Keep in both caches the prompt and the ancestors of the beams, nothing else (one gather per
     layer, the same for both: their layouts agree); rows of users with fewer such positions than
     the longest are filled with position 0, hidden from every beam."""
-    width = caches[0].layers[0].keys.shape[2]
-    view = front.visible[:, :, :width]
+    view = front.visible[:, :, :cache_width(caches[0])]
     positions, filled = compact(caches, view.any(dim=1))
     visible = view.gather(2, positions[:, None, :].expand(-1, view.shape[1], -1)) & filled[:, None, :]
     return replace(front, visible=visible)

@@ -171,10 +171,10 @@ def child_log_probs(trie: ItemTrie, mass: torch.Tensor, nodes: torch.Tensor, row
     trie children only)."""
     batch, width = nodes.shape
     flat = nodes.reshape(-1)
-    tokens, real = trie.children(flat)  # [B * n, C]
+    tokens, real, children = trie.child_edges(flat)  # [B * n, C]
     fanout = tokens.shape[1]
-    children = trie.step(flat.repeat_interleave(fanout), tokens.view(-1)).view(batch, width * fanout)
-    weight = mass[rows[:, None], children.clamp(min=0)].masked_fill_(~real.view(batch, -1), 0)
+    children = children.view(batch, width * fanout).clamp(max=trie.num_nodes - 1)  # padding: any node
+    weight = mass[rows[:, None], children].masked_fill_(~real.view(batch, -1), 0)
     weight = weight.view(batch * width, fanout)
     share = weight / weight.sum(dim=1, keepdim=True).clamp(min=1e-30)
     lowest = torch.finfo(torch.float32).min

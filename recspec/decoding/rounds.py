@@ -13,9 +13,10 @@ small parts:
 :func:`run_rounds` is the loop (one batch of left-padded prompts). The draft is prefilled once;
 the target gets the prompt in the same call as the first round's tree, so with a perfect draft
 the whole search costs the target one call. Both models are fed the same levels, so their KV
-caches keep the same layout and are compacted by the same gather after every round; users whose
-beams are complete leave the batch. Per-user statistics (:class:`SpecStats` or a subclass) and
-the time of each phase are counted as it goes.
+caches keep the same layout and are compacted by the same gather once enough dead positions have
+piled up (:func:`~recspec.decoding.frontier.settle_frontier`); users whose beams are complete
+leave the batch. Per-user statistics (:class:`SpecStats` or a subclass) and the time of each phase
+are counted as it goes.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from recspec.decoding.chain import Chain
 from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_sources import draft_source
 from recspec.decoding.draft_tree import Level, fed_block
-from recspec.decoding.frontier import (Frontier, advance, compact_frontier, level_zero, root_frontier,
-                                       select_users)
+from recspec.decoding.frontier import (Frontier, advance, level_zero, root_frontier, select_users,
+                                       settle_frontier)
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.prefix import OpenCache, open_cache
 from recspec.decoding.scorer import forward_features, forward_opened, forward_visible, next_log_probs
@@ -71,16 +72,17 @@ class SpecStats:
 
     def add_round(self, users: torch.Tensor, drafted: torch.Tensor, counters: dict[str, torch.Tensor],
                   draft_calls: int, tree_nodes: int) -> None:
-        """Count one round of the users ``users`` (int64 index, CPU): one target call, the steps
-        each drafted (``drafted``, float32), the verifier's per-user ``counters`` (added to the
-        fields of the same name), the draft calls and the tree nodes fed to the target."""
+        """Count one round of the users ``users`` (int64 index, CPU, ascending): one target call,
+        the steps each drafted (``drafted``, float32), the verifier's per-user ``counters`` (added
+        to the fields of the same name), the draft calls and the tree nodes fed to the target."""
+        rows = slice(None) if len(users) == len(self.rounds) else users  # all of them: no scatter
         for name, value in counters.items():
-            getattr(self, name)[users] += value.cpu().float()
-        self.drafted_steps[users] += drafted
-        self.target_calls[users] += 1
-        self.draft_calls[users] += draft_calls
-        self.tree_nodes[users] += float(tree_nodes)
-        self.rounds[users] += 1
+            getattr(self, name)[rows] += value.cpu().float()
+        self.drafted_steps[rows] += drafted
+        self.target_calls[rows] += 1
+        self.draft_calls[rows] += draft_calls
+        self.tree_nodes[rows] += float(tree_nodes)
+        self.rounds[rows] += 1
 
     def summary(self) -> dict[str, float]:
         """Means over users (AS@K and the rest)."""
@@ -308,6 +310,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     front = root_frontier(prompts, space)
     root_drafted = root_log_q is not None
     stats.draft_calls += root_drafted
+    compacted = prompts.input_ids.shape[1]  # the cache width past which positions may be dead
     first = True
     while True:
         plan = plan_round(drafter, first, root_drafted, space.depth - int(front.depth.min()), gamma)
@@ -339,7 +342,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
             if bool(finished.all()):
                 break
             front = select_users(front, (~finished).nonzero()[:, 0], caches)
-        front = compact_frontier(verifier.carry(front), caches)
+        front, compacted = settle_frontier(verifier.carry(front), caches, compacted)
     clock.charge(stats, started, len(prompts.lengths))
 
 

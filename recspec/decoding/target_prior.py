@@ -34,7 +34,8 @@ fitted) and checksums; loading checks all three, so a prior is never read for an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,8 @@ def add_step(weights: torch.Tensor, trie: ItemTrie, beams: Beams, log_probs: tor
     nodes = beams.nodes.reshape(-1)
     nodes = nodes[nodes >= 0]
     rows = log_probs.reshape(-1, log_probs.shape[-1])[beams.nodes.reshape(-1) >= 0]
-    tokens, real = trie.children(nodes)  # [n, C]
-    children = trie.step(nodes.repeat_interleave(tokens.shape[1]), tokens.view(-1))
+    tokens, real, children = trie.child_edges(nodes)  # [n, C]
+    children = children.view(-1)
     chances = rows.gather(1, tokens).exp().double().view(-1)
     keep = real.view(-1)
     weights.index_add_(0, children[keep], chances[keep])
@@ -134,6 +135,16 @@ class TargetPrior:
             raise RecspecError("the target prior was fitted over another item trie than the decode's; fit it "
                                "for this target (recspec align prior)")
 
+    def log_q(self, nodes: torch.Tensor) -> torch.Tensor:
+        """``log q`` after trie ``nodes`` int64 ``[B, n]``: float32 ``[B, n, V]``."""
+        return child_log_probs(self.trie, self.weights[None], nodes, torch.zeros(len(nodes), dtype=torch.int64,
+                                                                               device=nodes.device))
+
+    @cached_property
+    def root_log_q(self) -> torch.Tensor:
+        """``log q`` after the root, float32 ``[1, 1, V]`` (computed once: every user's first level)."""
+        return self.log_q(torch.full((1, 1), self.trie.root, dtype=torch.int64, device=self.trie.device))
+
 
 @dataclass
 class TargetPriorDraft:
@@ -142,26 +153,16 @@ class TargetPriorDraft:
     from the root (``start``: the prior's level-1 distribution, the same for every user)."""
 
     prior: TargetPrior
-    mass: torch.Tensor = field(init=False)
     wants_features = False
     feature_layers = ()
     caches = ()
 
-    def __post_init__(self) -> None:
-        self.mass = self.prior.weights[None].to(self.prior.trie.device)
-
     def start(self, prompts: Prompts) -> torch.Tensor:
         """The root's ``log q``, float32 ``[B, 1, V]`` (``B`` prompts)."""
-        trie = self.prior.trie
-        return self.table(torch.full((len(prompts.lengths), 1), trie.root, dtype=torch.int64, device=trie.device))
+        return self.prior.root_log_q.expand(len(prompts.lengths), -1, -1)
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
-        return self.table(levels[-1].nodes)
-
-    def table(self, nodes: torch.Tensor) -> torch.Tensor:
-        """``log q`` after trie ``nodes`` int64 ``[B, n]``: float32 ``[B, n, V]``."""
-        return child_log_probs(self.prior.trie, self.mass, nodes, torch.zeros(len(nodes), dtype=torch.int64,
-                                                                              device=nodes.device))
+        return self.prior.log_q(levels[-1].nodes)
 
     def feed_last(self, levels: list[Level]) -> None:
         return None

@@ -57,6 +57,10 @@ class StepVerifier:
         device = front.depth.device
         offsets, fed = level_offsets(levels), log_p.shape[1]
         current, where = front.beams, torch.arange(width, device=device).expand(batch, width)  # fed index per beam
+        if len(levels) == 1:  # nothing drafted: the round is one beam step from level 0, fed first
+            new, _, _ = self._step(current, where, log_p[:, :width], None, offsets, 1)
+            return RoundOutcome(new, new.parents, torch.ones(batch, dtype=torch.int64, device=device),
+                                {"accepted_steps": torch.zeros(batch, dtype=torch.int64, device=device)})
         active = torch.ones(batch, dtype=torch.bool, device=device)
         steps = torch.zeros(batch, dtype=torch.int64, device=device)
         accepted = torch.zeros(batch, dtype=torch.int64, device=device)

@@ -20,6 +20,11 @@ Flat tensors, all int64 (``N`` nodes, ``E = N - 1`` edges, ``V`` vocabulary size
   :meth:`ItemTrie.step` is one ``torch.searchsorted`` for the whole batch.
 * ``_node_depth [N]``: the depth of each node; ``_node_item [N]``: the item index of each leaf,
   ``-1`` for inner nodes.
+* ``_spans [N + 1, 3]``: per node its first edge, its last child slot (``count - 1``, at least
+  ``0``) and its child count, then a row of zeros that node ``-1`` reads (negative indexing), so
+  that :meth:`ItemTrie.children` is a few gathers with no masking of dead nodes; ``_edge_tokens
+  [E + 1]``: ``_child_tokens`` and one filler, read by the leaves numbered last, whose first edge
+  is ``E``; ``_slots [C_max]``: ``0 .. C_max - 1``.
 
 Node ``-1`` stands for "not a prefix of any item" and propagates through every method.
 """
@@ -31,7 +36,7 @@ import copy
 import numpy as np
 import torch
 
-_TENSORS = ("_offsets", "_child_tokens", "_keys", "_node_depth", "_node_item")
+_TENSORS = ("_offsets", "_child_tokens", "_keys", "_node_depth", "_node_item", "_spans", "_edge_tokens", "_slots")
 
 
 class ItemTrie:
@@ -106,7 +111,12 @@ class ItemTrie:
         self._child_tokens = torch.cat(tokens)
         self._keys = edge_parent * vocab_size + self._child_tokens
         self._offsets = torch.searchsorted(edge_parent, torch.arange(next_id + 1))
-        self._max_children = int((self._offsets[1:] - self._offsets[:-1]).max())
+        counts = self._offsets[1:] - self._offsets[:-1]
+        self._max_children = int(counts.max())
+        self._spans = torch.cat((torch.stack((self._offsets[:-1], (counts - 1).clamp(min=0), counts), dim=1),
+                                 torch.zeros(1, 3, dtype=torch.int64)))
+        self._edge_tokens = torch.cat((self._child_tokens, torch.zeros(1, dtype=torch.int64)))
+        self._slots = torch.arange(self._max_children)
         self._node_depth = torch.cat([torch.zeros(1, dtype=torch.int64), *depths])
         self._node_item = torch.full((next_id,), -1, dtype=torch.int64)
         self._node_item[node_of_item] = order if item_ids is None else torch.as_tensor(item_ids).cpu().long()[order]
@@ -198,9 +208,16 @@ class ItemTrie:
         tokens in increasing order, then pad token ``0`` where ``real`` is False. Computing ``C``
         reads one number back from the device.
         """
-        tokens, count = self._padded_children(nodes, width=None)
-        real = torch.arange(tokens.shape[1], device=nodes.device) < count[:, None]
-        return tokens.masked_fill_(~real, 0), real
+        tokens, real, _ = self.child_edges(nodes)
+        return tokens, real
+
+    def child_edges(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`children` and the node each child token leads to: ``(tokens, real, children)``,
+        int64, bool and int64 ``[B, C]`` (``children`` is meaningless where ``real`` is False), so
+        that a beam step reads its new nodes instead of searching for them (:meth:`step`)."""
+        tokens, count, edge = self._padded_children(nodes, width=None)
+        real = self._slots[:tokens.shape[1]] < count[:, None]
+        return tokens.masked_fill_(~real, 0), real, edge + 1
 
     def _mask_columns(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocabulary columns to scatter into each mask row, int64 ``[B, W]``, and bool ``[B]``,
@@ -211,24 +228,22 @@ class ItemTrie:
         most ``V``, so never more work than filling the mask).
         """
         width = None if nodes.device.type == "cpu" else self._max_children
-        tokens, count = self._padded_children(nodes, width)
+        tokens, count, _ = self._padded_children(nodes, width)
         return tokens, count > 0
 
     def _padded_children(
         self, nodes: torch.Tensor, width: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Child tokens of each node in ``W`` slots, int64 ``[B, W]``, and child counts, ``[B]``.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Child tokens of each node in ``W`` slots, int64 ``[B, W]``, child counts, ``[B]``, and the
+        edge of each slot, ``[B, W]`` (edge ``e`` leads to node ``e + 1``).
 
         ``W`` is ``width`` (at least every count) or, if None, the largest count among ``nodes``.
         Slots past a node's last child repeat that child; a node without children (a leaf or
         ``-1``) gets arbitrary tokens.
         """
-        safe = nodes.long().clamp(min=0)
-        first = self._offsets[safe]
-        count = torch.where(nodes >= 0, self._offsets[safe + 1] - first, 0)
+        spans = self._spans[nodes.long()]  # node -1 reads the last row: no children
+        count = spans[:, 2]
         if width is None:
             width = int(count.max()) if len(nodes) else 0
-        slot = torch.arange(width, device=nodes.device)
-        edge = first[:, None] + torch.minimum(slot, (count - 1).clamp(min=0)[:, None])
-        edge = edge.clamp(max=len(self._child_tokens) - 1)
-        return self._child_tokens.index_select(0, edge.view(-1)).view(edge.shape), count
+        edge = spans[:, :1] + torch.minimum(self._slots[:width], spans[:, 1:2])
+        return self._edge_tokens[edge], count, edge
