@@ -15,8 +15,6 @@ measured at least 3% faster there. The choice and its reason are returned for pr
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +24,7 @@ from recspec.calibration import (acceptance_tables, call_cost, decoding_key, dra
 from recspec.decoding.tree_plan import CostPlanner
 from recspec.itemids.trie import ItemTrie
 from recspec.recommend import DecodeOptions, Recommender
+from recspec.turns import take_turns, user_batches
 
 #: Widths tried per drafted level, as multiples of K.
 WIDTH_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
@@ -117,18 +116,18 @@ def width_choices(trie: ItemTrie, k: int) -> tuple[int, ...]:
 
 def probe(recommender: Recommender, k: int, batch_size: int, options: DecodeOptions) -> dict[str, float]:
     """ms per user of ``tree-beam`` and of the planned ``spec-strict`` on the first
-    :data:`PROBE_USERS` validation users (best of :data:`PROBE_RUNS` alternating runs: the least
-    disturbed by the machine's other work), kept beside the target
+    :data:`PROBE_USERS` validation users: :data:`PROBE_RUNS` runs in which the two take turns batch
+    by batch (:func:`~recspec.turns.take_turns`: a drift of the machine's speed reaches both), the
+    best run of each (the least disturbed by the machine's other work); kept beside the target
     while target, draft, K, batch size, device and threads match."""
     def measure() -> dict[str, float]:
         examples = recommender.examples("valid", PROBE_USERS)
-        best = {"tree-beam": math.inf, "spec-strict": math.inf}
-        for _ in range(PROBE_RUNS):
-            for name, opts in (("tree-beam", DecodeOptions()), ("spec-strict", options)):
-                started = time.perf_counter()
-                recommender.recommend(examples, k, name, batch_size, opts)
-                best[name] = min(best[name], time.perf_counter() - started)
-        return {name: 1e3 * seconds / len(examples) for name, seconds in best.items()}
+        plans = {"tree-beam": DecodeOptions(), "spec-strict": options}
+        runs = {name: (lambda part, name=name: recommender.recommend(part, k, name, batch_size, plans[name]))
+                for name in plans}
+        seconds, _ = take_turns(runs, user_batches(examples, batch_size), PROBE_RUNS)
+        return {name: 1e3 * min(times) / len(examples) for name, times in seconds.items()}
 
-    key = {**decoding_key(recommender), "k": k, "batch_size": batch_size, "users": PROBE_USERS}
+    key = {**decoding_key(recommender), "k": k, "batch_size": batch_size, "users": PROBE_USERS,
+           "turns": "batch by batch"}
     return kept_record(recommender.folder / f"probe-k{k}-b{batch_size}.json", key, measure)

@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from recspec.bench.report import new_figure, save_figure, target_label, turn_order
+from recspec.bench.report import new_figure, save_figure, target_label
+from recspec.turns import turn_order
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])

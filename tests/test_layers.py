@@ -13,7 +13,7 @@ LAYERS = (
     ("errors", "fileio", "devices", "statefile", "assets", "hub", "data", "eval"),
     ("itemids", "models"),
     ("decoding",),
-    ("recommend", "calibration", "auto", "fit", "knowledge", "align", "hf", "importer"),
+    ("recommend", "calibration", "turns", "auto", "fit", "knowledge", "align", "hf", "importer"),
     ("bench", "cluster"),
     ("serve", "cli", "api"),
 )

@@ -34,11 +34,11 @@ import torch
 from recspec.align.task import METHODS
 from recspec.align.train import ACCEPTANCE_METRIC, align_fit, head_fit
 from recspec.bench.curve import read_log
-from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory, save_figure, turn_order,
-                                  write_results)
+from recspec.bench.report import markdown_table, new_figure, reuse_freed_memory, save_figure, write_results
 from recspec.eval.metrics import recall_ndcg
 from recspec.models.train import TrainConfig
 from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
+from recspec.turns import turn_order
 
 #: Kinds of draft: an independent ``draft-tiny`` model, and a feature-level head over the target.
 KINDS = ("draft", "head")

@@ -4,7 +4,7 @@ For each (target, draft) pair, K and batch size, on the first ``users`` test use
 ``tree-beam``, ``spec-strict`` (fixed N = 2K, the rest of the identifier per round) and ``auto``
 (its choice made once per cell before timing, from the measurements kept beside the models;
 the time to measure them the first time is reported apart) decode all users, taking turns batch by
-batch in a balanced order (:func:`~recspec.bench.report.take_turns`: a drift of the machine's speed
+batch in a balanced order (:func:`~recspec.turns.take_turns`: a drift of the machine's speed
 reaches them all alike, and none always follows the same one: a decoder run right after a wide
 speculative one was measured up to 15% slower); the median of ``repeats`` runs is reported. ``auto / best`` is auto's speed over the fastest
 exact decoder of the cell (the issue's bar: at least 0.97). Every decoder's items are checked
@@ -22,11 +22,12 @@ from typing import Any
 import torch
 
 from recspec.auto import choose
-from recspec.bench.compare import joined_outputs, user_batches
+from recspec.bench.compare import joined_outputs
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, take_turns, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.data.splits import Examples
 from recspec.recommend import DecodeOptions, Decoded, Recommender
+from recspec.turns import take_turns, user_batches
 
 
 def _cell(recommender: Recommender, k: int, batch: int, users: int,

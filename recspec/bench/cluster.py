@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from recspec.bench.report import markdown_table, turn_order, write_results
+from recspec.bench.report import markdown_table, write_results
 from recspec.cluster.knowledge import ray_runner
 from recspec.cluster.recommend import recommend_on_ray
 from recspec.cluster.runtime import Workers, connect
@@ -35,6 +35,7 @@ from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, run_job
 from recspec.knowledge.store import read_rows
 from recspec.knowledge.verify import Verification
 from recspec.recommend import RecommendJob, write_recs
+from recspec.turns import turn_order
 
 def setups(cores: int) -> dict[str, Workers | None]:
     """The three ways to run a job on ``cores`` cores (module doc), by name; None: one process

@@ -3,7 +3,7 @@
 
 On the first ``users`` test users each decoder decodes one batch untimed, then all of them
 ``repeats`` timed times, the decoders taking turns batch by batch in a balanced order
-(:func:`~recspec.bench.report.take_turns`: a drift of the machine's speed reaches them all alike,
+(:func:`~recspec.turns.take_turns`: a drift of the machine's speed reaches them all alike,
 and none always follows the same one; a decoder run right after a wide speculative one was
 measured up to 15% slower). Reported per decoder: users/s of the
 median run, its speed-up over the first decoder, whether its items are the first decoder's (same items and
@@ -19,27 +19,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from recspec.auto import choose
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, take_turns, write_results
-from recspec.data.splits import Examples
+from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.errors import RecspecError
 from recspec.recommend import DECODERS, DecodeOptions, Decoded, Recommender
+from recspec.turns import take_turns, user_batches
 
 #: What `make demo` compares: plain beam search first (every speed-up's reference).
 DEMO_DECODERS = ("beam", "tree-beam", "spec-strict", "auto")
 #: Exact decoders: their items must equal the reference's.
 EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
-
-
-def user_batches(examples: Examples, batch_size: int) -> list[Examples]:
-    """``examples`` in consecutive batches of ``batch_size`` users (the last one may be smaller): the
-    parts the decoders take turns over."""
-    return [examples.subset(np.arange(start, min(start + batch_size, len(examples))))
-            for start in range(0, len(examples), batch_size)]
 
 
 def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:

@@ -3,7 +3,7 @@
 Each *mode* is a pack size and a batch size (``10x16``: packs of up to 10 examples, 16 packs a
 step). Every mode trains its own copy of the same fresh preset model with the trainer's optimizer
 for ``steps`` optimizer steps per timed run, on the batches an epoch would give it (seeded); the
-modes take turns (:func:`~recspec.bench.report.turn_order`) after a warm-up of two steps each,
+modes take turns (:func:`~recspec.turns.turn_order`) after a warm-up of two steps each,
 and the median of ``repeats`` runs is reported as training examples per second, real tokens per
 second and the ratio to the first mode. The ceiling of a mode is the ratio of tokens per example
 (the speed-up if a packed token cost what a one-example token costs). Whether packed training
@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recspec.bench.report import markdown_table, reuse_freed_memory, turn_order, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.errors import RecspecError
 from recspec.fit import training_data
 from recspec.models.packing import next_item_task
 from recspec.models.presets import build_model
 from recspec.models.train import TrainConfig, build_optimizer, epoch_batches
+from recspec.turns import turn_order
 
 
 def parse_mode(mode: str) -> tuple[int, int]:

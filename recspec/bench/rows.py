@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from recspec.bench.report import (markdown_table, new_figure, reuse_freed_memory, save_figure, turn_order,
-                                  write_results)
+from recspec.bench.report import markdown_table, new_figure, reuse_freed_memory, save_figure, write_results
 from recspec.decoding.cost import measure_call_cost
 from recspec.models.attention import PACKED_SDPA
 from recspec.errors import RecspecError
@@ -41,6 +40,7 @@ from recspec.hub import with_cache
 from recspec.models.row_kernel import available, unsupported
 from recspec.models.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
                                        small_row_linear, use_small_row_products)
+from recspec.turns import turn_order
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
 #: Name -> (pad, onednn, pack, kernel) of :func:`~recspec.models.small_rows.use_small_row_products`,

@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from recspec.bench.decode import same_up_to_ties
-from recspec.bench.report import markdown_table, reuse_freed_memory, take_turns, target_label, write_results
+from recspec.bench.report import markdown_table, reuse_freed_memory, target_label, write_results
 from recspec.decoding.rounds import SpecStats
 from recspec.eval.metrics import recall_ndcg
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
+from recspec.turns import take_turns
 
 
 def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
@@ -61,7 +62,7 @@ def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
 
 def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
                    repeats: int, warmup: bool = True) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
-    """:func:`~recspec.bench.report.take_turns` user by user (one call per user): per decoder the
+    """:func:`~recspec.turns.take_turns` user by user (one call per user): per decoder the
     total seconds of each run and the last run's outputs. The ceiling counts only its verification
     phase (see the module doc)."""
     def charge(name: str, decoded: Decoded, seconds: float) -> float:
