@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from recspec.bench.report import new_figure, save_figure, target_label
 from recspec.turns import turn_order
@@ -65,3 +66,42 @@ def test_decoders_take_turns_user_by_user() -> None:
                 for name in turn_order(names, repeat * len(users) + i)]
     assert calls == expected
     assert len({tuple(n for n, _ in calls[i:i + 3]) for i in range(0, len(calls), 3)}) > 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 7, 10])
+def test_decoders_take_turns_batch_by_batch(batch_size: int) -> None:
+    """`user_batches` cuts the users into consecutive batches (the last one shorter) that hold
+    every user once, with its history and targets; `take_turns` over them calls every decoder once
+    per batch, in the balanced order, and its outputs joined (`Decoded.joined`) are one call's."""
+    import numpy as np
+
+    from recspec.data.splits import Examples
+    from recspec.decoding.beams import TopK
+    from recspec.recommend import Decoded
+    from recspec.turns import take_turns, user_batches
+
+    users = 7
+    counts = np.array([1, 2, 0, 3, 1, 1, 2])
+    examples = Examples(users=np.arange(100, 100 + users), history=np.arange(users * 3).reshape(users, 3),
+                        target_offsets=np.concatenate([[0], np.cumsum(counts)]), target_items=np.arange(counts.sum()))
+    batches = user_batches(examples, batch_size)
+    assert [len(b) for b in batches] == [min(batch_size, users - s) for s in range(0, users, batch_size)]
+    assert np.array_equal(np.concatenate([b.users for b in batches]), examples.users)
+    assert [b.targets(i).tolist() for b in batches for i in range(len(b))] == \
+        [examples.targets(i).tolist() for i in range(users)]
+
+    def decoder(name: str):
+        def decode(part: Examples) -> Decoded:
+            calls.append((name, int(part.users[0])))
+            items = torch.as_tensor(part.users)[:, None].repeat(1, 2)
+            return Decoded(TopK(items=items, scores=torch.zeros(len(part), 2), tokens=torch.zeros(len(part), 2, 1)))
+        return decode
+
+    calls: list[tuple[str, int]] = []
+    names = ["a", "b"]
+    runs, outputs = take_turns({name: decoder(name) for name in names}, batches, 2, warmup=False)
+    assert all(len(runs[name]) == 2 for name in names)
+    assert calls == [(name, int(b.users[0])) for repeat in range(2) for i, b in enumerate(batches)
+                     for name in turn_order(names, repeat * len(batches) + i)]
+    joined = Decoded.joined(outputs["a"])
+    assert joined.topk.items[:, 0].tolist() == examples.users.tolist() and joined.stats is None
