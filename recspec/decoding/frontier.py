@@ -135,9 +135,9 @@ def settle_frontier(front: Frontier, caches: Sequence, compacted: int) -> tuple[
     ``compacted`` (the width after the last compaction, or the prompt's), or when their widths
     differ; else they are left as they are and the beams' view is cut to the fed positions (a
     round's last level may have gone unfed)."""
-    widths = {cache_width(cache) for cache in caches}
-    width = cache_width(caches[0])
-    if len(widths) == 1 and width - compacted <= SLACK:
+    widths = [cache_width(cache) for cache in caches]
+    width = widths[0]
+    if len(set(widths)) == 1 and width - compacted <= SLACK:
         return replace(front, visible=front.visible[:, :, :width]), compacted
     front = compact_frontier(front, caches)
     return front, cache_width(caches[0])

@@ -12,19 +12,17 @@ lexicographic order of the prefixes:
 
 Flat tensors, all int64 (``N`` nodes, ``E = N - 1`` edges, ``V`` vocabulary size):
 
-* ``_offsets [N + 1]``: CSR offsets; the children of node ``n`` are edges
-  ``_offsets[n] : _offsets[n + 1]`` (child node ids ``_offsets[n] + 1 : _offsets[n + 1] + 1``).
-* ``_child_tokens [E]``: the token of each edge.
+* ``_spans [N + 1, 3]``: per node its first edge ``f``, its last child slot (``count - 1``, at
+  least ``0``) and its child count: the children of node ``n`` are edges ``f .. f + count - 1``
+  (child node ids ``f + 1 .. f + count``). A last row of zeros is what node ``-1`` reads (negative
+  indexing), so that :meth:`ItemTrie.children` is a few gathers with no masking of dead nodes.
+* ``_edge_tokens [E + 1]``: the token of each edge, then one filler, read by the leaves numbered
+  last, whose first edge is ``E``; ``_slots [C_max]``: ``0 .. C_max - 1``.
 * ``_keys [E]``: ``parent * V + token`` of each edge. Parents are non-decreasing over edges and
   tokens strictly increase among siblings, so the keys are strictly increasing and
   :meth:`ItemTrie.step` is one ``torch.searchsorted`` for the whole batch.
 * ``_node_depth [N]``: the depth of each node; ``_node_item [N]``: the item index of each leaf,
   ``-1`` for inner nodes.
-* ``_spans [N + 1, 3]``: per node its first edge, its last child slot (``count - 1``, at least
-  ``0``) and its child count, then a row of zeros that node ``-1`` reads (negative indexing), so
-  that :meth:`ItemTrie.children` is a few gathers with no masking of dead nodes; ``_edge_tokens
-  [E + 1]``: ``_child_tokens`` and one filler, read by the leaves numbered last, whose first edge
-  is ``E``; ``_slots [C_max]``: ``0 .. C_max - 1``.
 
 Node ``-1`` stands for "not a prefix of any item" and propagates through every method.
 """
@@ -36,7 +34,7 @@ import copy
 import numpy as np
 import torch
 
-_TENSORS = ("_offsets", "_child_tokens", "_keys", "_node_depth", "_node_item", "_spans", "_edge_tokens", "_slots")
+_TENSORS = ("_spans", "_edge_tokens", "_slots", "_keys", "_node_depth", "_node_item")
 
 
 class ItemTrie:
@@ -108,14 +106,14 @@ class ItemTrie:
         self.num_items = num_items
         self.num_nodes = next_id
         self.vocab_size = vocab_size
-        self._child_tokens = torch.cat(tokens)
-        self._keys = edge_parent * vocab_size + self._child_tokens
-        self._offsets = torch.searchsorted(edge_parent, torch.arange(next_id + 1))
-        counts = self._offsets[1:] - self._offsets[:-1]
+        child_tokens = torch.cat(tokens)
+        self._keys = edge_parent * vocab_size + child_tokens
+        offsets = torch.searchsorted(edge_parent, torch.arange(next_id + 1))  # CSR: node n's edges start here
+        counts = offsets[1:] - offsets[:-1]
         self._max_children = int(counts.max())
-        self._spans = torch.cat((torch.stack((self._offsets[:-1], (counts - 1).clamp(min=0), counts), dim=1),
+        self._spans = torch.cat((torch.stack((offsets[:-1], (counts - 1).clamp(min=0), counts), dim=1),
                                  torch.zeros(1, 3, dtype=torch.int64)))
-        self._edge_tokens = torch.cat((self._child_tokens, torch.zeros(1, dtype=torch.int64)))
+        self._edge_tokens = torch.cat((child_tokens, torch.zeros(1, dtype=torch.int64)))
         self._slots = torch.arange(self._max_children)
         self._node_depth = torch.cat([torch.zeros(1, dtype=torch.int64), *depths])
         self._node_item = torch.full((next_id,), -1, dtype=torch.int64)
