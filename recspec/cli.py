@@ -37,15 +37,16 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="Dataset format when it cannot be detected: recbole, grouplens, atspeed, amazon-json, csv.")]
 KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at least this many interactions.")]
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
-DraftOpt = Annotated[Optional[str], typer.Option(help="Draft model folder (spec-strict, spec-relaxed, dsbd), a draft "
+DraftOpt = Annotated[Optional[str], typer.Option(help="Draft model folder (the spec- decoders, dsbd), a draft "
                                                  "head (`align train --head`), MODEL+HEAD: the model drafts the "
                                                  "first round, the head the rest, a target prior (`align prior`), "
                                                  "items: an item-transition prior fitted on the training data, or "
                                                  "root: the unfitted target prior, level 1 fed with the prompt; "
-                                                 "no model call for the last three (spec-strict, spec-relaxed).")]
-DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict).")]
+                                                 "no model call for the last three (the spec- decoders).")]
+DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict, spec-beam-sample).")]
 GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
-TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, dsbd).")]
+TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, "
+                                                    "spec-beam-sample, dsbd).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
 ResultsOpt = Annotated[Path, typer.Option(help="Results folder.")]
 ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without extension).")]
@@ -475,20 +476,26 @@ def recommend_command(
                                               "--index a Hugging Face model folder trained elsewhere.")],
     out: Annotated[Path, typer.Option(help="Output JSON lines: user, items, scores.")],
     decoder: Annotated[str, typer.Option(help="hf, beam, tree-beam, beam-sample, spec-strict, spec-relaxed, "
-                                              "dsbd, or auto (the fastest exact one for these models, K and "
-                                              "batch size, from measured costs and acceptance).")] = "tree-beam",
+                                              "spec-beam-sample (beam-sample's distribution exactly, sped up "
+                                              "by a top-N draft), dsbd, or auto (the fastest exact one for these "
+                                              "models, K and batch size, from measured costs and "
+                                              "acceptance).")] = "tree-beam",
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
     draft: DraftOpt = None,
     draft_beams: DraftBeamsOpt = 40,
     gamma: GammaOpt = None,
     temperature: TemperatureOpt = 1.0,
-    replacement: Annotated[bool, typer.Option(help="beam-sample / spec-relaxed: independent draws (the distribution "
-                                                   "dsbd samples), not K distinct items.")] = False,
+    replacement: Annotated[bool, typer.Option(help="beam-sample, spec-relaxed, spec-beam-sample: independent "
+                                                   "draws (the distribution dsbd samples), not K distinct "
+                                                   "items.")] = False,
     draft_width: Annotated[Optional[int], typer.Option(help="dsbd: W_S, draft beams per layer (default 2K).")] = None,
     min_width: Annotated[Optional[int], typer.Option(help="dsbd: W_min, the fixed width without --threshold "
                                                           "(default K).")] = None,
     threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
     one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
+    expand_root: Annotated[bool, typer.Option(help="tree-beam, beam-sample: feed the first identifier level whole "
+                                                   "with the prompt (one target call fewer, the same results; pays "
+                                                   "at small batches over a narrow first level).")] = False,
     seed: SeedOpt = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
@@ -532,7 +539,7 @@ def recommend_command(
                            "--index (a folder recspec wrote records its own)")
     options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
                             replacement=replacement, draft_width=draft_width, min_width=min_width,
-                            threshold=threshold, one_cache=one_cache)
+                            threshold=threshold, one_cache=one_cache, expand_root=expand_root)
     kept = ("the committed shards are kept; run the same command to resume" if where.name == "ray" else
             f"nothing was written to {out} (it is written once every user is decoded)")
     with _on_interrupt(kept):
@@ -1025,6 +1032,9 @@ def bench_compare(
     batch_size: Annotated[int, typer.Option(help="Users per batch.")] = 1,
     users: Annotated[int, typer.Option(help="Test users.")] = 200,
     repeats: Annotated[int, typer.Option(help="Timed runs per decoder (median reported).")] = 3,
+    draft_beams: Annotated[Optional[int], typer.Option(help="N of spec-strict and spec-beam-sample "
+                                                            "(default 2K).")] = None,
+    gamma: GammaOpt = None,
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "compare",
 ) -> None:
@@ -1032,8 +1042,8 @@ def bench_compare(
     demo` prints)."""
     from recspec.bench.compare import run
 
-    _positive(users=users, repeats=repeats, k=k, batch_size=batch_size)
-    typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name))
+    _positive(users=users, repeats=repeats, k=k, batch_size=batch_size, draft_beams=draft_beams)
+    typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma))
 
 
 @bench_app.command("serve")

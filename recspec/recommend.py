@@ -47,10 +47,12 @@ from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 BEAM_DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": beam_search,
                                                  "tree-beam": tree_beam_search}
 #: Decoders that need a draft model.
-SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed"}
+SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed", "spec-beam-sample": "sample"}
 DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE, "dsbd", "auto")
 #: Every decoder that needs a draft model.
 DRAFTED = (*SPECULATIVE, "dsbd")
+#: The plain loops that can score the first identifier level in the prompt's call (``expand_root``).
+ROOT_EXPANDING = ("tree-beam", "beam-sample")
 PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
 
 
@@ -58,10 +60,12 @@ PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
 class DecodeOptions:
     """Settings of the sampling and speculative decoders (ignored by the others): ``draft_beams``
     (N) and ``gamma`` of speculative search; ``temperature``, ``seed`` and ``replacement`` of
-    sampling (``beam-sample``, ``spec-relaxed``; independent draws may repeat an item, which then
-    comes out once); ``draft_width`` (W_S, default 2K), ``min_width`` (W_min, default K), ``threshold`` (t) and
+    sampling (``beam-sample``, ``spec-relaxed``, ``spec-beam-sample``; independent draws may repeat
+    an item, which then comes out once); ``draft_width`` (W_S, default 2K), ``min_width`` (W_min, default K), ``threshold`` (t) and
     ``one_cache`` of ``dsbd`` (:class:`~recspec.decoding.dsbd.DSBDConfig`); ``planner``: rounds of
-    ``spec-strict`` sized by cost (what ``auto`` sets)."""
+    ``spec-strict`` sized by cost (what ``auto`` sets); ``expand_root``: ``tree-beam`` and
+    ``beam-sample`` feed the first identifier level whole with the prompt, one target call fewer
+    for the same results (:class:`~recspec.decoding.beam_search.RootTreeCache`)."""
 
     draft_beams: int = 40
     gamma: int | None = None
@@ -73,6 +77,7 @@ class DecodeOptions:
     threshold: float | None = None
     one_cache: bool = False
     planner: CostPlanner | None = None
+    expand_root: bool = False
 
     def dsbd(self, k: int) -> DSBDConfig:
         return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width or 2 * k, min_width=self.min_width or k,
@@ -159,11 +164,15 @@ def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie:
     check_decoder(name, draft is not None)
     if name == "auto":
         raise RecspecError("decoder auto chooses from measurements of the loaded models: use Recommender.recommend")
+    if options.expand_root and name not in ROOT_EXPANDING:
+        raise RecspecError(f"--expand-root is an option of {' and '.join(ROOT_EXPANDING)}, not of {name}")
+    if name == "tree-beam":
+        return Decoded(tree_beam_search(target, prompts, trie, k, pad_id, batch_size, options.expand_root))
     if name in BEAM_DECODERS:
         return Decoded(BEAM_DECODERS[name](target, prompts, trie, k, pad_id, batch_size))
     if name == "beam-sample":
         topk = sampling_beam_search(target, prompts, trie, k, pad_id, options.temperature, options.seed,
-                                    options.replacement, batch_size)
+                                    options.replacement, batch_size, options.expand_root)
         return Decoded(distinct_items(topk) if options.replacement else topk)
     if name == "dsbd":
         topk, stats = dsbd_beam_search(target, draft, prompts, trie, k, pad_id, options.dsbd(k), batch_size)
@@ -172,7 +181,7 @@ def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie:
                         temperature=options.temperature, seed=options.seed, replacement=options.replacement,
                         planner=options.planner)
     result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)
-    independent = config.verify == "relaxed" and options.replacement  # independent draws may repeat an item
+    independent = config.verify != "strict" and options.replacement  # independent draws may repeat an item
     return Decoded(distinct_items(result.topk) if independent else result.topk, result.stats)
 
 

@@ -4,8 +4,9 @@ side), on the first ``TEST_USERS`` test users of each data set (all 943 of Movie
 1,000 of Beauty's 3,553, which keeps CI within its 25 minutes on 2 cores): `beam` and `tree-beam`
 return what `hf` returns for the first ``HF_USERS`` of them (transformers' constrained
 ``generate`` is the slow part) and what each other returns for all of them (K in {1, 5, 10,
-20}), and strict speculative beam search returns what `beam` returns (K in {1, 3, 5, 10, 20},
-several N and gamma).
+20}; `tree-beam` also with the first level scored in the prompt's call), and strict speculative
+beam search returns what `beam` returns (K in {1, 3, 5, 10, 20}, several N and gamma); exact
+sampling verification samples what beam sampling samples.
 
 The models: the reference models of ``scripts/train_models.sh`` when ``$RECSPEC_MODELS`` (default
 ``runs/models``) holds them (``target-small`` and ``draft-tiny``, 20 minutes of training at most
@@ -44,6 +45,8 @@ KS = (1, 5, 10, 20)
 SPEC_KS = (1, 3, 5, 10, 20)
 TEST_USERS = 1000
 HF_USERS = 200
+SAMPLE_USERS = 256
+SAMPLE_SEEDS = 4
 SCORE_ATOL = 1e-4
 TIE_GAP = 1e-5
 MODELS = Path(os.environ.get("RECSPEC_MODELS", Path(__file__).resolve().parents[1] / "runs" / "models"))
@@ -111,6 +114,9 @@ def check_beam_decoders(recommender: Recommender, beams: dict[int, TopK]) -> Non
             assert_agree(f"{name} vs hf, K={k}", first(ours, users), reference, ours.margin[:users],
                          examples.users[:users])
         assert_agree(f"tree_beam vs beam, K={k}", tree, beams[k], tree.margin, examples.users)
+        root = tree_beam_search(recommender.model, prompts, recommender.trie, k, pad, batch_size=64, root=True)
+        assert_agree(f"tree_beam with the root level in the prompt's call vs beam, K={k}", root, beams[k],
+                     root.margin, examples.users)
 
 
 def check_strict_speculative(recommender: Recommender, beams: dict[int, TopK]) -> None:
@@ -171,6 +177,39 @@ def check_target_prior(recommender: Recommender, beams: dict[int, TopK], folder:
     assert accepted > 0
 
 
+def check_exact_sampling(recommender: Recommender) -> None:
+    """Exact sampling verification (``spec-beam-sample``) samples what the target's own beam
+    sampling samples: the first ``SAMPLE_USERS`` test users, each decoded ``SAMPLE_SEEDS`` times by
+    both (K = 5, T = 1, distinct items), drafted by the unfitted root prior (level 1 is every root
+    child, so every user's first step is accepted) and by the draft model; the items returned
+    follow the same distribution (chi-square test of homogeneity over the items, the rare ones
+    pooled; within-user draws without replacement make it conservative)."""
+    from scipy.stats import chi2_contingency
+
+    from recspec.decoding.beam_search import sampling_beam_search
+    from recspec.decoding.target_prior import uniform_prior
+
+    examples = recommender.examples("test", SAMPLE_USERS)
+    prompts, pad, trie, k = recommender.encoder.prompts(examples), recommender.encoder.pad_id, recommender.trie, 5
+    counts = {name: torch.zeros(trie.num_items, dtype=torch.int64) for name in ("beam-sample", "root", "draft")}
+    for seed in range(SAMPLE_SEEDS):
+        own = sampling_beam_search(recommender.model, prompts, trie, k, pad, 1.0, 100 + seed, False, 64)
+        counts["beam-sample"] += torch.bincount(own.items.flatten(), minlength=trie.num_items)
+        for name, draft, n, gamma in (("root", uniform_prior(trie), 256, 1), ("draft", recommender.draft, 20, None)):
+            result = speculative_beam_search(recommender.model, draft, prompts, trie, k, pad,
+                                             SpecConfig(verify="sample", draft_beams=n, gamma=gamma, seed=200 + seed),
+                                             batch_size=64)
+            assert all(len(set(row)) == k for row in result.topk.items.tolist()) and (result.topk.items >= 0).all()
+            if name == "root":  # the first call scores level 1 whole: a call fewer than beam sampling
+                assert (result.stats.target_calls < trie.depth).all()
+            counts[name] += torch.bincount(result.topk.items.flatten(), minlength=trie.num_items)
+    for name in ("root", "draft"):
+        table = torch.stack((counts["beam-sample"], counts[name]))
+        common = table.sum(dim=0) >= 10
+        table = torch.cat((table[:, common], table[:, ~common].sum(dim=1, keepdim=True)), dim=1)
+        assert common.sum() > 20 and float(chi2_contingency(table.numpy()).pvalue) > 1e-3, name
+
+
 # The tests, imported by each data set's file, which defines the module fixture ``model``.
 
 @pytest.fixture(scope="module")
@@ -193,3 +232,7 @@ def test_strict_speculative_with_the_item_draft_equals_beam(model: Recommender, 
 def test_strict_speculative_with_a_target_prior_equals_beam(model: Recommender, beams: dict[int, TopK],
                                                             tmp_path: Path) -> None:
     check_target_prior(model, beams, tmp_path / "prior")
+
+
+def test_exact_sampling_follows_beam_sampling(model: Recommender) -> None:
+    check_exact_sampling(model)

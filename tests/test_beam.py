@@ -11,6 +11,8 @@ results, or a different K-th result, whose scores differ by less than ``TIE_GAP`
 
 from __future__ import annotations
 
+from functools import partial
+
 import copy
 from dataclasses import dataclass
 
@@ -45,7 +47,8 @@ PAD = 0
 TIE_GAP = 1e-5  # HF scores closer than this may come out in either order
 SCORE_ATOL = 1e-4
 KS = (1, 5, 10, 20)
-OURS = {"beam": beam_search, "tree-beam": tree_beam_search}
+# tree-beam+root: the prompt's call also scores the whole first level (RootTreeCache), one call fewer
+OURS = {"beam": beam_search, "tree-beam": tree_beam_search, "tree-beam+root": partial(tree_beam_search, root=True)}
 DECODERS = {"hf": hf_beam_search, **OURS}
 SWAPS = {"compared": 0, "swapped": 0}  # results compared with HF / near-tie differences accepted
 

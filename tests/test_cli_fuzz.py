@@ -86,7 +86,8 @@ def test_fuzz_recommend(trained, scratch: Path) -> None:  # noqa: F811
         (damaged / "best" / "config.json").write_text("{")
     drafts = [str(trained["draft"]), str(damaged), str(scratch / "nowhere")]
     options = st.tuples(
-        _option("decoder", ["hf", "beam", "tree-beam", "beam-sample", "spec-strict", "spec-relaxed", "dsbd", "x"]),
+        _option("decoder", ["hf", "beam", "tree-beam", "beam-sample", "spec-strict", "spec-relaxed",
+                            "spec-beam-sample", "dsbd", "x"]),
         _option("k", [-1, 0, 1, 3, 5, 40, 41]), _option("users", [-2, 0, 1, 3]), _option("batch-size", [0, 1, 4]),
         _option("temperature", NUMBERS), _option("draft", drafts), _option("draft-beams", [0, 3, 8]),
         _option("gamma", [0, 1, 2, 3]), _option("threshold", ["nan", "-0.5", "0.5", "2"]),

@@ -89,7 +89,21 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
                      "--temperature", "0.5", "--out", str(relaxed))
     assert result.returncode == 0, result.stderr
     assert all(len(set(json.loads(line)["items"])) == 5 for line in relaxed.read_text().splitlines())
+    sampled = tmp_path / "sampled.jsonl"  # exact sampling verification over the unfitted root prior
+    result = recspec("recommend", "--target", str(out), "--decoder", "spec-beam-sample", "--draft", "root", "--k", "5",
+                     "--draft-beams", "64", "--gamma", "1", "--out", str(sampled))
+    assert result.returncode == 0, result.stderr
+    assert all(len(set(json.loads(line)["items"])) == 5 for line in sampled.read_text().splitlines())
+    result = recspec("bench", "compare", "--target", str(out), "--draft", "root", "--decoder", "beam-sample",
+                     "--decoder", "spec-beam-sample", "--k", "5", "--users", "4", "--repeats", "1", "--draft-beams",
+                     "64", "--gamma", "1", "--out", str(tmp_path / "compared"), "--name", "sampled")
+    assert result.returncode == 0, result.stderr
+    compared = json.loads((tmp_path / "compared" / "sampled.json").read_text())
+    assert [r["decoder"] for r in compared["rows"]] == ["beam-sample", "spec-beam-sample"]
+    assert compared["draft_beams"] == 64 and all(r["same_items"] is None for r in compared["rows"])
     for extra, message in ((["--decoder", "spec-strict"], "needs a draft model"),
+                           (["--decoder", "spec-beam-sample", "--draft", "root", "--draft-beams", "3"],
+                            "sample verification accepts a step only when all k"),
                            (["--decoder", "spec-strict", "--draft", str(draft), "--draft-beams", "3"], "at least k=5"),
                            (["--decoder", "spec-strict", "--draft", str(draft), "--gamma", "3"], "gamma=3 is outside"),
                            (["--decoder", "spec-relaxed", "--draft", str(draft), "--temperature", "0"],

@@ -1,6 +1,7 @@
 """Speculative beam search (AtSpeed): strict verification returns exactly what beam search returns;
 relaxed sampling verification samples the target's beam-sampling distribution (exactly, with
-replacement; approximately, without), checked against distributions enumerated by hand."""
+replacement; approximately, without) and exact sampling verification samples it exactly (both
+ways), checked against distributions enumerated by hand."""
 
 from __future__ import annotations
 
@@ -290,7 +291,8 @@ def test_relaxed_matches_beam_sampling_quality_on_a_random_model() -> None:
     assert (result.tokens >= CONTROL).all()
 
 
-def test_relaxed_batches_users_on_nodes_of_different_fan_out() -> None:
+@pytest.mark.parametrize("verify", ("relaxed", "sample"))
+def test_sampling_verification_batches_users_on_nodes_of_different_fan_out(verify: str) -> None:
     """A batch whose users leave a round at different steps, on trie nodes of different fan-out:
     the drafted proposals and the target's candidates are laid out with different widths, and
     every user still gets real, distinct items (a regression: this used to fail on shapes)."""
@@ -299,12 +301,11 @@ def test_relaxed_batches_users_on_nodes_of_different_fan_out() -> None:
     with torch.no_grad():
         draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(5)))
     for seed, replacement in ((0, False), (1, True), (2, False)):
-        config = SpecConfig(verify="relaxed", temperature=1.0, seed=seed, replacement=replacement)
+        config = SpecConfig(verify=verify, draft_beams=4, temperature=1.0, seed=seed, replacement=replacement)
         result = speculative_beam_search(setup.model, draft, setup.prompts, setup.trie, 3, PAD, config)
         assert (result.topk.items >= 0).all()
         assert replacement or all(len(set(row)) == 3 for row in result.topk.items.tolist())
-        first_round = result.stats.accepted_steps.clamp(max=1)
-        assert 0 < float(first_round.mean()) < 1  # users did leave the first round at different steps
+        assert len(set(result.stats.accepted_steps.tolist())) > 1  # users did leave rounds at different steps
 
 
 def test_sampling_decoders_over_a_level_narrower_than_k(tiny) -> None:
@@ -320,6 +321,8 @@ def test_sampling_decoders_over_a_level_narrower_than_k(tiny) -> None:
         "beam-sample": sampling_beam_search(target, prompts, trie, 3, PAD, 1.0, 5, False),
         "spec-relaxed": speculative_beam_search(target, draft, prompts, trie, 3, PAD,
                                                 SpecConfig(draft_beams=6, verify="relaxed", seed=5)).topk,
+        "spec-beam-sample": speculative_beam_search(target, draft, prompts, trie, 3, PAD,
+                                                    SpecConfig(draft_beams=3, verify="sample", seed=5)).topk,
         "dsbd": dsbd_beam_search(target, draft, prompts, trie, 3, PAD, DSBDConfig(draft_width=6, min_width=3))[0],
     }
     exact = beam_search(target, [prompt], trie, 12, PAD)  # every item's score, exactly
@@ -332,3 +335,63 @@ def test_sampling_decoders_over_a_level_narrower_than_k(tiny) -> None:
             else:
                 assert min(items) >= 0 and len(set(items)) == 3, (name, items)
             assert scores == pytest.approx([score_of[i] for i in items], abs=1e-4), name
+
+
+# ---------------------------------------------------------------------- exact sampling (cover)
+
+
+def covered(target, draft, trie, prompt, k, temperature, replacement, seed, n):
+    def decode(batch: int):
+        nonlocal seed
+        seed += 1
+        config = SpecConfig(verify="sample", draft_beams=n, temperature=temperature, replacement=replacement,
+                            seed=seed)
+        return speculative_beam_search(target, draft, [prompt] * batch, trie, k, PAD, config).topk
+    return decode
+
+
+@pytest.mark.parametrize(("temperature", "replacement"), ((1.0, False), (2.0, False), (0.7, True)))
+def test_exact_sampling_follows_the_target_beam_sampling(tiny, temperature: float, replacement: bool) -> None:
+    """K = 2 with a random draft and a tree of N = 2 sequences a level, so that rounds end at every
+    step: the output multisets follow the target's exact beam-sampling distribution, without
+    replacement too (where Alg. 2 departs from it, the test above)."""
+    target, draft, trie, prompt = tiny
+    exact = exact_beam_sampling(step_table(target, prompt, trie), trie, 2, temperature, replacement)
+    spec = sampled_outcomes(covered(target, draft, trie, prompt, 2, temperature, replacement, 700, 2), 8000, 500)
+    assert goodness_of_fit(spec, exact) > 1e-3
+    assert replacement or all(len(set(outcome)) == 2 for outcome in spec)
+
+
+def test_exact_sampling_accepts_what_the_tree_covers(tiny) -> None:
+    """A tree holding every node (N = 4 covers the 2 x 2 first levels) accepts every step, one
+    target call a user; with N = K = 2 from a random draft some steps are not covered; either way
+    Alg. 2 with the same draft accepts less than the full tree."""
+    target, draft, trie, prompt = tiny
+    stats = {n: speculative_beam_search(target, draft, [prompt] * 200, trie, 2, PAD,
+                                        SpecConfig(verify="sample", draft_beams=n, seed=3)).stats for n in (2, 4)}
+    assert (stats[4].accepted_steps == trie.depth - 1).all() and (stats[4].target_calls == 1).all()
+    assert 0 < float(stats[2].accepted_steps.mean()) < trie.depth - 1
+    relaxed = speculative_beam_search(target, draft, [prompt] * 200, trie, 2, PAD,
+                                      SpecConfig(verify="relaxed", seed=3)).stats
+    assert float(relaxed.accepted_steps.mean()) < trie.depth - 1
+
+
+def test_exact_sampling_needs_n_of_at_least_k(tiny) -> None:
+    target, draft, trie, prompt = tiny
+    with pytest.raises(RecspecError, match="sample verification accepts a step only when all k"):
+        speculative_beam_search(target, draft, [prompt], trie, 3, PAD, SpecConfig(verify="sample", draft_beams=2))
+
+
+@pytest.mark.parametrize("replacement", (False, True))
+def test_beam_sampling_with_the_root_level_in_the_prompt_call_draws_the_same(replacement: bool) -> None:
+    """``beam-sample`` with ``root`` (the first level scored in the prompt's call) takes the same
+    steps from the same log-probs with the same generator: the same draws, batched or not, on a
+    trie whose first level is narrower than K (dead beams at the first step)."""
+    wide, narrow = make_setup(4, [6, 6, 6], 150, kv_heads=2, users=9), make_setup(5, [3, 5, 5], 60, kv_heads=2, users=7)
+    for setup, k in ((wide, 5), (narrow, 8)):
+        for batch in (None, 2):
+            plain = sampling_beam_search(setup.model, setup.prompts, setup.trie, k, PAD, 1.0, 11, replacement, batch)
+            root = sampling_beam_search(setup.model, setup.prompts, setup.trie, k, PAD, 1.0, 11, replacement, batch,
+                                        root=True)
+            assert torch.equal(plain.items, root.items) and torch.equal(plain.tokens, root.tokens)
+            torch.testing.assert_close(plain.scores, root.scores, atol=1e-4, rtol=0)

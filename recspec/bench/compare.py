@@ -8,8 +8,12 @@ and none always follows the same one; a decoder run right after a wide speculati
 measured up to 15% slower). Reported per decoder: users/s of the
 median run, its speed-up over the first decoder, whether its items are the first decoder's (same items and
 scores, order free only among tied scores), and for ``auto`` what it chose and why (chosen once
-before timing). ``spec-strict`` runs with ``N = 2K`` draft beams. The ceiling of the table is the
-fastest decoder of the run: ``auto`` is measured against it.
+before timing). ``spec-strict`` and ``spec-beam-sample`` run with ``draft_beams`` (default ``N =
+2K``) and ``gamma`` (default: the rest of the identifier; ``spec-relaxed`` takes ``gamma`` only).
+``tree-beam+root`` and ``beam-sample+root`` are the two with ``expand_root`` (the first
+identifier level fed whole with the prompt). The sampled decoders (``beam-sample`` and its
+speculative versions) are compared by speed alone: their items are draws. The ceiling of the
+table is the fastest decoder of the run: ``auto`` is measured against it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from recspec.turns import take_turns, user_batches
 DEMO_DECODERS = ("beam", "tree-beam", "spec-strict", "auto")
 #: Exact decoders: their items must equal the reference's.
 EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
+#: A decoder named with this suffix (``tree-beam+root``) runs with ``expand_root``.
+ROOT_SUFFIX = "+root"
 
 
 def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:
@@ -40,11 +46,12 @@ def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:
 
 
 def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = DEMO_DECODERS, k: int = 10,
-        batch_size: int = 1, users: int = 200, repeats: int = 3, name: str = "compare") -> str:
+        batch_size: int = 1, users: int = 200, repeats: int = 3, name: str = "compare", draft_beams: int | None = None,
+        gamma: int | None = None) -> str:
     """Compare ``decoders`` (the first is the reference) on the first ``users`` test users of
     ``target`` (with ``draft`` for the speculative ones and ``auto``); write ``{name}.json`` /
     ``.md`` into ``out`` and return the Markdown."""
-    unknown = [d for d in decoders if d not in DECODERS]
+    unknown = [d for d in decoders if d.removesuffix(ROOT_SUFFIX) not in DECODERS]
     if unknown or len(set(decoders)) != len(decoders) or len(decoders) < 2:
         raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)}"
                            + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
@@ -53,14 +60,14 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     reuse_freed_memory()
     recommender = Recommender.load(target, draft_dir=draft)
     examples = recommender.examples("test", users)
-    options = {decoder: DecodeOptions() for decoder in decoders}
-    if "spec-strict" in options:
-        options["spec-strict"] = DecodeOptions(draft_beams=2 * k)
+    options = {decoder: DecodeOptions(draft_beams=draft_beams or 2 * k, gamma=gamma,
+                                      expand_root=decoder.endswith(ROOT_SUFFIX)) for decoder in decoders}
     reason = ""
     if "auto" in options:
         choice = choose(recommender, k, batch_size)
         reason, options["auto"] = choice.reason, choice.options
-    named = {decoder: choice.decoder if decoder == "auto" else decoder for decoder in decoders}
+    named = {decoder: choice.decoder if decoder == "auto" else decoder.removesuffix(ROOT_SUFFIX)
+             for decoder in decoders}
     runs = {decoder: (lambda part, d=decoder: recommender.recommend(part, k, named[d], batch_size, options[d]))
             for decoder in decoders}
     seconds, batches = take_turns(runs, user_batches(examples, batch_size), repeats)
@@ -70,7 +77,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     rows = [{"decoder": decoder, "runs_s": seconds[decoder], "users_per_s": len(examples) / median[decoder],
              "speedup": median[reference] / median[decoder],
              "same_items": same_up_to_ties(outputs[decoder].topk, outputs[reference].topk)
-             if decoder in EXACT and reference in EXACT else None}
+             if named[decoder] in EXACT and named[reference] in EXACT else None}
             for decoder in decoders]
     fastest = min((row for row in rows if row["decoder"] != "auto"), key=lambda row: median[row["decoder"]])
     label = f"{recommender.dataset.name}: {Path(target).name}" + (f" + {Path(draft).name}" if draft else "")
@@ -87,6 +94,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
         lines.append(f"{reason}; auto runs at {median[fastest['decoder']] / median['auto']:.2f}x of the fastest.")
     markdown = "\n\n".join(lines)
     results: dict[str, Any] = {"target": str(target), "draft": str(draft) if draft else None, "k": k,
+                               "draft_beams": draft_beams or 2 * k, "gamma": gamma,
                                "batch_size": batch_size, "users": len(examples), "repeats": repeats,
                                "auto_choice": reason, "rows": rows}
     write_results(out, name, results, markdown)

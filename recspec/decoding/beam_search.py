@@ -48,7 +48,7 @@ import torch
 from recspec.decoding.beams import Beams, TopK, best_first, sample_step, select_top_k
 from recspec.decoding.cache import require_full_attention, select_rows
 from recspec.decoding.prompts import Prompts, decode_in_batches
-from recspec.decoding.scorer import forward_visible, next_log_probs, prefill
+from recspec.decoding.scorer import forward_visible, next_log_probs, prefill, prefill_tree
 from recspec.decoding.tree import child_rows, tree_position_ids
 from recspec.decoding.warp import Warp
 from recspec.hub import with_cache
@@ -118,14 +118,62 @@ class TreeCache:
                                               self.first_positions + depth))
 
 
+class RootTreeCache(TreeCache):
+    """:class:`TreeCache` whose prefill call also fed the root's ``F`` children, the whole first
+    identifier level, as tree nodes after the prompt (:func:`root_prefill`): the first step's
+    beams are among them, so the log-probs after them are read from that call instead of costing a
+    call of their own. The first two steps then take one target call, exactly (each child sees the
+    prompt and itself at position ``prompt length``, as a depth-0 beam node does). It pays where a
+    call's fixed cost exceeds what ``F - K`` more nodes in the prefill cost (a small batch and a
+    narrow first level: 32 children on MovieLens, 91 on Beauty)."""
+
+    def __init__(self, model, prompts: Prompts, k: int, cache, child_log_probs: torch.Tensor) -> None:
+        """``cache``: the prefill's cache, the prompts' columns then the ``F`` children's;
+        ``child_log_probs``: float32 ``[B, F, V]``, the log-probs after each child."""
+        super().__init__(model, prompts, k, cache)
+        self.child_log_probs = child_log_probs
+
+    def extend(self, beams: Beams, depth: int) -> torch.Tensor:
+        """As :meth:`TreeCache.extend`; at depth 0 the beams' children were scored in the
+        prefill: their log-probs ``[B, K, V]`` are gathered, and each beam sees the prompt and its
+        own node there."""
+        if depth > 0:
+            return super().extend(beams, depth)
+        batch, k = beams.nodes.shape
+        fanout, vocab = self.child_log_probs.shape[1:]
+        column = (beams.nodes - 1).clamp_(0, fanout - 1)  # depth-1 trie nodes are 1..F, in token order
+        own = torch.nn.functional.one_hot(column, fanout).bool()  # [B, K, F]
+        self.rows = torch.cat((self.rows.expand(batch, k, -1), own), dim=2)
+        return self.child_log_probs.gather(1, column[:, :, None].expand(batch, k, vocab))
+
+
+def root_prefill(model, prompts: Prompts, trie: ItemTrie, k: int) -> tuple[torch.Tensor, RootTreeCache]:
+    """The prompts and the root's ``F`` children in one call: the first step's log-probs
+    ``[B, 1, V]`` and the :class:`RootTreeCache` that holds the children's."""
+    batch = prompts.input_ids.shape[0]
+    tokens, real = trie.children(torch.tensor([trie.root], device=trie.device))
+    tokens = tokens[:, real[0]].expand(batch, -1)  # [B, F]
+    fanout = tokens.shape[1]
+    seen = prompts.attention_mask.bool()[:, None, :].expand(batch, fanout, -1)
+    visible = torch.cat((seen, torch.eye(fanout, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)), dim=2)
+    positions = tree_position_ids(prompts.lengths, torch.zeros_like(tokens))
+    log_probs, cache = prefill_tree(model, prompts, tokens, visible, positions)
+    return log_probs[:, :1], RootTreeCache(model, prompts, k, cache, log_probs[:, 1:])
+
+
 def beam_decode(
     make_state: Callable[..., PerBeamCache | TreeCache], model, prompts: Prompts, trie: ItemTrie,
     k: int, select: Callable[[Beams, torch.Tensor, ItemTrie, int], Beams] = select_top_k,
+    root: bool = False,
 ) -> TopK:
     """Beam search for one batch: prefill, then ``L`` steps ``select(beams, log_probs, trie, k)``
     (the top-k by default, or a sampling step) with ``L - 1`` model calls in between, through the
     state ``make_state(model, prompts, k, cache)`` (a :class:`PerBeamCache` or a
-    :class:`TreeCache`)."""
+    :class:`TreeCache`); with ``root`` (tree attention only) the prefill also scores the first
+    level, so the calls are ``L - 2`` (:class:`RootTreeCache`)."""
+    if root:
+        log_probs, state = root_prefill(model, prompts, trie, k)
+        return beam_steps(log_probs, state, trie, k, select).result(trie)
     log_probs, cache = prefill(model, prompts)
     return beam_steps(log_probs, make_state(model, prompts, k, cache), trie, k, select).result(trie)
 
@@ -165,7 +213,7 @@ def beam_search(
 
 def tree_beam_search(
     model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int,
-    batch_size: int | None = None,
+    batch_size: int | None = None, root: bool = False,
 ) -> TopK:
     """Top-``k`` items per prompt by trie-constrained beam search with tree attention.
 
@@ -175,18 +223,20 @@ def tree_beam_search(
     sees its user's real prompt tokens, its ancestors and itself, at position ``prompt length + depth``
     (:mod:`recspec.decoding.tree`). Needs a model whose cache layers are all full attention and
     which accepts a custom 4D float mask (transformers 5 models built on ``create_causal_mask``).
+    With ``root`` the prefill also feeds the first identifier level whole (:class:`RootTreeCache`):
+    one call fewer, the same results.
     """
-    decode = partial(beam_decode, TreeCache)
+    decode = partial(beam_decode, TreeCache, root=root)
     return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
 
 
 def sampling_beam_search(
     model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_token_id: int, temperature: float = 1.0,
-    seed: int = 0, replacement: bool = False, batch_size: int | None = None,
+    seed: int = 0, replacement: bool = False, batch_size: int | None = None, root: bool = False,
 ) -> TopK:
     """``k`` items per prompt by the target's own beam sampling at ``temperature`` (the
     distribution relaxed verification approximates; see the module doc), with tree attention as
-    :func:`tree_beam_search`. Results best first (by the model's joint
+    :func:`tree_beam_search` (``root`` as there). Results best first (by the model's joint
     log-probability); ``seed`` fixes the draws."""
     warp = Warp(temperature)
     warp.check()
@@ -196,6 +246,6 @@ def sampling_beam_search(
         return sample_step(beams, log_probs, trie, k, warp, generator, replacement)
 
     def decode(model, prompts: Prompts, trie: ItemTrie, k: int) -> TopK:
-        return best_first(beam_decode(TreeCache, model, prompts, trie, k, select))
+        return best_first(beam_decode(TreeCache, model, prompts, trie, k, select, root))
 
     return decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)

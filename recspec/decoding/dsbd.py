@@ -191,7 +191,7 @@ def dsbd_beam_search(target, draft, prompts: Sequence[torch.Tensor], trie: ItemT
         config.check(trie.depth - 1)
         if isinstance(draft, (HeadDraft, HybridPair, ItemDraft, TargetPrior)):
             raise RecspecError("dsbd drafts with a draft model; a draft head, the item draft and a target prior "
-                               "serve spec-strict and spec-relaxed")
+                               "serve the spec- decoders")
         check_draft_vocabulary(target, draft)
 
     generator = torch.Generator(device=target.device).manual_seed(config.seed)

@@ -47,6 +47,20 @@ def prefill_features(model, prompts: Prompts, layers: Sequence[int] = ()):
     return log_probs, cache, features
 
 
+def prefill_tree(model, prompts: Prompts, tokens: torch.Tensor, tree_visible: torch.Tensor,
+                 tree_positions: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """:func:`prefill` with a token tree fed after the prompts in the same call
+    (:func:`prompt_and_tree`): ``(log_probs [B, 1 + M, V]`` of the first generated token and of
+    the token after each of the ``M`` nodes, ``KV cache)``, the cache holding the prompts' columns
+    then the nodes'. ``tokens``, ``tree_positions``: int64 ``[B, M]``; ``tree_visible``: bool
+    ``[B, M, P + M]``."""
+    start = open_cache(model, prompts)
+    block = prompt_and_tree(prompts.input_ids, prompts.attention_mask, prompts.position_ids, tokens, tree_visible,
+                            tree_positions)
+    logits, _ = forward_opened(model, start, *block, False)
+    return next_log_probs(logits), start.cache
+
+
 def _prefill(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()):
     start = open_cache(model, prompts)  # the shared prefix, if any, is not fed again
     out = model(

@@ -5,8 +5,8 @@ One round, for every user of the batch at once (users may be at different depths
 
 1. **Draft**: level 0 is the target's ``K`` current beams, whose last tokens are pending (in the
    first round: the prompt's last token, one "beam" per user); the draft model feeds a level and
-   selects the next one from the trie children of its nodes: the top ``N`` (strict,
-   :class:`~recspec.decoding.drafters.TopNDrafter`) or ``K`` samples (relaxed,
+   selects the next one from the trie children of its nodes: the top ``N`` (strict and exact
+   sampling, :class:`~recspec.decoding.drafters.TopNDrafter`) or ``K`` samples (relaxed,
    :class:`~recspec.decoding.drafters.SampledDrafter`), for ``gamma`` levels, at most up to the
    last depth that has children (the final step is computed from that depth's distributions
    whatever the draft guesses, so drafting leaves would only cost) (atspeed.txt Eq. 1).
@@ -16,9 +16,9 @@ One round, for every user of the batch at once (users may be at different depths
    The draft has been fed the same levels (less the last one when the round's bonus step always
    completes the identifiers), so both caches hold the same nodes.
 3. **Verify** (:class:`~recspec.decoding.verifiers.StepVerifier`), step by step from level 0:
-   the target's own beam-search step (strict) or sampling step (relaxed) over the children of its
-   current beams; the step is accepted when all ``K`` new beams are drafted nodes (atspeed.txt
-   Alg. 1 / Alg. 2); a user's round ends at its first rejected step (the correction), after the
+   the target's own beam-search step (strict) or sampling step (relaxed, exact sampling) over the
+   children of its current beams; the step is accepted when all ``K`` new beams are drafted nodes
+   (atspeed.txt Alg. 1; Alg. 2 accepts each drafted sequence with ``min(1, p / q)``); a user's round ends at its first rejected step (the correction), after the
    bonus step, or when its identifiers are complete.
 4. **Compact**: both caches keep the prompt and the ancestors of the new beams, nothing else
    (one gather per layer); users whose beams are complete leave the batch.
@@ -26,7 +26,11 @@ One round, for every user of the batch at once (users may be at different depths
 The loop is :func:`~recspec.decoding.rounds.run_rounds`, shared with DSBD; this module wires it.
 
 With strict verification the result equals :func:`~recspec.decoding.beam_search.beam_search` (same
-items, order and scores, up to float noise in near-ties: :attr:`TopK.margin`).
+items, order and scores, up to float noise in near-ties: :attr:`TopK.margin`). With exact sampling
+verification (``verify="sample"``, the decoder ``spec-beam-sample``) it follows the distribution of
+:func:`~recspec.decoding.beam_search.sampling_beam_search` exactly, with and without replacement
+(:class:`~recspec.decoding.acceptance.CoverSampler`); relaxed verification (Alg. 2) is exact with
+replacement and approximate without.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.acceptance import RelaxedSampler
+from recspec.decoding.acceptance import CoverSampler, RelaxedSampler
 from recspec.decoding.beams import TopK, best_first
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.drafters import SampledDrafter, TopNDrafter
@@ -52,14 +56,15 @@ from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 from recspec.models.head import HeadDraft
 
-VERIFICATIONS = ("strict", "relaxed")
+VERIFICATIONS = ("strict", "relaxed", "sample")
 @dataclass(frozen=True)
 class SpecConfig:
     """``draft_beams``: N, drafted sequences per level (strict); ``gamma``: drafted levels per
-    round (None: the rest of the identifier); ``verify``: ``"strict"`` or ``"relaxed"``;
-    ``temperature``, ``seed`` and ``replacement``: of relaxed (sampling) verification, see
+    round (None: the rest of the identifier); ``verify``: ``"strict"``, ``"relaxed"`` or
+    ``"sample"``; ``temperature``, ``seed`` and ``replacement``: of the sampling verifications, see
     :class:`~recspec.decoding.acceptance.RelaxedSampler` (relaxed drafts K sequences per level, as
-    atspeed.txt Alg. 2; ``draft_beams`` is strict's); ``planner``: strict rounds sized by cost
+    atspeed.txt Alg. 2; ``draft_beams`` is strict's and exact sampling's) and
+    :class:`~recspec.decoding.acceptance.CoverSampler`; ``planner``: strict rounds sized by cost
     (:class:`~recspec.decoding.tree_plan.CostPlanner`: levels and widths per round) instead of
     ``draft_beams`` and ``gamma``."""
 
@@ -75,14 +80,14 @@ class SpecConfig:
         """Raise :class:`RecspecError` for settings no speculative search of ``k`` items over
         ``trie`` can serve (called once, by :func:`speculative_beam_search`, before any work)."""
         if self.verify not in VERIFICATIONS:
-            raise RecspecError(f"unknown verification {self.verify!r}; choose strict or relaxed")
-        if self.verify == "strict" and self.draft_beams < k:
-            raise RecspecError(f"draft beams N={self.draft_beams} must be at least k={k}: strict verification "
+            raise RecspecError(f"unknown verification {self.verify!r}; choose one of {', '.join(VERIFICATIONS)}")
+        if self.verify != "relaxed" and self.draft_beams < k:
+            raise RecspecError(f"draft beams N={self.draft_beams} must be at least k={k}: {self.verify} verification "
                                f"accepts a step only when all k target beams were drafted")
         if self.gamma is not None and not 1 <= self.gamma <= trie.depth - 1:
             raise RecspecError(f"gamma={self.gamma} is outside [1, {trie.depth - 1}]: an identifier of length "
                                f"{trie.depth} leaves at most {trie.depth - 1} steps to draft after the first")
-        if self.verify == "relaxed":
+        if self.verify != "strict":
             Warp(self.temperature).check()
 
 
@@ -97,10 +102,13 @@ def atspeed_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
     """Speculative beam search for one batch of users: AtSpeed's drafter and verifier in the
     shared round loop."""
     batch, device = len(prompts.lengths), prompts.input_ids.device
+    warp = Warp(config.temperature)
     if config.verify == "strict":
         drafter, sampler = TopNDrafter(trie, config.draft_beams, config.planner), None
+    elif config.verify == "sample":  # the top N, the target's own draws accepted where drafted
+        drafter = TopNDrafter(trie, config.draft_beams, config.planner)
+        sampler = CoverSampler(warp, generator, config.replacement)
     else:  # relaxed: K sequences per level from the draft's q_beam, verified by Alg. 2
-        warp = Warp(config.temperature)
         drafter = SampledDrafter(trie, warp, k, generator, config.replacement)
         sampler = RelaxedSampler(warp, generator, config.replacement)
     out = TopK(items=torch.full((batch, k), -1, dtype=torch.int64, device=device),
