@@ -1,21 +1,24 @@
 """``--decoder auto``: the fastest exact decoder for a model pair, device, K and batch size.
 
 Candidates: ``tree-beam`` (one target call per identifier level over the ``K`` beams; ``beam``
-feeds the same nodes and also copies caches, so it is never faster here: BENCHMARKS.md) and, when
-a draft is loaded, ``spec-strict`` with rounds sized by cost (:class:`~recspec.decoding.tree_plan.
+feeds the same nodes and also copies caches, so it is never faster here: BENCHMARKS.md), the same
+loop with the first identifier level scored in the prompt's call (``expand_root``: one call fewer
+for ``F - K`` more nodes, ``F`` the root's children; any model, no draft needed) and, when a draft
+is loaded, ``spec-strict`` with rounds sized by cost (:class:`~recspec.decoding.tree_plan.
 CostPlanner`). The choice comes from measurements kept beside the models
 (:mod:`recspec.calibration`): the call cost ``F + r * n`` of the target and the draft on this
 device, and the draft's acceptance per round level and width on validation users. From them the
 expected time of a batch is computed level by level (:func:`expected_seconds`). The prediction
 leaves out the Python work of each step and round (it runs about 30% low), so a predicted win (at
-least ``margin``) is checked by timing both candidates on a few validation users (:func:`probe`,
-kept beside the target like the other measurements), and speculative search runs only when it is
-measured at least 3% faster there. The choice and its reason are returned for printing.
+least ``margin``) is checked by timing the candidates predicted to win beside ``tree-beam`` on a
+few validation users (:func:`probe`, kept beside the target like the other measurements), and
+another decoder runs only when it is measured at least 3% faster than ``tree-beam`` there. The
+choice and its reason are returned for printing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +31,11 @@ from recspec.turns import take_turns, user_batches
 
 #: Widths tried per drafted level, as multiples of K.
 WIDTH_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
+#: How auto names the plain loop with the first level scored in the prompt's call, and what it says
+#: when it chooses each contender.
+ROOT_LABEL = "tree-beam+root"
+CHOSEN = {ROOT_LABEL: "tree-beam with the first identifier level scored in the prompt's call",
+          "spec-strict": "spec-strict with cost-sized trees"}
 #: Validation users of the timed check of a predicted win, the margin it must show, and its runs.
 PROBE_USERS = 32
 PROBE_MARGIN = 0.03
@@ -76,58 +84,72 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     folder = recommender.folder
     prompt_len = median_prompt_length(recommender)
     target = call_cost(recommender.model, folder, prompt_len)
-    levels = recommender.trie.depth
-    rows = batch_size
+    levels, rows = recommender.trie.depth, batch_size
     tree_beam = target.call_s(rows * prompt_len) + (levels - 1) * target.call_s(rows * k)
     predicted = {"tree-beam": 1e3 * tree_beam / rows}
-    plain = Choice("tree-beam", DecodeOptions(), predicted, "")
+    contenders: dict[str, tuple[str, DecodeOptions]] = {}
+    if levels >= 2:  # the first level scored in the prompt's call: one call fewer, F - K more nodes
+        fanout = root_fanout(recommender.trie)
+        root = target.call_s(rows * (prompt_len + fanout)) + (levels - 2) * target.call_s(rows * k)
+        predicted[ROOT_LABEL] = 1e3 * root / rows
+        if root < (1.0 - margin) * tree_beam:
+            contenders[ROOT_LABEL] = ("tree-beam", DecodeOptions(expand_root=True))
+    detail = ", ".join(f"{name} {ms:.1f}" for name, ms in predicted.items()) + f" ms/user predicted at batch {rows}"
     if recommender.draft is None:
-        return replace(plain, reason=f"auto: tree-beam (no draft loaded; {predicted['tree-beam']:.1f} ms/user "
-                                     f"predicted at batch {rows})")
-    choices = width_choices(recommender.trie, k)
-    first, later = acceptance_tables(recommender, k, choices, valid_users)
-    first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len)
-    planner = CostPlanner(first, later, target, first_draft, later_draft, k, prompt_len, choices, rows)
-    spec = expected_seconds(planner, levels, head_first, draft_prefill.call_s(rows * prompt_len))
-    predicted["spec-strict"] = 1e3 * spec / rows
-    plan = planner.plan(not head_first, levels if not head_first else levels - 1)
-    detail = (f"tree-beam {predicted['tree-beam']:.1f} ms/user, spec-strict {predicted['spec-strict']:.1f} "
-              f"ms/user predicted at batch {rows} (first drafted round: widths {list(plan.widths) or 'none'}, "
-              f"{plan.steps:.2f} levels expected per call)")
-    if spec >= (1.0 - margin) * tree_beam:
-        return replace(plain, reason=f"auto: tree-beam ({detail}; speculation must be predicted {margin:.0%} faster)")
-    options = DecodeOptions(planner=planner)
-    measured = probe(recommender, k, rows, options)
-    detail += (f"; measured on {PROBE_USERS} validation users: tree-beam {measured['tree-beam']:.1f}, spec-strict "
-               f"{measured['spec-strict']:.1f} ms/user")
-    if measured["spec-strict"] < (1.0 - PROBE_MARGIN) * measured["tree-beam"]:
-        return Choice("spec-strict", options, predicted, f"auto: spec-strict with cost-sized trees ({detail})")
-    return replace(plain, reason=f"auto: tree-beam ({detail})")
+        detail = f"no draft loaded; {detail}"
+    else:
+        choices = width_choices(recommender.trie, k)
+        first, later = acceptance_tables(recommender, k, choices, valid_users)
+        first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len)
+        planner = CostPlanner(first, later, target, first_draft, later_draft, k, prompt_len, choices, rows)
+        spec = expected_seconds(planner, levels, head_first, draft_prefill.call_s(rows * prompt_len))
+        predicted["spec-strict"] = 1e3 * spec / rows
+        plan = planner.plan(not head_first, levels if not head_first else levels - 1)
+        detail += (f"; spec-strict {predicted['spec-strict']:.1f} ms/user (first drafted round: widths "
+                   f"{list(plan.widths) or 'none'}, {plan.steps:.2f} levels expected per call)")
+        if spec < (1.0 - margin) * tree_beam:
+            contenders["spec-strict"] = ("spec-strict", DecodeOptions(planner=planner))
+    if not contenders:
+        return Choice("tree-beam", DecodeOptions(), predicted,
+                      f"auto: tree-beam ({detail}; another decoder must be predicted {margin:.0%} faster)")
+    measured = probe(recommender, k, rows, {"tree-beam": ("tree-beam", DecodeOptions()), **contenders})
+    detail += f"; measured on {PROBE_USERS} validation users: " + ", ".join(
+        f"{name} {ms:.1f}" for name, ms in measured.items()) + " ms/user"
+    best = min(contenders, key=lambda name: measured[name])
+    if measured[best] < (1.0 - PROBE_MARGIN) * measured["tree-beam"]:
+        decoder, options = contenders[best]
+        return Choice(decoder, options, predicted, f"auto: {CHOSEN[best]} ({detail})")
+    return Choice("tree-beam", DecodeOptions(), predicted, f"auto: tree-beam ({detail})")
+
+
+def root_fanout(trie: ItemTrie) -> int:
+    """The number of first identifier tokens: the root's children."""
+    return int(trie.children(torch.tensor([trie.root], device=trie.device))[1].sum())
 
 
 def width_choices(trie: ItemTrie, k: int) -> tuple[int, ...]:
     """The widths tried per drafted level: :data:`WIDTH_FACTORS` times ``k``, and the root's
     number of children (a first level of all of them is always accepted: the first beam step then
     costs no call of its own, which pays where the root has few children)."""
-    root_children = int(trie.children(torch.tensor([trie.root], device=trie.device))[1].sum())
+    root_children = root_fanout(trie)
     widths = {max(k, round(f * k)) for f in WIDTH_FACTORS}
     return tuple(sorted(widths | {root_children} if root_children > k else widths))
 
 
-def probe(recommender: Recommender, k: int, batch_size: int, options: DecodeOptions) -> dict[str, float]:
-    """ms per user of ``tree-beam`` and of the planned ``spec-strict`` on the first
-    :data:`PROBE_USERS` validation users: :data:`PROBE_RUNS` runs in which the two take turns batch
-    by batch (:func:`~recspec.turns.take_turns`: a drift of the machine's speed reaches both), the
-    best run of each (the least disturbed by the machine's other work); kept beside the target
-    while target, draft, K, batch size, device and threads match."""
+def probe(recommender: Recommender, k: int, batch_size: int,
+          contenders: dict[str, tuple[str, DecodeOptions]]) -> dict[str, float]:
+    """ms per user of each of ``contenders`` (label: decoder and options; ``tree-beam`` first) on
+    the first :data:`PROBE_USERS` validation users: :data:`PROBE_RUNS` runs in which they take
+    turns batch by batch (:func:`~recspec.turns.take_turns`: a drift of the machine's speed reaches
+    all alike), the best run of each (the least disturbed by the machine's other work); kept beside
+    the target while target, draft, K, batch size, device, threads and contenders match."""
     def measure() -> dict[str, float]:
         examples = recommender.examples("valid", PROBE_USERS)
-        plans = {"tree-beam": DecodeOptions(), "spec-strict": options}
-        runs = {name: (lambda part, name=name: recommender.recommend(part, k, name, batch_size, plans[name]))
-                for name in plans}
+        runs = {label: (lambda part, plan=plan: recommender.recommend(part, k, plan[0], batch_size, plan[1]))
+                for label, plan in contenders.items()}
         seconds, _ = take_turns(runs, user_batches(examples, batch_size), PROBE_RUNS)
-        return {name: 1e3 * min(times) / len(examples) for name, times in seconds.items()}
+        return {label: 1e3 * min(times) / len(examples) for label, times in seconds.items()}
 
     key = {**decoding_key(recommender), "k": k, "batch_size": batch_size, "users": PROBE_USERS,
-           "turns": "batch by batch"}
+           "turns": "batch by batch", "contenders": list(contenders)}
     return kept_record(recommender.folder / f"probe-k{k}-b{batch_size}.json", key, measure)

@@ -222,8 +222,9 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     folder = recommender.folder
     assert (folder / "acceptance-k5.json").is_file() and (folder / "calibration-cpu.json").is_file()
     assert (tmp_path / "head" / "best" / "calibration-cpu.json").is_file()
-    plain = Recommender.load(target_dir).recommend(examples, 5, "auto", batch_size=4)
-    assert plain.choice.startswith("auto: tree-beam (no draft loaded")
+    plain = Recommender.load(target_dir).recommend(examples, 5, "auto", batch_size=4)  # tree-beam, root or not
+    assert plain.choice.startswith("auto: tree-beam") and "(no draft loaded; tree-beam " in plain.choice
+    assert torch.equal(plain.topk.items, beam.topk.items)
 
     spec_items, beam_items = cli_spec_and_beam(target_dir, str(tmp_path / "head"), tmp_path, 5)
     assert spec_items and spec_items == beam_items

@@ -1,7 +1,8 @@
 """`recspec bench auto`: ``--decoder auto`` against every exact decoder it chooses among.
 
 For each (target, draft) pair, K and batch size, on the first ``users`` test users: ``beam``,
-``tree-beam``, ``spec-strict`` (fixed N = 2K, the rest of the identifier per round) and ``auto``
+``tree-beam``, ``tree-beam+root`` (the first identifier level scored in the prompt's call),
+``spec-strict`` (fixed N = 2K, the rest of the identifier per round) and ``auto``
 (its choice made once per cell before timing, from the measurements kept beside the models;
 the time to measure them the first time is reported apart) decode all users, taking turns batch by
 batch in a balanced order (:func:`~recspec.turns.take_turns`: a drift of the machine's speed
@@ -39,6 +40,8 @@ def _cell(recommender: Recommender, k: int, batch: int, users: int,
     runs: dict[str, Callable[[Examples], Decoded]] = {
         "beam": lambda part: recommender.recommend(part, k, "beam", batch),
         "tree-beam": lambda part: recommender.recommend(part, k, "tree-beam", batch),
+        "tree-beam+root": lambda part: recommender.recommend(part, k, "tree-beam", batch,
+                                                             DecodeOptions(expand_root=True)),
         "spec-strict": lambda part: recommender.recommend(part, k, "spec-strict", batch,
                                                           DecodeOptions(draft_beams=2 * k)),
         "auto": lambda part: recommender.recommend(part, k, choice.decoder, batch, choice.options),
@@ -73,10 +76,11 @@ def run(out: Path, pairs: Sequence[tuple[Path, Path]], ks: Sequence[int] = (1, 5
         f"(decoders take turns batch by batch, in a balanced order); spec-strict at "
         f"N = 2K; auto's choice is made once per cell before timing (choose s: measuring costs and acceptance "
         f"the first time, then read back). torch threads: {torch.get_num_threads()}.",
-        markdown_table(["target", "K", "batch", "users", "beam ms/user", "tree-beam", "spec-strict N=2K", "auto", "best",
-                        "auto / best", "same as beam", "choose s", "auto's choice"],
+        markdown_table(["target", "K", "batch", "users", "beam ms/user", "tree-beam", "tree-beam+root",
+                        "spec-strict N=2K", "auto", "best", "auto / best", "same as beam", "choose s", "auto's choice"],
                        [[r["target"], r["k"], r["batch"], r["users"], r["ms_per_user"]["beam"], r["ms_per_user"]["tree-beam"],
-                         r["ms_per_user"]["spec-strict"], r["ms_per_user"]["auto"], r["best"],
+                         r["ms_per_user"]["tree-beam+root"], r["ms_per_user"]["spec-strict"], r["ms_per_user"]["auto"],
+                         r["best"],
                          f"{r['auto_vs_best']:.2f}x", r["same_as_beam"], r["choose_s"], r["choice"]]
                         for r in rows])])
     write_results(out, name, {"users": users, "repeats": repeats, "rows": rows}, markdown)
