@@ -153,9 +153,7 @@ def root_prefill(model, prompts: Prompts, trie: ItemTrie, k: int) -> tuple[torch
     batch = prompts.input_ids.shape[0]
     tokens, real = trie.children(torch.tensor([trie.root], device=trie.device))
     tokens = tokens[:, real[0]].expand(batch, -1)  # [B, F]
-    fanout = tokens.shape[1]
-    seen = prompts.attention_mask.bool()[:, None, :].expand(batch, fanout, -1)
-    visible = torch.cat((seen, torch.eye(fanout, dtype=torch.bool, device=seen.device).expand(batch, -1, -1)), dim=2)
+    visible = child_rows(prompts.attention_mask.bool()[:, None, :], torch.zeros_like(tokens))  # prompt, self
     positions = tree_position_ids(prompts.lengths, torch.zeros_like(tokens))
     log_probs, cache = prefill_tree(model, prompts, tokens, visible, positions)
     return log_probs[:, :1], RootTreeCache(model, prompts, k, cache, log_probs[:, 1:])
