@@ -183,7 +183,8 @@ def check_exact_sampling(recommender: Recommender) -> None:
     both (K = 5, T = 1, distinct items), drafted by the unfitted root prior (level 1 is every root
     child, so every user's first step is accepted) and by the draft model; the items returned
     follow the same distribution (chi-square test of homogeneity over the items, the rare ones
-    pooled; within-user draws without replacement make it conservative)."""
+    pooled; within-user draws without replacement make it conservative), and where the users leave
+    every round together (the root prior) even the draws are the same for the same seed."""
     from scipy.stats import chi2_contingency
 
     from recspec.decoding.beam_search import sampling_beam_search
@@ -203,6 +204,15 @@ def check_exact_sampling(recommender: Recommender) -> None:
             if name == "root":  # the first call scores level 1 whole: a call fewer than beam sampling
                 assert (result.stats.target_calls < trie.depth).all()
             counts[name] += torch.bincount(result.topk.items.flatten(), minlength=trie.num_items)
+    # With the root prior every user's round ends at the same step, so the sampler consumes the
+    # generator as beam sampling does: the same seed gives the same draws; so does beam sampling with
+    # the first level scored in the prompt's call (up to float noise at near-ties: 99% of users)
+    own = sampling_beam_search(recommender.model, prompts, trie, k, pad, 1.0, 7, False, 64)
+    root = sampling_beam_search(recommender.model, prompts, trie, k, pad, 1.0, 7, False, 64, root=True)
+    spec = speculative_beam_search(recommender.model, uniform_prior(trie), prompts, trie, k, pad,
+                                   SpecConfig(verify="sample", draft_beams=256, gamma=1, seed=7), batch_size=64).topk
+    for other in (root, spec):
+        assert float((other.items == own.items).all(dim=1).float().mean()) >= 0.99
     for name in ("root", "draft"):
         table = torch.stack((counts["beam-sample"], counts[name]))
         common = table.sum(dim=0) >= 10
