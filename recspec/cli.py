@@ -1026,8 +1026,9 @@ def bench_compare(
     draft: Annotated[Optional[Path], typer.Option(help="Its draft (a model, a head, or MODEL+HEAD), for the "
                                                        "speculative decoders and auto.")] = None,
     decoder: Annotated[list[str], typer.Option(help="Decoders side by side (repeatable; the first is the reference "
-                                                    "of the speed-ups).")] = ["beam", "tree-beam", "spec-strict",
-                                                                               "auto"],
+                                                    "of the speed-ups; NAME+root: tree-beam or beam-sample "
+                                                    "with --expand-root).")] = ["beam", "tree-beam", "tree-beam+root",
+                                                                                "spec-strict", "auto"],
     k: Annotated[int, typer.Option(help="Items per user.")] = 10,
     batch_size: Annotated[int, typer.Option(help="Users per batch.")] = 1,
     users: Annotated[int, typer.Option(help="Test users.")] = 200,

@@ -250,13 +250,14 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
                       "--users", "6", "--repeats", "2", "--out", str(tmp_path / "bench"))  # what `make demo` prints
     assert compare.returncode == 0, compare.stderr
     result = json.loads((tmp_path / "bench" / "compare.json").read_text())
-    assert [r["decoder"] for r in result["rows"]] == ["beam", "tree-beam", "spec-strict", "auto"]
+    assert [r["decoder"] for r in result["rows"]] == ["beam", "tree-beam", "tree-beam+root", "spec-strict", "auto"]
     assert all(r["same_items"] and len(r["runs_s"]) == 2 and r["users_per_s"] > 0 for r in result["rows"])
     assert result["rows"][0]["speedup"] == 1.0 and result["auto_choice"].startswith("auto: ")
     assert "| auto |" in compare.stdout and "Fastest: " in compare.stdout
-    unknown = recspec("bench", "compare", "--target", str(target_dir), "--decoder", "beam", "--decoder", "fast",
-                      "--out", str(tmp_path / "bench"))
-    assert unknown.returncode == 2 and "unknown: fast" in unknown.stderr
+    for bad in ("fast", "beam+root"):
+        unknown = recspec("bench", "compare", "--target", str(target_dir), "--decoder", "beam", "--decoder", bad,
+                          "--out", str(tmp_path / "bench"))
+        assert unknown.returncode == 2 and f"unknown: {bad}" in unknown.stderr
     coverage = recspec("bench", "coverage", "--target", str(target_dir), "--draft", str(target_dir), "--k", "5",
                        "--factor", "1", "--users", "8", "--out", str(tmp_path / "bench"))
     assert coverage.returncode == 0, coverage.stderr

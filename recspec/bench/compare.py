@@ -29,11 +29,11 @@ from recspec.auto import choose
 from recspec.bench.decode import same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.errors import RecspecError
-from recspec.recommend import DECODERS, DecodeOptions, Decoded, Recommender
+from recspec.recommend import DECODERS, ROOT_EXPANDING, DecodeOptions, Decoded, Recommender
 from recspec.turns import take_turns, user_batches
 
 #: What `make demo` compares: plain beam search first (every speed-up's reference).
-DEMO_DECODERS = ("beam", "tree-beam", "spec-strict", "auto")
+DEMO_DECODERS = ("beam", "tree-beam", "tree-beam+root", "spec-strict", "auto")
 #: Exact decoders: their items must equal the reference's.
 EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 #: A decoder named with this suffix (``tree-beam+root``) runs with ``expand_root``.
@@ -51,9 +51,11 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     """Compare ``decoders`` (the first is the reference) on the first ``users`` test users of
     ``target`` (with ``draft`` for the speculative ones and ``auto``); write ``{name}.json`` /
     ``.md`` into ``out`` and return the Markdown."""
-    unknown = [d for d in decoders if d.removesuffix(ROOT_SUFFIX) not in DECODERS]
+    unknown = [d for d in decoders if d.removesuffix(ROOT_SUFFIX) not in DECODERS
+               or d.endswith(ROOT_SUFFIX) and d.removesuffix(ROOT_SUFFIX) not in ROOT_EXPANDING]
     if unknown or len(set(decoders)) != len(decoders) or len(decoders) < 2:
-        raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)}"
+        raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)} (or "
+                           f"{' / '.join(name + ROOT_SUFFIX for name in ROOT_EXPANDING)})"
                            + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
     if min(k, batch_size, users, repeats) < 1:
         raise RecspecError("--k, --batch-size, --users and --repeats must be positive")
