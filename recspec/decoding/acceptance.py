@@ -156,7 +156,6 @@ class RelaxedSampler:
         return picks.gather(1, rank)
 
 
-
 @dataclass(frozen=True)
 class CoverSampler:
     """Exact sampling verification over a top-``N`` tree (``spec-beam-sample``).
@@ -170,8 +169,9 @@ class CoverSampler:
 
     Every step is an exact draw from the target's step distribution given the beams before it,
     with and without replacement, whatever the draft: the search samples exactly what
-    ``beam-sample`` samples (a different random stream: the draws are the same in law, not
-    one by one). Against Alg. 2 (:class:`RelaxedSampler`) this is exact where Alg. 2 approximates
+    ``beam-sample`` samples. The draws are the same in law; where every user's round ends at the
+    same step (e.g. drafted by ``root``) the generator is consumed as ``beam-sample`` consumes it,
+    and for the same seed they are the same draws. Against Alg. 2 (:class:`RelaxedSampler`) this is exact where Alg. 2 approximates
     (distinct beams), and it accepts a step with probability ``P(all K draws land in the N drafted
     nodes)``, which grows with ``N``: Alg. 2 verifies only ``K`` drafted sequences, each accepted
     with ``min(1, p / q)``, so a whole step passes with about ``(1 - TV(p, q))^K``.
@@ -191,6 +191,7 @@ class CoverSampler:
         new = sample_step(current, step_log_p, trie, k, self.warp, self.generator, self.replacement)
         accepted, fed = strict_accepted(new, where, drafted, parent_offset, level_offset)
         return new, accepted, fed
+
 
 def _in_layout(proposal: torch.Tensor, choice: torch.Tensor, beams: int,
                fanout: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,9 @@ One round, for every user of the batch at once (users may be at different depths
 3. **Verify** (:class:`~recspec.decoding.verifiers.StepVerifier`), step by step from level 0:
    the target's own beam-search step (strict) or sampling step (relaxed, exact sampling) over the
    children of its current beams; the step is accepted when all ``K`` new beams are drafted nodes
-   (atspeed.txt Alg. 1; Alg. 2 accepts each drafted sequence with ``min(1, p / q)``); a user's round ends at its first rejected step (the correction), after the
-   bonus step, or when its identifiers are complete.
+   (atspeed.txt Alg. 1; Alg. 2 accepts each drafted sequence with ``min(1, p / q)``); a user's
+   round ends at its first rejected step (the correction), after the bonus step, or when its
+   identifiers are complete.
 4. **Compact**: both caches keep the prompt and the ancestors of the new beams, nothing else
    (one gather per layer); users whose beams are complete leave the batch.
 
@@ -57,6 +58,8 @@ from recspec.itemids.trie import ItemTrie
 from recspec.models.head import HeadDraft
 
 VERIFICATIONS = ("strict", "relaxed", "sample")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """``draft_beams``: N, drafted sequences per level (strict); ``gamma``: drafted levels per
