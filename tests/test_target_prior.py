@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from recspec.auto import root_fanout
 from recspec.decoding.target_prior import (PRIOR_WEIGHTS, TargetPrior, TargetPriorDraft, empty_weights, fit_prior,
                                            load_prior)
 from recspec.errors import RecspecError
@@ -119,7 +120,7 @@ def test_strict_search_with_the_prior_returns_tree_beams_items(target: Recommend
         if n == 40:
             assert float(decoded.stats.accepted_steps.sum()) > 0
     trie = recommender.trie
-    fanout = int(trie.children(torch.tensor([trie.root]))[1].sum())
+    fanout = root_fanout(trie)
 
     def root_only(first: bool, remaining: int) -> tuple[int, ...]:  # the root's children, nothing later
         return (fanout + 5,) if first else ()

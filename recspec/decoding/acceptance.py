@@ -5,10 +5,10 @@ tree are in :mod:`recspec.decoding.verifiers`; the chain loop applies :func:`ver
 **Trees of beams.** Strict top-K verification (atspeed.txt Alg. 1) needs only
 :func:`match_drafted`: the target's own beam-search step is computed from the scored tree, and the
 step is accepted when each of its ``K`` new beams is a drafted node. Relaxed sampling verification
-(Alg. 2) is :class:`RelaxedSampler`; :class:`CoverSampler` is the exact alternative
-for sampling over a top-``N`` tree (the target's own sampling step, accepted when its draws were
-drafted). DSBD's layer verification (dsbd.txt Alg. 1, lines 13-31) is
-:func:`verify_layer`, with the residual chain (Eq. 4), the distribution of the number of
+(Alg. 2) is :class:`RelaxedSampler`. Exact sampling over a top-``N`` tree is strict's rule with
+the target's own sampling step in place of its beam-search step (see
+:class:`~recspec.decoding.verifiers.StepVerifier`). DSBD's layer verification (dsbd.txt Alg. 1,
+lines 13-31) is :func:`verify_layer`, with the residual chain (Eq. 4), the distribution of the number of
 acceptances (Eq. 2-3) and the dynamic width (Eq. 5-7) it rests on.
 
 **Chains of tokens.** Speculative sampling (speculative_decoding.txt Alg. 1, sections 3.1-3.5,
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.beams import Beams, candidates, draw, sample_step
+from recspec.decoding.beams import Beams, candidates, draw
 from recspec.decoding.categorical import categorical, or_uniform
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.warp import Warp
@@ -109,14 +109,11 @@ class RelaxedSampler:
     replacement: bool = False
 
     def verify(self, current: Beams, where: torch.Tensor, step_log_p: torch.Tensor, drafted: Level | None,
-               parent_offset: int, level_offset: int, trie: ItemTrie,
-               k: int) -> tuple[Beams, torch.Tensor, torch.Tensor]:
+               level_offset: int, trie: ItemTrie, k: int) -> tuple[Beams, torch.Tensor, torch.Tensor]:
         """One step of the target from its beams ``current`` (fed at ``where``, log-probs
         ``step_log_p`` ``[B, S, V]``) against the drafted level (None: nothing drafted, a plain
-        sampling step), whose nodes are fed from ``level_offset`` on (its parents' level from
-        ``parent_offset``: unused here, the drafted choices are slot-aligned). Returns the new
-        beams, whether the step was accepted ``[B]``, and the fed index of each new beam when it
-        was."""
+        sampling step). Returns the new beams, whether the step was accepted ``[B]``, and the fed
+        index of each new beam when it was (the drafted nodes, from ``level_offset``)."""
         # as many candidates as draws: the target's k, and the drafted ones (so that both layouts
         # pad a narrow trie level alike, :func:`_in_layout`)
         step = candidates(current, step_log_p, trie, self.warp, max(k, 0 if drafted is None else drafted.choice.shape[1]))
@@ -154,43 +151,6 @@ class RelaxedSampler:
         picks = keys.topk(k, dim=1).indices  # residual draws first, in order, then the fallback
         rank = ((~accept).long().cumsum(dim=1) - 1).clamp_(min=0)  # i-th rejected slot takes pick i
         return picks.gather(1, rank)
-
-
-@dataclass(frozen=True)
-class CoverSampler:
-    """Exact sampling verification over a top-``N`` tree (``spec-beam-sample``).
-
-    The step's beams are the target's own and were fed, so its beam-sampling distribution
-    ``p_beam`` over their children is known exactly from the scored tree: the step *is* the
-    target's sampling step (:func:`~recspec.decoding.beams.sample_step`, the one ``beam-sample``
-    takes). What the draft decides is only how far a round gets: the step is accepted when all
-    ``K`` sampled beams are drafted nodes (:func:`strict_accepted`), since only then were their
-    children scored and the next step can be taken without another call.
-
-    Every step is an exact draw from the target's step distribution given the beams before it,
-    with and without replacement, whatever the draft: the search samples exactly what
-    ``beam-sample`` samples. The draws are the same in law; where every user's round ends at the
-    same step (e.g. drafted by ``root``) the generator is consumed as ``beam-sample`` consumes it,
-    and for the same seed they are the same draws. Against Alg. 2 (:class:`RelaxedSampler`) this is exact where Alg. 2 approximates
-    (distinct beams), and it accepts a step with probability ``P(all K draws land in the N drafted
-    nodes)``, which grows with ``N``: Alg. 2 verifies only ``K`` drafted sequences, each accepted
-    with ``min(1, p / q)``, so a whole step passes with about ``(1 - TV(p, q))^K``.
-    """
-
-    warp: Warp
-    generator: torch.Generator
-    replacement: bool = False
-
-    def verify(self, current: Beams, where: torch.Tensor, step_log_p: torch.Tensor, drafted: Level | None,
-               parent_offset: int, level_offset: int, trie: ItemTrie,
-               k: int) -> tuple[Beams, torch.Tensor, torch.Tensor]:
-        """As :meth:`RelaxedSampler.verify`: the target's sampling step from ``current`` (fed at
-        ``where`` ``[B, S]``, log-probs ``step_log_p`` ``[B, S, V]``), accepted ``[B]`` where every
-        new beam is a node of ``drafted`` (fed from ``level_offset``, its parents from
-        ``parent_offset``), and each new beam's fed index ``[B, K]``."""
-        new = sample_step(current, step_log_p, trie, k, self.warp, self.generator, self.replacement)
-        accepted, fed = strict_accepted(new, where, drafted, parent_offset, level_offset)
-        return new, accepted, fed
 
 
 def _in_layout(proposal: torch.Tensor, choice: torch.Tensor, beams: int,

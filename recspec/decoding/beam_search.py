@@ -45,7 +45,7 @@ from functools import partial
 
 import torch
 
-from recspec.decoding.beams import Beams, TopK, best_first, sample_step, select_top_k
+from recspec.decoding.beams import Beams, TopK, best_first, sampling_select, select_top_k
 from recspec.decoding.cache import require_full_attention, select_rows
 from recspec.decoding.prompts import Prompts, decode_in_batches
 from recspec.decoding.scorer import forward_visible, next_log_probs, prefill, prefill_tree
@@ -238,10 +238,7 @@ def sampling_beam_search(
     log-probability); ``seed`` fixes the draws."""
     warp = Warp(temperature)
     warp.check()
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-
-    def select(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) -> Beams:
-        return sample_step(beams, log_probs, trie, k, warp, generator, replacement)
+    select = sampling_select(warp, torch.Generator(device=model.device).manual_seed(seed), replacement)
 
     def decode(model, prompts: Prompts, trie: ItemTrie, k: int) -> TopK:
         return best_first(beam_decode(TreeCache, model, prompts, trie, k, select, root))

@@ -30,8 +30,8 @@ With strict verification the result equals :func:`~recspec.decoding.beam_search.
 items, order and scores, up to float noise in near-ties: :attr:`TopK.margin`). With exact sampling
 verification (``verify="sample"``, the decoder ``spec-beam-sample``) it follows the distribution of
 :func:`~recspec.decoding.beam_search.sampling_beam_search` exactly, with and without replacement
-(:class:`~recspec.decoding.acceptance.CoverSampler`); relaxed verification (Alg. 2) is exact with
-replacement and approximate without.
+(:class:`~recspec.decoding.verifiers.StepVerifier` with the sampling step); relaxed verification
+(Alg. 2) is exact with replacement and approximate without.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from recspec.decoding.acceptance import CoverSampler, RelaxedSampler
-from recspec.decoding.beams import TopK, best_first
+from recspec.decoding.acceptance import RelaxedSampler
+from recspec.decoding.beams import TopK, best_first, sampling_select
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.drafters import SampledDrafter, TopNDrafter
 from recspec.decoding.frontier import Frontier
@@ -67,7 +67,7 @@ class SpecConfig:
     ``"sample"``; ``temperature``, ``seed`` and ``replacement``: of the sampling verifications, see
     :class:`~recspec.decoding.acceptance.RelaxedSampler` (relaxed drafts K sequences per level, as
     atspeed.txt Alg. 2; ``draft_beams`` is strict's and exact sampling's) and
-    :class:`~recspec.decoding.acceptance.CoverSampler`; ``planner``: strict rounds sized by cost
+    :class:`~recspec.decoding.verifiers.StepVerifier`; ``planner``: strict rounds sized by cost
     (:class:`~recspec.decoding.tree_plan.CostPlanner`: levels and widths per round) instead of
     ``draft_beams`` and ``gamma``."""
 
@@ -107,13 +107,13 @@ def atspeed_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
     batch, device = len(prompts.lengths), prompts.input_ids.device
     warp = Warp(config.temperature)
     if config.verify == "strict":
-        drafter, sampler = TopNDrafter(trie, config.draft_beams, config.planner), None
+        drafter, verifier = TopNDrafter(trie, config.draft_beams, config.planner), StepVerifier(trie, k)
     elif config.verify == "sample":  # the top N, the target's own draws accepted where drafted
         drafter = TopNDrafter(trie, config.draft_beams, config.planner)
-        sampler = CoverSampler(warp, generator, config.replacement)
+        verifier = StepVerifier(trie, k, select=sampling_select(warp, generator, config.replacement))
     else:  # relaxed: K sequences per level from the draft's q_beam, verified by Alg. 2
         drafter = SampledDrafter(trie, warp, k, generator, config.replacement)
-        sampler = RelaxedSampler(warp, generator, config.replacement)
+        verifier = StepVerifier(trie, k, RelaxedSampler(warp, generator, config.replacement))
     out = TopK(items=torch.full((batch, k), -1, dtype=torch.int64, device=device),
                scores=torch.full((batch, k), -torch.inf, device=device),
                tokens=torch.zeros(batch, k, trie.depth, dtype=torch.int64, device=device),
@@ -124,8 +124,8 @@ def atspeed_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
         out.scores[rows], out.tokens[rows], out.margin[rows] = front.beams.scores, front.paths, front.beams.margin
 
     stats = SpecStats.zeros(batch)
-    run_rounds(target, draft, prompts, trie, config.gamma, drafter, StepVerifier(trie, k, sampler), stats, finish)
-    return SpecResult(out if sampler is None else best_first(out), stats)
+    run_rounds(target, draft, prompts, trie, config.gamma, drafter, verifier, stats, finish)
+    return SpecResult(out if config.verify == "strict" else best_first(out), stats)  # draws come in draw order
 
 
 def speculative_beam_search(

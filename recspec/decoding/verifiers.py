@@ -4,13 +4,13 @@ rules of :mod:`recspec.decoding.acceptance`.
 
 * :class:`StepVerifier`: AtSpeed, step by step from level 0 (atspeed.txt Alg. 1 / Alg. 2): the
   target's own beam-search step (strict: :func:`~recspec.decoding.beams.select_top_k`, so ties
-  break exactly as in ``beam``) or sampling step (relaxed: :class:`~recspec.decoding.acceptance.
-  RelaxedSampler`; exact sampling: :class:`~recspec.decoding.acceptance.CoverSampler`) over the
-  children of its current beams, whose log-probs are in the scored tree; the step is accepted
-  when all ``K`` new beams are drafted nodes. A user's round ends at
-  its first rejected step (whose beams are the target's own, computed from the scored tree: the
-  correction), after the step that follows the last drafted level (the bonus), or when its
-  identifiers are complete.
+  break exactly as in ``beam``; exact sampling: the sampling step ``beam-sample`` takes) or
+  relaxed sampling step (:class:`~recspec.decoding.acceptance.RelaxedSampler`) over the children
+  of its current beams, whose log-probs are in the scored tree; the step is accepted when all
+  ``K`` new beams are drafted nodes (relaxed: when Alg. 2 keeps all ``K`` drafts). A user's
+  round ends at its first rejected step (whose beams are the target's own, computed from the
+  scored tree: the correction), after the step that follows the last drafted level (the bonus),
+  or when its identifiers are complete.
 * :class:`ForestVerifier`: DSBD, layer by layer over the accepted beams (dsbd.txt Alg. 1, see
   :mod:`recspec.decoding.dsbd`), with the dynamic width and, between rounds, the live beams only
   (or the best one in the one-KV-cache mode).
@@ -18,11 +18,12 @@ rules of :mod:`recspec.decoding.acceptance`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from recspec.decoding.acceptance import (CoverSampler, RelaxedSampler, acceptance_counts, layer_widths, residual_chain,
+from recspec.decoding.acceptance import (RelaxedSampler, acceptance_counts, layer_widths, residual_chain,
                                          strict_accepted, verify_layer)
 from recspec.decoding.beams import Beams, Candidates, Ends, candidates, possible, select_top_k
 from recspec.decoding.categorical import categorical, or_uniform
@@ -37,22 +38,24 @@ from recspec.itemids.trie import ItemTrie
 
 @dataclass(frozen=True)
 class StepVerifier:
-    """AtSpeed's verification of ``k`` beams over ``trie``: strict (``sampler`` None), relaxed
-    (:class:`~recspec.decoding.acceptance.RelaxedSampler`) or exact sampling over a top-N tree
-    (:class:`~recspec.decoding.acceptance.CoverSampler`)."""
+    """AtSpeed's verification of ``k`` beams over ``trie``: with ``sampler`` None, the target's own
+    step ``select`` (the beam-search step for strict verification; :func:`~recspec.decoding.beams.
+    sampling_select` for exact sampling over a top-N tree, which then draws exactly what
+    ``beam-sample`` draws), accepted when its beams are drafted nodes; else relaxed
+    (:class:`~recspec.decoding.acceptance.RelaxedSampler`)."""
 
     trie: ItemTrie
     k: int
-    sampler: RelaxedSampler | CoverSampler | None = None
+    sampler: RelaxedSampler | None = None
+    select: Callable[[Beams, torch.Tensor, ItemTrie, int], Beams] = select_top_k
 
     def _step(self, current: Beams, where: torch.Tensor, step_log_p: torch.Tensor, drafted: Level | None,
               offsets: list[int], j: int) -> tuple[Beams, torch.Tensor, torch.Tensor]:
         if self.sampler is None:
-            new = select_top_k(current, step_log_p, self.trie, self.k)
+            new = self.select(current, step_log_p, self.trie, self.k)
             ok, next_where = strict_accepted(new, where, drafted, offsets[j - 1], offsets[j])
             return new, ok, next_where
-        return self.sampler.verify(current, where, step_log_p, drafted, offsets[j - 1], offsets[j], self.trie,
-                                   self.k)
+        return self.sampler.verify(current, where, step_log_p, drafted, offsets[j], self.trie, self.k)
 
     def verify(self, front: Frontier, levels: list[Level], log_p: torch.Tensor) -> RoundOutcome:
         """Steps ``j = 1, 2, ...`` of the target over the scored tree until each user's round ends;
