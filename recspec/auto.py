@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from recspec.calibration import (acceptance_tables, call_cost, decoding_key, draft_costs, kept_record,
                                  median_prompt_length)
 from recspec.decoding.tree_plan import CostPlanner
@@ -89,7 +87,7 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     predicted = {"tree-beam": 1e3 * tree_beam / rows}
     contenders: dict[str, tuple[str, DecodeOptions]] = {}
     if levels >= 2:  # the first level scored in the prompt's call: one call fewer, F - K more nodes
-        fanout = root_fanout(recommender.trie)
+        fanout = len(recommender.trie.first_tokens())
         root = target.call_s(rows * (prompt_len + fanout)) + (levels - 2) * target.call_s(rows * k)
         predicted[ROOT_LABEL] = 1e3 * root / rows
         if root < (1.0 - margin) * tree_beam:
@@ -122,16 +120,11 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     return Choice("tree-beam", DecodeOptions(), predicted, f"auto: tree-beam ({detail})")
 
 
-def root_fanout(trie: ItemTrie) -> int:
-    """The number of first identifier tokens: the root's children."""
-    return int(trie.children(torch.tensor([trie.root], device=trie.device))[1].sum())
-
-
 def width_choices(trie: ItemTrie, k: int) -> tuple[int, ...]:
     """The widths tried per drafted level: :data:`WIDTH_FACTORS` times ``k``, and the root's
     number of children (a first level of all of them is always accepted: the first beam step then
     costs no call of its own, which pays where the root has few children)."""
-    root_children = root_fanout(trie)
+    root_children = len(trie.first_tokens())
     widths = {max(k, round(f * k)) for f in WIDTH_FACTORS}
     return tuple(sorted(widths | {root_children} if root_children > k else widths))
 

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
+from recspec.decoding.beam_search import beam_steps, root_prefill
 from recspec.decoding.beams import Beams, select_top_k
 from recspec.decoding.prompts import left_pad
 from recspec.decoding.cache import drop_tail, gather_positions, require_full_attention, select_rows
@@ -236,6 +237,21 @@ def test_scores_are_sums_of_log_probs(setup) -> None:
             expected = log_probs.gather(2, result.tokens[b][:, :, None]).sum(dim=(1, 2))
             torch.testing.assert_close(result.scores[b], expected, atol=SCORE_ATOL, rtol=0,
                                        msg=f"{name}, user {b}")
+
+
+def test_root_level_lets_the_children_log_probs_go_after_the_first_step(setup) -> None:
+    """The prefill's ``[B, F, V]`` log-probs after the root's children are read by the first step
+    only: the state lets them go there, and reading them twice is refused."""
+    batch = left_pad(setup.prompts, PAD, torch.device("cpu"))
+    with torch.no_grad():
+        log_probs, state = root_prefill(setup.model, batch, setup.trie, 5)
+        assert state.child_log_probs is not None
+        assert state.child_log_probs.shape[:2] == (len(setup.prompts), len(setup.trie.first_tokens()))
+        beams = beam_steps(log_probs, state, setup.trie, 5)
+    assert state.child_log_probs is None
+    assert beams.tokens.shape[2] == setup.trie.depth
+    with pytest.raises(AssertionError, match="once"):
+        state.extend(beams, 0)
 
 
 def test_k_equals_number_of_items(small) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from recspec.auto import root_fanout
 from recspec.decoding.target_prior import (PRIOR_WEIGHTS, TargetPrior, TargetPriorDraft, empty_weights, fit_prior,
                                            load_prior)
 from recspec.errors import RecspecError
@@ -80,13 +79,12 @@ def test_the_draft_is_the_mean_conditional_and_uniform_where_nothing_was_fitted(
     trie = target.trie
     empty = TargetPriorDraft(TargetPrior(empty_weights(trie).float(), trie))
     weights = empty_weights(trie)
-    first, real = trie.children(torch.tensor([trie.root]))
-    children = trie.step(torch.full_like(first[0], trie.root), first[0])[real[0]]
+    tokens = trie.first_tokens()
+    children = trie.step(torch.full_like(tokens, trie.root), tokens)
     weights[children[:3]] += torch.tensor([3.0, 1.0, 0.0], dtype=torch.float64)
     fitted = TargetPriorDraft(TargetPrior(weights.float(), trie))
     for draft, expect in ((empty, None), (fitted, weights[children] / weights[children].sum())):
         log_q = draft_log_q(draft, trie.root)
-        tokens = first[0][real[0]]
         shares = log_q[tokens].exp()
         if expect is None:
             torch.testing.assert_close(shares, torch.full_like(shares, 1 / len(tokens)))
@@ -120,7 +118,7 @@ def test_strict_search_with_the_prior_returns_tree_beams_items(target: Recommend
         if n == 40:
             assert float(decoded.stats.accepted_steps.sum()) > 0
     trie = recommender.trie
-    fanout = root_fanout(trie)
+    fanout = len(trie.first_tokens())
 
     def root_only(first: bool, remaining: int) -> tuple[int, ...]:  # the root's children, nothing later
         return (fanout + 5,) if first else ()
@@ -150,9 +148,9 @@ def test_the_root_draft_takes_level_one_with_the_prompt(target: Recommender, tra
     assert isinstance(recommender.draft, TargetPrior) and recommender.draft_names == ["root"]
     assert Recommender.load(trained_models / "target", draft_dir="root").draft_names == ["root"]
     trie = recommender.trie
-    tokens, real = trie.children(torch.tensor([trie.root]))
-    fanout = int(real.sum())
-    shares = draft_log_q(TargetPriorDraft(recommender.draft), trie.root)[tokens[0][real[0]]].exp()
+    tokens = trie.first_tokens()
+    fanout = len(tokens)
+    shares = draft_log_q(TargetPriorDraft(recommender.draft), trie.root)[tokens].exp()
     torch.testing.assert_close(shares, torch.full_like(shares, 1 / fanout))
 
     def root_only(first: bool, remaining: int) -> tuple[int, ...]:

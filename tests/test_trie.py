@@ -232,6 +232,10 @@ def test_masks_and_children_match_brute_force(data: st.DataObject, case) -> None
         assert tokens.shape[1] == max(map(len, allowed))
         assert [row[mask].tolist() for row, mask in zip(tokens, is_real)] == allowed
         assert (tokens[~is_real] == 0).all()
+    first = sorted(next_tokens(idents, ()))
+    assert trie.first_tokens().tolist() == first
+    assert trie.step(torch.full((len(first),), trie.root), trie.first_tokens()).tolist() == list(
+        range(1, len(first) + 1))  # the root's children are nodes 1..F, in token order
 
 
 @settings(max_examples=60, deadline=None)

@@ -61,8 +61,7 @@ class LevelTwo:
 def first_levels(trie, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The trie's first two levels: the root's child tokens int64 ``[C1]``, and each one's child
     tokens int64 ``[C1, C]`` with their real flags bool ``[C1, C]``."""
-    first, real = trie.children(torch.tensor([trie.root], device=device))
-    first = first[0][real[0]]
+    first = trie.first_tokens().to(device)
     return (first, *trie.children(trie.step(torch.full_like(first, trie.root), first)))
 
 

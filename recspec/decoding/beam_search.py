@@ -129,30 +129,33 @@ class RootTreeCache(TreeCache):
 
     def __init__(self, model, prompts: Prompts, k: int, cache, child_log_probs: torch.Tensor) -> None:
         """``cache``: the prefill's cache, the prompts' columns then the ``F`` children's;
-        ``child_log_probs``: float32 ``[B, F, V]``, the log-probs after each child."""
+        ``child_log_probs``: float32 ``[B, F, V]``, the log-probs after each child, kept until the
+        first step has read its beams' (``B * F * V`` floats: 290 MB for 16 users, 91 children and
+        an LLM's 49,152 tokens)."""
         super().__init__(model, prompts, k, cache)
-        self.child_log_probs = child_log_probs
+        self.child_log_probs: torch.Tensor | None = child_log_probs
 
     def extend(self, beams: Beams, depth: int) -> torch.Tensor:
         """As :meth:`TreeCache.extend`; at depth 0 the beams' children were scored in the
-        prefill: their log-probs ``[B, K, V]`` are gathered, and each beam sees the prompt and its
-        own node there."""
+        prefill: their log-probs ``[B, K, V]`` are gathered (the rest are let go), and each beam
+        sees the prompt and its own node there."""
         if depth > 0:
             return super().extend(beams, depth)
+        children, self.child_log_probs = self.child_log_probs, None
+        assert children is not None, "the first step reads the root's children once"
         batch, k = beams.nodes.shape
-        fanout, vocab = self.child_log_probs.shape[1:]
+        fanout, vocab = children.shape[1:]
         column = (beams.nodes - 1).clamp_(0, fanout - 1)  # depth-1 trie nodes are 1..F, in token order
         own = torch.nn.functional.one_hot(column, fanout).bool()  # [B, K, F]
         self.rows = torch.cat((self.rows.expand(batch, k, -1), own), dim=2)
-        return self.child_log_probs.gather(1, column[:, :, None].expand(batch, k, vocab))
+        return children.gather(1, column[:, :, None].expand(batch, k, vocab))
 
 
 def root_prefill(model, prompts: Prompts, trie: ItemTrie, k: int) -> tuple[torch.Tensor, RootTreeCache]:
     """The prompts and the root's ``F`` children in one call: the first step's log-probs
     ``[B, 1, V]`` and the :class:`RootTreeCache` that holds the children's."""
     batch = prompts.input_ids.shape[0]
-    tokens, real = trie.children(torch.tensor([trie.root], device=trie.device))
-    tokens = tokens[:, real[0]].expand(batch, -1)  # [B, F]
+    tokens = trie.first_tokens()[None].expand(batch, -1)  # [B, F]
     visible = child_rows(prompts.attention_mask.bool()[:, None, :], torch.zeros_like(tokens))  # prompt, self
     positions = tree_position_ids(prompts.lengths, torch.zeros_like(tokens))
     log_probs, cache = prefill_tree(model, prompts, tokens, visible, positions)

@@ -199,6 +199,12 @@ class ItemTrie:
         fill.masked_fill_(~has_children, lowest)  # rows without children rewrite ``lowest``
         return mask.scatter_(1, columns, fill[:, None].expand_as(columns))
 
+    def first_tokens(self) -> torch.Tensor:
+        """The first identifier tokens, the root's children: int64 ``[F]``, in increasing order
+        (trie nodes ``1..F``, see the module doc)."""
+        tokens, real = self.children(torch.tensor([self.root], device=self.device))
+        return tokens[0][real[0]]
+
     def children(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Valid next tokens of each node, padded to ``C`` = the most children among ``nodes``.
 
