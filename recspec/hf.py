@@ -196,13 +196,15 @@ class TrieBeamSearch:
 
 def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decoder: str = "auto",
                      end_with_eos: bool = False, draft_beams: int = 40, batch_size: int | None = None,
-                     draft_tokenizer=None) -> TrieBeamSearch:
+                     draft_tokenizer=None, expand_root: bool = False) -> TrieBeamSearch:
     """A ``custom_generate`` for transformers 5 (module doc). ``decoder``: ``auto`` (default:
     ``tree-beam`` without a draft; with one, whichever of ``tree-beam`` and ``spec-strict`` the
     first call measures faster, :meth:`TrieBeamSearch.decode`), ``tree-beam``, ``beam``, or
     ``spec-strict`` (needs ``draft``, drafting ``draft_beams`` sequences per level;
     ``draft_tokenizer``, when given, must map every token as ``tokenizer`` does);
-    ``batch_size``: users decoded together (all if None)."""
+    ``batch_size``: users decoded together (all if None); ``expand_root`` (``tree-beam`` only):
+    the prompt's call also scores the first identifier level whole, one call fewer, the same
+    answers (:class:`~recspec.decoding.beam_search.RootTreeCache`)."""
     if draft_tokenizer is not None:
         check_same_vocabulary(draft_tokenizer, tokenizer)
     trie = item_trie(index, tokenizer, end_with_eos)
@@ -213,8 +215,11 @@ def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decod
         raise RecspecError("spec-strict needs a draft")
     if draft is not None and decoder in ("tree-beam", "beam"):
         raise RecspecError(f"a draft is used by auto and spec-strict only, not by {decoder}")
+    if expand_root and decoder != "tree-beam":
+        raise RecspecError(f"expand_root is an option of decoder='tree-beam', not of {decoder!r}")
     if draft is not None:
         check_vocabulary(draft, trie, "draft")
     if batch_size is not None and batch_size < 1:
         raise RecspecError(f"batch_size must be at least 1, got {batch_size}")
-    return TrieBeamSearch(trie, tokenizer, draft, decoder, DecodeOptions(draft_beams=draft_beams), batch_size)
+    return TrieBeamSearch(trie, tokenizer, draft, decoder, DecodeOptions(draft_beams=draft_beams, expand_root=expand_root),
+                          batch_size)

@@ -91,6 +91,10 @@ def test_custom_generate_returns_what_constrained_generate_returns(seed, per_lev
                            max_new_tokens=trie.depth, pad_token_id=PAD,
                            custom_generate=trie_beam_search(index, tokenizer, decoder="beam", batch_size=4))
     assert torch.equal(plain, ours.sequences)  # no dict asked: the sequences; beam in batches of 4 agrees
+    root = constrained_generate(model, ids, mask, k, n, trie.depth, length_penalty=penalty,
+                                custom_generate=trie_beam_search(index, tokenizer, decoder="tree-beam",
+                                                                 expand_root=True, batch_size=4))
+    assert_same_ranking(as_topk(root, ids.shape[1], len(ids), n, trie), ref)  # the first level in the prompt's call
 
 
 def test_speculative_drop_in_and_eos_closed_identifiers() -> None:
@@ -144,6 +148,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path) -> None:
         trie_beam_search(index, tokenizer, batch_size=0)
     with pytest.raises(RecspecError, match="exact decoders"):
         trie_beam_search(index, tokenizer, decoder="beam-sample")
+    with pytest.raises(RecspecError, match="expand_root is an option of decoder='tree-beam', not of 'auto'"):
+        trie_beam_search(index, tokenizer, expand_root=True)
     small = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
     with pytest.raises(RecspecError, match="the draft scores 8 tokens"):
