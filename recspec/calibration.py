@@ -41,6 +41,7 @@ from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
 from recspec.models.row_kernel import available
+from recspec.models.lean_forward import LEAN_FORWARD_VERSION
 from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 
@@ -55,10 +56,10 @@ def _digest(record: dict[str, Any]) -> str:
 
 def timing_key(device: torch.device | str) -> dict[str, Any]:
     """What any timing on this machine depends on besides the models: the device, torch's thread
-    count, the versions of recspec's small-row products and attention, and whether recspec's
-    small-row kernel computes the products (:func:`~recspec.models.row_kernel.available`)."""
+    count, the versions of recspec's small-row products, attention and lean forward, and whether
+    recspec's small-row kernel computes the products (:func:`~recspec.models.row_kernel.available`)."""
     return {"device": str(device), "threads": torch.get_num_threads(), "products": PRODUCTS_VERSION,
-            "attention": ATTENTION_VERSION, "row_kernel": available()}
+            "attention": ATTENTION_VERSION, "lean_forward": LEAN_FORWARD_VERSION, "row_kernel": available()}
 
 
 def median_prompt_length(recommender) -> int:

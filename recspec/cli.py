@@ -1047,6 +1047,28 @@ def bench_compare(
     typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma))
 
 
+@bench_app.command("forward")
+def bench_forward(
+    target: Annotated[Path, typer.Option(help="A folder written by `recspec train` (a small Llama).")],
+    draft: Annotated[Optional[Path], typer.Option(help="Its draft, for speculative decoders.")] = None,
+    decoder: Annotated[list[str], typer.Option(help="Decoders timed both ways (repeatable; NAME+root: tree-beam or "
+                                                    "beam-sample with --expand-root).")] = ["beam", "tree-beam",
+                                                                                           "tree-beam+root"],
+    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    batch_size: Annotated[list[int], typer.Option(help="Users per batch (repeatable).")] = [1, 16],
+    users: Annotated[int, typer.Option(help="Test users.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 5,
+    out: ResultsOpt = Path("benchmarks/results"),
+    name: ResultNameOpt = "forward",
+) -> None:
+    """Decoders through transformers' forward and through recspec's lean one, side by side: ms per
+    user, speed-up, and the same items and scores bit for bit."""
+    from recspec.bench.forward import run
+
+    _positive(users=users, repeats=repeats, k=k, batch_size=min(batch_size))
+    typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name))
+
+
 @bench_app.command("serve")
 def bench_serve(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],

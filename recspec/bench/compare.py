@@ -40,6 +40,13 @@ EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 ROOT_SUFFIX = "+root"
 
 
+def unknown_decoders(decoders: Sequence[str]) -> list[str]:
+    """The names among ``decoders`` that are neither a decoder nor ``NAME+root`` of one that
+    takes ``expand_root``."""
+    return [d for d in decoders if d.removesuffix(ROOT_SUFFIX) not in DECODERS
+            or d.endswith(ROOT_SUFFIX) and d.removesuffix(ROOT_SUFFIX) not in ROOT_EXPANDING]
+
+
 def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:
     """Each decoder's outputs over the batches as one result."""
     return {name: Decoded.joined(parts) for name, parts in outputs.items()}
@@ -51,8 +58,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     """Compare ``decoders`` (the first is the reference) on the first ``users`` test users of
     ``target`` (with ``draft`` for the speculative ones and ``auto``); write ``{name}.json`` /
     ``.md`` into ``out`` and return the Markdown."""
-    unknown = [d for d in decoders if d.removesuffix(ROOT_SUFFIX) not in DECODERS
-               or d.endswith(ROOT_SUFFIX) and d.removesuffix(ROOT_SUFFIX) not in ROOT_EXPANDING]
+    unknown = unknown_decoders(decoders)
     if unknown or len(set(decoders)) != len(decoders) or len(decoders) < 2:
         raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)} (or "
                            f"{' / '.join(name + ROOT_SUFFIX for name in ROOT_EXPANDING)})"

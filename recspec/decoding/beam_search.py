@@ -53,6 +53,7 @@ from recspec.decoding.tree import child_rows, tree_position_ids
 from recspec.decoding.warp import Warp
 from recspec.hub import with_cache
 from recspec.itemids.trie import ItemTrie
+from recspec.models.lean_forward import forward_of
 
 
 class PerBeamCache:
@@ -80,7 +81,7 @@ class PerBeamCache:
         batch, k = beams.parents.shape
         select_rows(self.cache, (self.user_offsets * self.rows_per_user + beams.parents).view(-1))
         self.rows_per_user = k
-        logits = self.model(
+        logits = forward_of(self.model)(
             input_ids=beams.tokens[:, :, -1].reshape(batch * k, 1),
             attention_mask=self.attention_mask[:, : self.prompt_width + depth + 1],
             position_ids=self.first_positions + depth,

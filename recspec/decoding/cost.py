@@ -24,6 +24,7 @@ from recspec.decoding.cache import gather_positions
 from recspec.errors import RecspecError
 from recspec.hub import keep_logits_at, with_cache
 from recspec.models.head import HeadDraft
+from recspec.models.lean_forward import forward_of
 from recspec.models.small_rows import padded_rows
 
 #: Tokens fed per timed call of :func:`measure_cost_model` (one row over a cached prompt).
@@ -102,14 +103,14 @@ def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_l
     if past_len:
         past = torch.randint(0, vocab, (batch, past_len), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
-        model(input_ids=past, **with_cache(model, cache), use_cache=True)
+        forward_of(model)(input_ids=past, **with_cache(model, cache), use_cache=True)
     kept = torch.arange(past_len, device=device)[None, :].expand(batch, past_len)
     keep = keep_logits_at(model, 1) if last_logits else {}
     positions = torch.arange(past_len, past_len + seq_len, device=device)[None, :].expand(batch, seq_len)
     mask = torch.ones(batch, past_len + seq_len, dtype=torch.long, device=device)
 
     def call() -> None:
-        model(input_ids=new, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
+        forward_of(model)(input_ids=new, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
               use_cache=cache is not None, **keep)
         if cache is not None:  # drop the new tokens again, through the layers' keys / values
             gather_positions(cache, kept)

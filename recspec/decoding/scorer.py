@@ -22,6 +22,7 @@ from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import node_depths, tree_rows
 from recspec.hub import keep_logits_at, returned_cache, with_cache
 from recspec.models.attention import additive_mask
+from recspec.models.lean_forward import forward_of
 from recspec.models.text_head import layer_features
 
 
@@ -63,7 +64,7 @@ def prefill_tree(model, prompts: Prompts, tokens: torch.Tensor, tree_visible: to
 
 def _prefill(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()):
     start = open_cache(model, prompts)  # the shared prefix, if any, is not fed again
-    out = model(
+    out = forward_of(model)(
         input_ids=prompts.input_ids[:, start.skip:],
         attention_mask=prompts.attention_mask,
         position_ids=prompts.position_ids[:, start.skip:],
@@ -161,7 +162,7 @@ def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position
              keep_last: int | None, features: bool, all_features: bool = False, layers: Sequence[int] = (),
              start: OpenCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_logits_at(model, keep_last)
-    out = model(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
+    out = forward_of(model)(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
                 position_ids=position_ids, **with_cache(model, cache), use_cache=cache is not None,
                 output_hidden_states=features, **keep)
     last = slice(None) if keep_last is None else slice(-keep_last, None)

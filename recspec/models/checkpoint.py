@@ -21,6 +21,7 @@ from recspec.itemids.index import ItemIndex
 from recspec.models.attention import use_packed_attention
 from recspec.models.examples import PromptEncoder
 from recspec.models.fused_projections import use_fused_projections
+from recspec.models.lean_forward import use_lean_forward
 from recspec.models.small_rows import streams_weights, use_small_row_products
 from recspec.models.tokenizer import (check_index, identifier_token_ids, index_fingerprint, load_tokenizer_dir,
                                       read_metadata, save_tokenizer)
@@ -209,7 +210,8 @@ def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu
 def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
     """The causal LM of a model folder on the CPU, in eval mode: weights from safetensors only
     (a pickle is never opened), no code from the folder (no ``trust_remote_code``), every weight
-    checked finite, grouped-query attention over several rows packed (:mod:`recspec.models.attention`).
+    checked finite, grouped-query attention over several rows packed (:mod:`recspec.models.attention`),
+    and a small Llama's decoding calls made by one function (:mod:`recspec.models.lean_forward`).
     ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
     from transformers import AutoModelForCausalLM
 
@@ -217,4 +219,7 @@ def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=False)
     check_finite_weights(model, folder)
-    return use_packed_attention(model.eval())
+    model = use_packed_attention(model.eval())
+    if not streams_weights(model):
+        use_lean_forward(model)
+    return model
