@@ -16,7 +16,10 @@ to keep that call:
   (a causal LM with the same tokenizer). ``decoder="auto"`` (the default) runs ``tree-beam``
   without a draft; with one, the first call for a K and batch size times both on its first
   batch and keeps the faster (logged on the ``recspec.hf`` logger, kept in ``.choices``). A bare
-  model has no folder to keep measurements in, so the choice lives as long as the callable.
+  model has no folder to keep measurements in, so the choice lives as long as the callable. A
+  model the lean forward serves (:mod:`recspec.models.lean_forward`: a float32 Llama with
+  multi-head attention) is called through it by recspec's decoders, bit for bit what its own
+  forward computes; ``generate`` itself, and every other model, keep transformers' forward.
 * :class:`TrieConstraint` is a ``LogitsProcessor`` for users who keep transformers' own beam
   search: the trie's allowed tokens as one vectorized mask per step instead of a Python callback
   per beam.
@@ -43,6 +46,7 @@ from recspec.decoding.beams import TopK
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
+from recspec.models.lean_forward import use_lean_forward
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.recommend import DecodeOptions, run_decoder
 
@@ -132,6 +136,9 @@ class TrieBeamSearch:
             raise RecspecError(f"identifiers take {trie.depth} new tokens; generate allows "
                                f"{config.max_length - width} (raise max_new_tokens)")
         check_vocabulary(model, trie)
+        for decoder in (model, self.draft):  # checked once per model; recspec's calls only, never generate's
+            if decoder is not None:
+                use_lean_forward(decoder)
         device = input_ids.device
         if device not in self.tries:
             self.tries[device] = trie.to(device)

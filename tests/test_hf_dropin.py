@@ -15,6 +15,7 @@ from recspec.decoding.prompts import left_pad
 from recspec.errors import RecspecError
 from recspec.hf import TrieConstraint, item_trie, trie_beam_search
 from recspec.itemids.index import ItemIndex
+from recspec.models.lean_forward import forward_of
 from recspec.models.tokenizer import build_tokenizer
 from recspec.recommend import Recommender
 from tests.test_beam import assert_same_ranking, random_codes
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PAD = 0
 
 
-def peer(seed: int, per_level: list[int], items: int, users: int):
+def peer(seed: int, per_level: list[int], items: int, users: int, kv_heads: int = 2):
     """An index of ``items`` random identifiers, its tokenizer, a random Llama over it, and
     ``users`` left-padded prompts of different lengths (input ids and attention mask)."""
     generator = torch.Generator().manual_seed(seed)
@@ -34,7 +35,7 @@ def peer(seed: int, per_level: list[int], items: int, users: int):
     tokenizer = build_tokenizer(index)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
                                          initializer_range=0.3, max_position_embeddings=96,
                                          pad_token_id=PAD)).eval()
     lengths = torch.randint(2, 30, (users,), generator=generator)
@@ -95,6 +96,23 @@ def test_custom_generate_returns_what_constrained_generate_returns(seed, per_lev
                                 custom_generate=trie_beam_search(index, tokenizer, decoder="tree-beam",
                                                                  expand_root=True, batch_size=4))
     assert_same_ranking(as_topk(root, ids.shape[1], len(ids), n, trie), ref)  # the first level in the prompt's call
+
+
+def test_a_multi_head_model_is_called_through_the_lean_forward() -> None:
+    """A float32 Llama with multi-head attention: the drop-in's decoders call it through the lean
+    forward (``generate`` itself does not), with what constrained ``generate`` returns; a
+    grouped-query model keeps its own forward."""
+    index, tokenizer, model, ids, mask = peer(11, [8, 8, 8], 300, users=5, kv_heads=4)
+    trie = item_trie(index, tokenizer)
+    reference = constrained_generate(model, ids, mask, 8, 8, 3, logits_processor=LogitsProcessorList(
+        [TrieConstraint(trie, ids.shape[1])]))
+    assert forward_of(model) is model
+    ours = constrained_generate(model, ids, mask, 8, 8, 3, custom_generate=trie_beam_search(index, tokenizer))
+    assert forward_of(model) is not model
+    assert_same_ranking(as_topk(ours, ids.shape[1], 5, 8, trie), as_topk(reference, ids.shape[1], 5, 8, trie))
+    _, _, grouped, _, _ = peer(12, [8, 8, 8], 300, users=1)
+    constrained_generate(grouped, ids, mask, 8, 8, 3, custom_generate=trie_beam_search(index, tokenizer))
+    assert forward_of(grouped) is grouped
 
 
 def test_speculative_drop_in_and_eos_closed_identifiers() -> None:
