@@ -175,6 +175,8 @@ class LeanLlama:
         mask, causal = sdpa_mask(attention_mask, count, past, input_ids.device)
         x = F.embedding(input_ids, inner.embed_tokens.weight)
         cos, sin = (part[:, None] for part in inner.rotary_emb(x, position_ids))  # [B, 1, N, D]
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs, once a call
         shape = (batch, count, self.heads, self.head_dim)
         for index, layer in enumerate(inner.layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -193,11 +195,13 @@ class LeanLlama:
         return F.linear(x, self.model.lm_head.weight)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of ``x`` ``[B, H, N, D]`` (``cos``, ``sin``: ``[B, 1, N, D]``), as
-    transformers' ``apply_rotary_pos_emb``: ``x cos + rotate_half(x) sin``."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` ``[B, H, N, D]`` as transformers' ``apply_rotary_pos_emb``
+    computes it, ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2, x1]``, in two
+    operations fewer: ``x cos + roll(x) [-sin1, sin2]`` (``roll(x) = [x2, x1]``; ``-x2 sin1`` and
+    ``x2 (-sin1)`` are the same float). ``cos``, ``signed_sin``: ``[B, 1, N, D]``, the latter with
+    its first half negated."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def sdpa_mask(attention_mask: torch.Tensor | None, count: int, past: int,
