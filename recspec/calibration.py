@@ -40,8 +40,8 @@ from recspec.fileio import read_json, write_json_atomic
 from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
-from recspec.models.row_kernel import available
 from recspec.models.lean_forward import LEAN_FORWARD_VERSION
+from recspec.models.row_kernel import available
 from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 

@@ -38,13 +38,21 @@ DEMO_DECODERS = ("beam", "tree-beam", "tree-beam+root", "spec-strict", "auto")
 EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 #: A decoder named with this suffix (``tree-beam+root``) runs with ``expand_root``.
 ROOT_SUFFIX = "+root"
+#: How the ``NAME+root`` decoders are named in messages.
+ROOT_NAMES = " / ".join(name + ROOT_SUFFIX for name in ROOT_EXPANDING)
+
+
+def split_root(name: str) -> tuple[str, bool]:
+    """A benchmark's decoder name as ``(decoder, expand_root)``: ``tree-beam+root`` is
+    ``("tree-beam", True)``."""
+    return name.removesuffix(ROOT_SUFFIX), name.endswith(ROOT_SUFFIX)
 
 
 def unknown_decoders(decoders: Sequence[str]) -> list[str]:
     """The names among ``decoders`` that are neither a decoder nor ``NAME+root`` of one that
     takes ``expand_root``."""
-    return [d for d in decoders if d.removesuffix(ROOT_SUFFIX) not in DECODERS
-            or d.endswith(ROOT_SUFFIX) and d.removesuffix(ROOT_SUFFIX) not in ROOT_EXPANDING]
+    return [name for name, (decoder, root) in zip(decoders, map(split_root, decoders))
+            if decoder not in DECODERS or root and decoder not in ROOT_EXPANDING]
 
 
 def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:
@@ -60,8 +68,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     ``.md`` into ``out`` and return the Markdown."""
     unknown = unknown_decoders(decoders)
     if unknown or len(set(decoders)) != len(decoders) or len(decoders) < 2:
-        raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)} (or "
-                           f"{' / '.join(name + ROOT_SUFFIX for name in ROOT_EXPANDING)})"
+        raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)} (or {ROOT_NAMES})"
                            + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
     if min(k, batch_size, users, repeats) < 1:
         raise RecspecError("--k, --batch-size, --users and --repeats must be positive")
@@ -69,13 +76,12 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     recommender = Recommender.load(target, draft_dir=draft)
     examples = recommender.examples("test", users)
     options = {decoder: DecodeOptions(draft_beams=draft_beams or 2 * k, gamma=gamma,
-                                      expand_root=decoder.endswith(ROOT_SUFFIX)) for decoder in decoders}
+                                      expand_root=split_root(decoder)[1]) for decoder in decoders}
     reason = ""
     if "auto" in options:
         choice = choose(recommender, k, batch_size)
         reason, options["auto"] = choice.reason, choice.options
-    named = {decoder: choice.decoder if decoder == "auto" else decoder.removesuffix(ROOT_SUFFIX)
-             for decoder in decoders}
+    named = {decoder: choice.decoder if decoder == "auto" else split_root(decoder)[0] for decoder in decoders}
     runs = {decoder: (lambda part, d=decoder: recommender.recommend(part, k, named[d], batch_size, options[d]))
             for decoder in decoders}
     seconds, batches = take_turns(runs, user_batches(examples, batch_size), repeats)

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from recspec.bench.compare import ROOT_SUFFIX, unknown_decoders
+from recspec.bench.compare import ROOT_NAMES, split_root, unknown_decoders
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.errors import RecspecError
 from recspec.models.lean_forward import drop_lean_forward, use_lean_forward
-from recspec.recommend import DECODERS, ROOT_EXPANDING, DecodeOptions, Decoded, Recommender, check_decoder
+from recspec.recommend import DECODERS, DecodeOptions, Decoded, Recommender, check_decoder
 from recspec.turns import take_turns, user_batches
 
 #: The forwards compared: transformers' own and recspec's lean one.
@@ -37,10 +37,10 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], k:
     unknown = [d for d in decoders if d == "auto"] + unknown_decoders(decoders)
     if unknown or not decoders:
         raise RecspecError(f"--decoder: name one or more decoders of {', '.join(d for d in DECODERS if d != 'auto')} "
-                           f"(or {' / '.join(d + ROOT_SUFFIX for d in ROOT_EXPANDING)})"
+                           f"(or {ROOT_NAMES})"
                            + (f" (not: {', '.join(unknown)})" if unknown else ""))
     for decoder in decoders:
-        check_decoder(decoder.removesuffix(ROOT_SUFFIX), draft is not None)
+        check_decoder(split_root(decoder)[0], draft is not None)
     reuse_freed_memory()
     recommender = Recommender.load(target, draft_dir=draft)
     models = [model for model in (recommender.model, recommender.draft) if isinstance(model, torch.nn.Module)]
@@ -56,8 +56,8 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], k:
                     use_lean_forward(model)
                 else:
                     drop_lean_forward(model)
-            options = DecodeOptions(expand_root=decoder.endswith(ROOT_SUFFIX))
-            return recommender.recommend(part, k, decoder.removesuffix(ROOT_SUFFIX), batch_size, options)
+            plain, root = split_root(decoder)
+            return recommender.recommend(part, k, plain, batch_size, DecodeOptions(expand_root=root))
 
         contenders = {f"{decoder} / {arm}": (lambda part, d=decoder, a=arm: decode(part, d, a))
                       for decoder in decoders for arm in ARMS}

@@ -245,7 +245,6 @@ def sample_step(beams: Beams, log_probs: torch.Tensor, space, k: int, warp: Warp
     return step.extend(beams, chosen, space)
 
 
-
 def sampling_select(warp: Warp, generator: torch.Generator, replacement: bool):
     """:func:`sample_step` at ``warp`` from ``generator`` as a step ``select(beams, log_probs, trie,
     k) -> Beams``, the form :func:`~recspec.decoding.beam_search.beam_decode` and
@@ -253,6 +252,7 @@ def sampling_select(warp: Warp, generator: torch.Generator, replacement: bool):
     def select(beams: Beams, log_probs: torch.Tensor, trie: ItemTrie, k: int) -> Beams:
         return sample_step(beams, log_probs, trie, k, warp, generator, replacement)
     return select
+
 
 def best_first(result: TopK) -> TopK:
     """``result`` with each user's items sorted by score, best first (sampled beams come in draw

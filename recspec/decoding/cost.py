@@ -111,7 +111,7 @@ def measure_call_cost(model, batch: int, seq_len: int, repeats: int = 20, past_l
 
     def call() -> None:
         forward_of(model)(input_ids=new, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
-              use_cache=cache is not None, **keep)
+                          use_cache=cache is not None, **keep)
         if cache is not None:  # drop the new tokens again, through the layers' keys / values
             gather_positions(cache, kept)
 

@@ -163,8 +163,8 @@ def _forward(model, cache, tokens: torch.Tensor, visible: torch.Tensor, position
              start: OpenCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = {} if keep_last is None else keep_logits_at(model, keep_last)
     out = forward_of(model)(input_ids=tokens, attention_mask=additive_mask(visible, model.dtype)[:, None],
-                position_ids=position_ids, **with_cache(model, cache), use_cache=cache is not None,
-                output_hidden_states=features, **keep)
+                            position_ids=position_ids, **with_cache(model, cache), use_cache=cache is not None,
+                            output_hidden_states=features, **keep)
     last = slice(None) if keep_last is None else slice(-keep_last, None)
     if not features:
         return out.logits[:, last], None

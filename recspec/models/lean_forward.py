@@ -3,7 +3,8 @@
 A call of a model the size this CPU trains (``target-mini``: 4 layers of width 256; ``draft-tiny``:
 one of width 128) spends more of its time in transformers' Python than in its products: the module
 tree, the keyword plumbing of every layer, the mask builder and the output recorders. Measured on
-``target-mini`` (BENCHMARKS.md "A lean forward"): the products are 0.5 of a one-node call's 2.5 ms.
+``target-mini`` (BENCHMARKS.md "A lean forward for small Llamas"): the products are 0.5 of a
+one-node call's 2.5 ms.
 :class:`LeanLlama` runs the same operations in the same order on the same weights:
 
 * the token embedding; the rotary embedding from the model's own module;
@@ -15,10 +16,10 @@ tree, the keyword plumbing of every layer, the mask builder and the output recor
 Its logits and cached keys and values are bit-identical to transformers' (tested over random
 models, left-padded batches, cache continuations and tree masks), and each model is checked once
 when it is given one (:func:`agrees`): where the installed transformers computes other bits, the
-model keeps its own forward. The mask is built as
-transformers 5 builds it for SDPA: a 4-D mask is used as given; a 2-D padding mask becomes the
-boolean ``causal & padding`` mask, or no mask with SDPA's ``is_causal`` where transformers skips it
-(no padding, and one query or an empty cache).
+model keeps its own forward. The mask is built as transformers 5 builds it for SDPA
+(:func:`sdpa_mask`): a 4-D mask is used as given; a 2-D padding mask becomes the boolean
+``causal & padding`` mask, or no mask with SDPA's ``is_causal`` where transformers skips it (no
+padding, and one query or an empty cache).
 
 It serves what recspec's decoders ask of a model (:func:`forward_of`): ``input_ids``,
 ``attention_mask``, ``position_ids``, the cache, ``use_cache`` and an integer ``logits_to_keep``.
