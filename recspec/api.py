@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -65,17 +66,20 @@ class RecspecModel:
         """The decoders the loaded models can run."""
         return self.service.decoders
 
-    def recommend(self, histories: Sequence[Sequence[str]], k: int = 10, decoder: str | None = None,
-                  exclude: Sequence[str] = (), batch_size: int = 16) -> list[Answer]:
+    def recommend(self, histories: Iterable[Iterable[str]], k: int = 10, decoder: str | None = None,
+                  exclude: Iterable[str] = (), batch_size: int = 16) -> list[Answer]:
         """The top-``k`` items of each history (raw item ids, oldest first; the last
         ``max_history`` of training are used), none of ``exclude``; one
-        :class:`~recspec.serve.service.Answer` per history, in order. ``decoder``: default the
-        one given to :func:`load`."""
-        if isinstance(histories, str) or any(isinstance(history, str) for history in histories):
-            raise RecspecError("histories is a list of histories, each a list of raw item ids (oldest first)")
-        if batch_size < 1:
-            raise RecspecError(f"batch_size must be at least 1, got {batch_size}")
-        queries = [self._query(i, history, k, decoder, exclude) for i, history in enumerate(histories)]
+        :class:`~recspec.serve.service.Answer` per history, in order (``fewer_reason`` says why one
+        holds fewer than ``k`` items). ``decoder``: default the one given to :func:`load`. Any
+        iterable serves as a list (a generator, a tuple: read once); None, a string or a number
+        where a list belongs is a :class:`~recspec.errors.RecspecError`."""
+        rows = [listed(history, f"{HISTORIES}; history {i}")
+                for i, history in enumerate(listed(histories, HISTORIES))]
+        excluded = listed(exclude, "exclude is a list of raw item ids never to return")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RecspecError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+        queries = [self._query(i, history, k, decoder, excluded) for i, history in enumerate(rows)]
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, query in enumerate(queries):
             groups[query.key].append(i)
@@ -87,9 +91,9 @@ class RecspecModel:
                     answers[row] = answer
         return answers  # type: ignore[return-value]  (every row is filled)
 
-    def _query(self, i: int, history: Sequence[str], k: int, decoder: str | None, exclude: Sequence[str]) -> Query:
+    def _query(self, i: int, history: list[str], k: int, decoder: str | None, exclude: list[str]) -> Query:
         try:
-            request = RecommendRequest(history=list(history), k=k, decoder=decoder, exclude=list(exclude))
+            request = RecommendRequest(history=history, k=k, decoder=decoder, exclude=exclude)
             return self.service.parse(request)
         except ValidationError as err:
             first = err.errors()[0]
@@ -97,6 +101,25 @@ class RecspecModel:
             raise RecspecError(f"history {i}: {where}: {first['msg']}") from None
         except BadRequest as err:
             raise RecspecError(f"history {i}: {err}") from None
+
+
+#: What :meth:`RecspecModel.recommend` takes as ``histories``.
+HISTORIES = "histories is a list of histories, each a list of raw item ids (oldest first)"
+
+
+def listed(values: Iterable[Any], what: str) -> list[Any]:
+    """``values`` (any iterable but a string: a list, a tuple, a generator) as a list; anything else
+    is a :class:`~recspec.errors.RecspecError` saying ``what`` belongs there."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise RecspecError(f"{what}, got {_shown(values)}")
+    return list(values)
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error line: its type and repr, cut short."""
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return text if value is None else f"{type(value).__name__} {text}"
 
 
 def load(target: str | Path, draft: str | Path | None = None, decoder: str = "auto", device: str = "cpu",

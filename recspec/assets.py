@@ -80,7 +80,7 @@ def convert_gguf(gguf_path: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_path.name}
+    kwargs = {"gguf_file": gguf_path.name, "trust_remote_code": False}
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
     # A model loaded from GGUF keeps its quantisation config and refuses save_pretrained; its

@@ -13,14 +13,16 @@ leaves out the Python work of each step and round (it runs about 30% low), so a 
 least ``margin``) is checked by timing the candidates predicted to win beside ``tree-beam`` on a
 few validation users (:func:`probe`, kept beside the target like the other measurements), and
 another decoder runs only when it is measured at least 3% faster than ``tree-beam`` there. The
-choice and its reason are returned for printing.
+choice and its reason are returned for printing. With ``records`` (a server) every measurement
+is read from and kept in that memory before the model folders, which are then never written
+(:func:`~recspec.calibration.kept_record`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recspec.calibration import (acceptance_tables, call_cost, decoding_key, draft_costs, kept_record,
+from recspec.calibration import (Memory, acceptance_tables, call_cost, decoding_key, draft_costs, kept_record,
                                  median_prompt_length)
 from recspec.decoding.tree_plan import CostPlanner
 from recspec.itemids.trie import ItemTrie
@@ -77,11 +79,12 @@ def _round_seconds(planner: CostPlanner, first: bool, remaining: int, then) -> f
 
 
 def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.05,
-           valid_users: int = 128) -> Choice:
-    """The decoder ``auto`` runs for ``k`` items at ``batch_size`` users per batch (module doc)."""
+           valid_users: int = 128, records: Memory | None = None) -> Choice:
+    """The decoder ``auto`` runs for ``k`` items at ``batch_size`` users per batch (module doc;
+    ``records``: where measurements are kept instead of the model folders)."""
     folder = recommender.folder
     prompt_len = median_prompt_length(recommender)
-    target = call_cost(recommender.model, folder, prompt_len)
+    target = call_cost(recommender.model, folder, prompt_len, records=records)
     levels, rows = recommender.trie.depth, batch_size
     tree_beam = target.call_s(rows * prompt_len) + (levels - 1) * target.call_s(rows * k)
     predicted = {"tree-beam": 1e3 * tree_beam / rows}
@@ -97,8 +100,8 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
         detail = f"no draft loaded; {detail}"
     else:
         choices = width_choices(recommender.trie, k)
-        first, later = acceptance_tables(recommender, k, choices, valid_users)
-        first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len)
+        first, later = acceptance_tables(recommender, k, choices, valid_users, records=records)
+        first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len, records=records)
         planner = CostPlanner(first, later, target, first_draft, later_draft, k, prompt_len, choices, rows)
         spec = expected_seconds(planner, levels, head_first, draft_prefill.call_s(rows * prompt_len))
         predicted["spec-strict"] = 1e3 * spec / rows
@@ -110,7 +113,7 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     if not contenders:
         return Choice("tree-beam", DecodeOptions(), predicted,
                       f"auto: tree-beam ({detail}; another decoder must be predicted {margin:.0%} faster)")
-    measured = probe(recommender, k, rows, {"tree-beam": ("tree-beam", DecodeOptions()), **contenders})
+    measured = probe(recommender, k, rows, {"tree-beam": ("tree-beam", DecodeOptions()), **contenders}, records)
     detail += f"; measured on {PROBE_USERS} validation users: " + ", ".join(
         f"{name} {ms:.1f}" for name, ms in measured.items()) + " ms/user"
     best = min(contenders, key=lambda name: measured[name])
@@ -129,13 +132,13 @@ def width_choices(trie: ItemTrie, k: int) -> tuple[int, ...]:
     return tuple(sorted(widths | {root_children} if root_children > k else widths))
 
 
-def probe(recommender: Recommender, k: int, batch_size: int,
-          contenders: dict[str, tuple[str, DecodeOptions]]) -> dict[str, float]:
+def probe(recommender: Recommender, k: int, batch_size: int, contenders: dict[str, tuple[str, DecodeOptions]],
+          records: Memory | None = None) -> dict[str, float]:
     """ms per user of each of ``contenders`` (label: decoder and options; ``tree-beam`` first) on
     the first :data:`PROBE_USERS` validation users: :data:`PROBE_RUNS` runs in which they take
     turns batch by batch (:func:`~recspec.turns.take_turns`: a drift of the machine's speed reaches
     all alike), the best run of each (the least disturbed by the machine's other work); kept beside
-    the target while target, draft, K, batch size, device, threads and contenders match."""
+    the target (or in ``records``) while target, draft, K, batch size, device, threads and contenders match."""
     def measure() -> dict[str, float]:
         examples = recommender.examples("valid", PROBE_USERS)
         runs = {label: (lambda part, plan=plan: recommender.recommend(part, k, plan[0], batch_size, plan[1]))
@@ -145,4 +148,4 @@ def probe(recommender: Recommender, k: int, batch_size: int,
 
     key = {**decoding_key(recommender), "k": k, "batch_size": batch_size, "users": PROBE_USERS,
            "turns": "batch by batch", "contenders": list(contenders)}
-    return kept_record(recommender.folder / f"probe-k{k}-b{batch_size}.json", key, measure)
+    return kept_record(recommender.folder / f"probe-k{k}-b{batch_size}.json", key, measure, records=records)

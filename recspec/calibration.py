@@ -8,7 +8,9 @@ measured for (the sha256 of the weights, the device, torch's thread count, the v
 small-row products, the prompt length and, for a call cost, whether the model pads its rows) and
 the sha256 of the record itself. It is used only when all of that matches and the digest checks
 out; otherwise the cost is measured again and the record rewritten (atomically). A folder that
-cannot be written to still works: the cost is then measured in every process.
+cannot be written to still works: the cost is then measured in every process. A caller that must
+not write into the model folders (a server: :mod:`recspec.serve.service`) passes ``records``, a
+:data:`Memory`: records there are read first, then the folder's, and a new one is kept there only.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ from recspec.models.row_kernel import available
 from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 
+#: Records kept in memory instead of in the model folders, by the path each would have there.
+Memory = dict[Path, dict[str, Any]]
+
+
 def calibration_path(model_dir: Path, device: torch.device) -> Path:
     return model_dir / f"calibration-{device.type}.json"
 
@@ -70,21 +76,23 @@ def median_prompt_length(recommender) -> int:
     return int(statistics.median(len(p) for p in prompts)) - shared_columns(recommender.model, prompts)
 
 
-def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], remeasure: bool = False) -> Any:
-    """The value kept in the record ``path`` when the record was made for exactly ``key`` (the same
-    fields, the same values) and its digest checks out; else ``measure()``, kept there (atomically) for the next time. A record
-    that cannot be written (a read-only folder) is measured again in the next process."""
-    if not remeasure and path.is_file():
-        try:
-            record = read_json(path)
-        except RecspecError:  # a damaged record is measured again, never trusted
-            record = None
-        if (isinstance(record, dict) and record.get("sha256") == _digest(record)
-                and {name: value for name, value in record.items() if name not in ("value", "sha256")} == key):
-            return record["value"]
+def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], remeasure: bool = False,
+                records: Memory | None = None) -> Any:
+    """The value kept in the record ``path`` (``records[path]`` first, when given) when the record
+    was made for exactly ``key`` (the same fields, the same values) and its digest checks out; else
+    ``measure()``, kept for the next time: in ``records`` when given, else at ``path`` (atomically;
+    a record that cannot be written, in a read-only folder, is measured again in the next process)."""
+    if not remeasure:
+        for record in (None if records is None else records.get(path), _read_record(path)):
+            if (isinstance(record, dict) and record.get("sha256") == _digest(record)
+                    and {name: value for name, value in record.items() if name not in ("value", "sha256")} == key):
+                return record["value"]
     value = measure()
     record = {**key, "value": value}
     record["sha256"] = _digest(record)
+    if records is not None:
+        records[path] = record
+        return value
     try:
         write_json_atomic(path, record)
     except OSError:
@@ -92,11 +100,22 @@ def kept_record(path: Path, key: dict[str, Any], measure: Callable[[], Any], rem
     return value
 
 
+def _read_record(path: Path) -> Any:
+    """The JSON at ``path``; None where there is none or it is damaged (measured again, never trusted)."""
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path)
+    except RecspecError:
+        return None
+
+
 def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
-              remeasure: bool = False) -> CallCost:
+              remeasure: bool = False, records: Memory | None = None) -> CallCost:
     """The call cost of ``model`` (loaded from ``model_dir``) on its device for prompts of about
     ``prompt_len`` tokens: the kept record where it matches (see the module doc), else measured
-    now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept. Whether the model computes
+    now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept (in ``records`` when given:
+    :func:`kept_record`). Whether the model computes
     its calls over padded rows (:func:`~recspec.models.small_rows.pads_rows`) is part of the key:
     it changes the cost, and the cost records it (:attr:`CallCost.padded`)."""
     model_dir = Path(model_dir)
@@ -106,7 +125,7 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
            "padded_rows": padded}
     value = kept_record(calibration_path(model_dir, device), key,
                         lambda: replace(measure_cost_model(model, prompt_len, repeats), padded=padded).to_json(),
-                        remeasure)
+                        remeasure, records)
     return CallCost.from_json(value)
 
 
@@ -215,33 +234,35 @@ def loaded_draft_identity(recommender) -> dict[str, str]:
 
 
 def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int = 128,
-                      remeasure: bool = False) -> tuple[Acceptance, Acceptance]:
+                      remeasure: bool = False, records: Memory | None = None) -> tuple[Acceptance, Acceptance]:
     """The loaded draft's acceptance per round level and width (first round, later rounds) on the
     first ``users`` validation users, kept in the target's folder as ``acceptance-k<K>.json``
-    while target, draft, K, widths and users match."""
+    (or in ``records``: :func:`kept_record`) while target, draft, K, widths and users match."""
     key = {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender), "k": k,
            "choices": list(choices), "users": users}
     def measure() -> dict[str, Any]:
         prompts = recommender.encoder.prompts(recommender.examples("valid", users))
         return measure_acceptance(recommender, recommender.draft, prompts, k, choices)
 
-    value = kept_record(recommender.folder / f"acceptance-k{k}.json", key, measure, remeasure)
+    value = kept_record(recommender.folder / f"acceptance-k{k}.json", key, measure, remeasure, records)
     return Acceptance.from_json(value["first"]), Acceptance.from_json(value["later"])
 
 
-def head_cost(head: HeadDraft, folder: Path, repeats: int = 10, remeasure: bool = False) -> CallCost:
-    """One drafting step of ``head`` (saved in ``folder``) on its device, kept beside it."""
+def head_cost(head: HeadDraft, folder: Path, repeats: int = 10, remeasure: bool = False,
+              records: Memory | None = None) -> CallCost:
+    """One drafting step of ``head`` (saved in ``folder``) on its device, kept beside it (or in
+    ``records``: :func:`kept_record`)."""
     key = {"head_sha256": weights_fingerprint(folder, HEAD_WEIGHTS), **timing_key(head.device)}
     value = kept_record(calibration_path(folder, head.device), key,
-                        lambda: measure_head_cost(head, repeats).to_json(), remeasure)
+                        lambda: measure_head_cost(head, repeats).to_json(), remeasure, records)
     return CallCost.from_json(value)
 
 
-def draft_costs(recommender, prompt_len: int, repeats: int = 10,
-                remeasure: bool = False) -> tuple[CallCost, CallCost, CallCost, bool]:
+def draft_costs(recommender, prompt_len: int, repeats: int = 10, remeasure: bool = False,
+                records: Memory | None = None) -> tuple[CallCost, CallCost, CallCost, bool]:
     """What drafting costs with the loaded draft: per level in the first round and in later
     rounds, the draft's prefill, and whether the first round is the target's prefill alone (a
-    head without a draft model)."""
+    head without a draft model); measurements are kept as :func:`kept_record` says."""
     draft, free = recommender.draft, CallCost(0.0, 0.0)
     if isinstance(draft, (ItemDraft, TargetPrior)):  # a table: no model call (its Python work shows in auto's probe)
         return free, free, free, False
@@ -249,8 +270,8 @@ def draft_costs(recommender, prompt_len: int, repeats: int = 10,
     head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
     model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft
     model_cost = (None if model is None else
-                  call_cost(model, trained_model_dir(folders[False]), prompt_len, repeats, remeasure))
-    head_step = None if head is None else head_cost(head, head_dir(folders[True]), repeats, remeasure)
+                  call_cost(model, trained_model_dir(folders[False]), prompt_len, repeats, remeasure, records))
+    head_step = None if head is None else head_cost(head, head_dir(folders[True]), repeats, remeasure, records)
     if model_cost is None:
         return free, head_step, free, True
     return model_cost, head_step or model_cost, model_cost, False

@@ -32,6 +32,20 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(knowledge_app, name="knowledge")
 app.add_typer(align_app, name="align")
 
+
+def _show_version(value: bool) -> None:
+    if value:
+        from recspec import __version__
+
+        typer.echo(f"recspec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                                help="Print recspec's version and exit.")] = False) -> None:
+    """Fast, exact inference for LLM-based recommendation through speculative decoding."""
+
 DatasetArg = Annotated[str, typer.Option("--dataset", "-d", help="Known name (ml-100k) or a dataset path.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="Dataset format when it cannot be detected: recbole, grouplens, atspeed, amazon-json, csv.")]
@@ -470,6 +484,20 @@ def import_command(
                f"wrote {out}")
 
 
+@app.command("upgrade")
+def upgrade_command(
+    folder: Annotated[Path, typer.Argument(help="A folder written by `recspec train`, `align train` or `import` "
+                                                "of an earlier recspec (or its best/).")],
+) -> None:
+    """List the run files (run.json, item_index.json) of a training folder written before recspec
+    listed them, after checking its model folder, so that every command takes it again."""
+    from recspec.models.checkpoint import upgrade_run_dir
+
+    listing, names = upgrade_run_dir(folder)
+    typer.echo(f"listed {', '.join(names)} in {listing}" if names else f"{listing} already lists the run files; "
+               f"nothing to do")
+
+
 @app.command("recommend")
 def recommend_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train` or `recspec import`, or with "
@@ -563,6 +591,10 @@ def serve_command(
     max_queue: Annotated[int, typer.Option(help="Requests waiting at most; more get 503 with Retry-After.")] = 256,
     timeout_s: Annotated[float, typer.Option(help="Per-request deadline (504 past it, the work dropped).")] = 30.0,
     max_body_kb: Annotated[int, typer.Option(help="Largest request body accepted (413 above).")] = 1024,
+    auto_k: Annotated[Optional[list[int]], typer.Option(help="With --decoder auto: a k it makes its choices for "
+                                                             "before it is ready (repeatable; default 10); "
+                                                             "another k runs tree-beam until measured in the "
+                                                             "background.")] = None,
     draft_beams: DraftBeamsOpt = 40,
     gamma: GammaOpt = None,
     temperature: TemperatureOpt = 1.0,
@@ -580,31 +612,36 @@ def serve_command(
     Ctrl-C: stop accepting, answer what is in flight, exit 0. With --engine ray: the same service as
     --replicas Ray Serve replicas behind Serve's proxy on HOST:PORT."""
     _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
-              max_body_kb=max_body_kb, replicas=replicas)
+              max_body_kb=max_body_kb, replicas=replicas, auto_k=min(auto_k) if auto_k else None)
     if _engine(engine, address).name == "local" and replicas is not None:
         raise RecspecError("--replicas counts Ray Serve replicas: use it with --engine ray")
     if not 0 <= port < 65536:
         raise RecspecError(f"--port must lie in [0, 65535], got {port}")
     if max_wait_ms < 0 or timeout_s <= 0:
         raise RecspecError("--max-wait-ms must be at least 0 and --timeout-s above 0")
-    from recspec.recommend import DecodeOptions, check_decoder, check_folders
-    from recspec.serve.app import ServeConfig
+    from recspec.serve.listen import listen
 
-    check_decoder(decoder, draft is not None)
-    check_folders(target, draft)  # a wrong folder is named before the server starts
-    config = ServeConfig(target=target, draft=draft, decoder=decoder, device=_device(device), max_batch=max_batch,
-                         max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s,
-                         max_body_bytes=max_body_kb * 1024, threads=threads,
-                         options=DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature,
-                                               seed=seed))
-    if engine == "ray":
-        from recspec.serve.on_ray import serve_on_ray
+    # a busy port is refused before anything loads; the socket is closed however the command ends
+    with listen(host, port) if engine == "local" else contextlib.nullcontext() as listener:
+        from recspec.recommend import DecodeOptions, check_decoder, check_folders
+        from recspec.serve.app import ServeConfig
+        from recspec.serve.schemas import DEFAULT_K
 
-        code = serve_on_ray(config, host, port, replicas or 1, address)
-    else:
-        from recspec.serve.run import serve
+        check_decoder(decoder, draft is not None)
+        check_folders(target, draft)  # a wrong folder is named before the server starts
+        config = ServeConfig(target=target, draft=draft, decoder=decoder, device=_device(device),
+                             max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s,
+                             max_body_bytes=max_body_kb * 1024, threads=threads,
+                             options=DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature,
+                                                   seed=seed), auto_k=tuple(sorted(set(auto_k or [DEFAULT_K]))))
+        if listener is None:
+            from recspec.serve.on_ray import serve_on_ray
 
-        code = serve(config, host, port)
+            code = serve_on_ray(config, host, port, replicas or 1, address)
+        else:
+            from recspec.serve.run import serve
+
+            code = serve(config, listener)
     if code:
         raise typer.Exit(code)
 

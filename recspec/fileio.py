@@ -3,9 +3,11 @@
 Nothing recspec writes is ever half-written: files go to a temporary name in the same folder
 and are renamed into place; output directories are assembled under a temporary name and
 renamed as a whole. Files and folders get the modes the umask allows (``tempfile`` would leave
-them 0600 / 0700). Folders recspec writes (model folders) carry ``checksums.json``, the sha256 of
-every file, checked when the folder is loaded. JSON is read strictly (a duplicate key is an
-error naming the line) and written strictly (never a bare ``NaN``).
+them 0600 / 0700), or, for a ``private`` folder, the owner's bits alone. Folders recspec writes
+(model folders) carry ``checksums.json``, the sha256 of every file (or of the files named), checked
+when the folder is loaded; a reader names the files that must be listed, so that a listing cut
+short (or emptied) is refused rather than trusted for what it leaves out. JSON is read strictly
+(a duplicate key is an error naming the line) and written strictly (never a bare ``NaN``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import re
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,23 +180,26 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(path: Path, overwrite: bool = False, private: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``path`` as a whole when the block succeeds,
     every file and folder in it given the mode the umask gives new ones.
 
     An existing ``path`` is refused unless ``overwrite`` is set, in which case it is replaced
-    only after the new contents are complete.
+    only after the new contents are complete. ``private``: the folder stays closed to everyone but
+    the owner (0700) while it is filled and keeps only the owner's bits of those modes, whatever
+    the umask: for code that is to be loaded, which no one else may alter on its way.
     """
     path = Path(path)
     check_output_dir(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    os.chmod(tmp, umask_mode(directory=True))
+    keep = 0o700 if private else 0o777
+    os.chmod(tmp, umask_mode(directory=True) & keep)
     try:
         yield tmp
         for inner in tmp.rglob("*"):  # writers that keep files private (transformers' weights) included
             if not inner.is_symlink():
-                os.chmod(inner, umask_mode(directory=inner.is_dir()))
+                os.chmod(inner, umask_mode(directory=inner.is_dir()) & keep)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -207,11 +212,14 @@ def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def record_checksums(folder: Path) -> None:
-    """Write ``folder/checksums.json``: the size and sha256 of every file below ``folder``."""
+def record_checksums(folder: Path, names: Sequence[str] | None = None) -> None:
+    """Write ``folder/checksums.json``: the size and sha256 of the files ``names`` (relative to
+    ``folder``), or of every file below ``folder``."""
     folder = Path(folder)
+    paths = sorted(folder / name for name in names) if names is not None else \
+        [path for path in sorted(folder.rglob("*")) if path.is_file() and path.name != CHECKSUMS]
     files = {str(path.relative_to(folder)): {"sha256": sha256_file(path), "size": path.stat().st_size}
-             for path in sorted(folder.rglob("*")) if path.is_file() and path.name != CHECKSUMS}
+             for path in paths}
     write_json_atomic(folder / CHECKSUMS, {"files": files})
 
 
@@ -228,14 +236,19 @@ def _identity(folder: Path, names: list[str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def verify_checksums(folder: Path, remedy: str) -> None:
-    """Check every file listed in ``folder/checksums.json`` (present, same size, same sha256);
-    a one-line error names the first damaged file and ends with ``remedy``. A folder is re-hashed
-    only when one of its files changed since this process last verified it."""
+def verify_checksums(folder: Path, remedy: str, required: Iterable[str] = ()) -> None:
+    """Check every file listed in ``folder/checksums.json`` (present, same size, same sha256) and
+    that the listing names each of ``required`` (a listing that leaves a file out vouches for
+    nothing about it); a one-line error names the first damaged or unlisted file and ends with
+    ``remedy``. A folder is re-hashed only when one of its files changed since this process last
+    verified it."""
     folder = Path(folder)
     listing = read_json(folder / CHECKSUMS) if (folder / CHECKSUMS).is_file() else None
     if not isinstance(listing, dict) or not isinstance(listing.get("files"), dict):
         raise RecspecError(f"{folder / CHECKSUMS}: missing or damaged; {remedy}")
+    unlisted = next((name for name in required if name not in listing["files"]), None)
+    if unlisted is not None:
+        raise RecspecError(f"{folder / CHECKSUMS}: does not list {unlisted}, so it cannot be checked; {remedy}")
     names = sorted(listing["files"])
     for name in names:
         path = folder / name
@@ -247,6 +260,7 @@ def verify_checksums(folder: Path, remedy: str) -> None:
         return
     for name in names:
         path, entry = folder / name, listing["files"][name]
-        if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
+        if not isinstance(entry, dict) or path.stat().st_size != entry.get("size") \
+                or sha256_file(path) != entry.get("sha256"):
             raise RecspecError(f"{path}: damaged (its sha256 differs from {CHECKSUMS}); {remedy}")
     _VERIFIED[key] = identity

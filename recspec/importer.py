@@ -7,10 +7,15 @@ item to its identifier tokens (``{"item": ["<a_1>", "<b_2>", ...]}``, the layout
 ``item_index.json``) and a prompt: text with a ``{history}`` slot
 (:class:`~recspec.models.examples.TextTemplate`, optionally rendered by the tokenizer's chat
 template) or the template of one of recspec's presets. :func:`peer_parts` checks all of it before
-any weight is read, each problem one line: identifier tokens missing from the tokenizer or not one
-token each, token ids beyond the model's embeddings, a template without ``{history}`` or one whose
-pieces tokenize otherwise than the whole prompt text, an index that knows none of the data set's
-items, a folder without safetensors weights. :func:`import_checkpoint` then writes the folder
+any weight is read, each problem one line: a folder that asks for its own code to be run (an
+``auto_map``, a model or tokenizer class transformers lacks: refused before transformers could ask
+whether to run it), a config whose model is not exactly what the safetensors headers hold (weights
+missing, unexpected or of another shape, absurd sizes: :func:`~recspec.hub.check_weights_fit`), a
+malformed config or tokenizer, a folder recspec wrote itself (it needs no import), identifier tokens
+missing from the tokenizer or not one token each, token ids beyond the model's embeddings, a
+template without ``{history}`` or one whose pieces tokenize otherwise than the whole prompt text
+(or that the tokenizer cannot tokenize at all), an index that knows none of the data set's items, a
+folder without safetensors weights. :func:`import_checkpoint` then writes the folder
 `recspec train` writes (``best/`` with the weights, tokenizer, ``recspec.json`` and checksums;
 ``item_index.json`` and ``run.json`` beside it), atomically, so that every command takes it;
 :func:`load_peer` builds the same :class:`~recspec.recommend.Recommender` in memory and writes
@@ -37,15 +42,14 @@ from recspec.data import Dataset, Examples, load_dataset, split_dataset
 from recspec.data.loaders import keep_items, recorded_spec
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, check_output_dir
-from recspec.hub import load_tokenizer, loading_errors
+from recspec.hub import CONFIG_FILE, check_weights_fit, load_config, load_tokenizer, loading_errors
 from recspec.itemids.build import load_index
 from recspec.models.checkpoint import (BEST_DIR, check_vocabulary_fits, load_safetensors_lm, save_model_dir,
                                        write_run_info)
 from recspec.models.examples import PromptEncoder, TextTemplate
 from recspec.models.presets import preset_template
-from recspec.models.tokenizer import check_one_token_each
+from recspec.models.tokenizer import RECSPEC_JSON, check_one_token_each
 from recspec.recommend import Recommender, check_drafts, check_k
-from recspec.statefile import OBJECT_FILES
 
 
 @dataclass(frozen=True)
@@ -80,24 +84,18 @@ class PeerParts:
 
 
 def check_model_folder(folder: Path) -> int:
-    """Check a model folder before anything is loaded from it (a ``config.json`` transformers
-    knows without remote code, safetensors weights; a folder whose weights are only pickles is
-    refused and they are never opened); the vocabulary size of its embeddings."""
-    from transformers import AutoConfig
-
+    """Check a model folder before anything is loaded from it: not a folder recspec wrote (train's
+    or import's, which every command takes as it is), a ``config.json`` transformers knows
+    without remote code (:func:`~recspec.hub.load_config`); the vocabulary size it gives the
+    embeddings (:func:`peer_parts` then checks the safetensors hold exactly that model)."""
     if not folder.is_dir():
         raise RecspecError(f"{folder}: no such model folder")
-    if not (folder / "config.json").is_file():
-        raise RecspecError(f"{folder}: no config.json; not a Hugging Face model folder")
-    if not any(folder.glob("*.safetensors")):
-        pickles = sorted(path.name for pattern in OBJECT_FILES for path in folder.glob(pattern))
-        only = (f" (only serialized Python objects: {', '.join(pickles[:3])}, which recspec never opens: they could "
-                f"run code)") if pickles else ""
-        raise RecspecError(f"{folder}: no *.safetensors weights{only}; save the model with "
-                           f"save_pretrained(safe_serialization=True)")
-    with loading_errors(folder):
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    return int(config.get_text_config().vocab_size)
+    if (folder / RECSPEC_JSON).is_file() or (folder / BEST_DIR / RECSPEC_JSON).is_file():
+        raise RecspecError(f"{folder}: already a recspec model folder (it has {RECSPEC_JSON}); pass it to --target "
+                           f"as it is, without --index")
+    if not (folder / CONFIG_FILE).is_file():
+        raise RecspecError(f"{folder}: no {CONFIG_FILE}; not a Hugging Face model folder")
+    return int(load_config(folder).get_text_config().vocab_size)
 
 
 def check_whole_text(encoder: PromptEncoder, template: TextTemplate, dataset: Dataset, examples: Examples) -> None:
@@ -121,8 +119,10 @@ def peer_parts(spec: PeerSpec) -> PeerParts:
     vocab_size = check_model_folder(folder)
     tokenizer = load_tokenizer(folder)
     index, moved = load_index(spec.index)
-    check_one_token_each(tokenizer, index)
+    with loading_errors(folder, "tokenize the identifiers with its tokenizer"):
+        check_one_token_each(tokenizer, index)
     check_vocabulary_fits(tokenizer, vocab_size, folder, index)
+    check_weights_fit(folder)
     notes = [f"{len(moved)} items of {spec.index} shared their identifier with another item and were moved to "
              f"free last-level codes (`recspec ids show {spec.index}` lists them)"] if moved else []
     if tokenizer.pad_token_id is None:
@@ -133,7 +133,8 @@ def peer_parts(spec: PeerSpec) -> PeerParts:
         notes.append(f"the tokenizer has no pad token: {tokenizer.eos_token} pads batches (padding is masked, so "
                      f"no score changes)")
     text = spec.template if isinstance(spec.template, TextTemplate) else None
-    template = text.tokens(tokenizer) if text else preset_template(str(spec.template), tokenizer)
+    with loading_errors(folder, "tokenize the prompt template with its tokenizer"):
+        template = text.tokens(tokenizer) if text else preset_template(str(spec.template), tokenizer)
     everything = load_dataset(spec.dataset, spec.format)
     dataset = keep_items(everything, index.item_keys)
     if dataset is not everything:
@@ -141,7 +142,8 @@ def peer_parts(spec: PeerSpec) -> PeerParts:
     split = split_dataset(dataset, spec.split, spec.max_history)
     encoder = PromptEncoder(index, dataset.item_ids, tokenizer, template)
     if text:
-        check_whole_text(encoder, text, dataset, split.test if len(split.test) else split.train)
+        with loading_errors(folder, "tokenize a prompt with its tokenizer"):
+            check_whole_text(encoder, text, dataset, split.test if len(split.test) else split.train)
     info = {"dataset": recorded_spec(spec.dataset), "format": spec.format, "split": split.kind,
             "max_history": spec.max_history, "only_indexed_items": True, "imported": str(folder.resolve())}
     provenance = {"model": str(folder.resolve()), "index": str(Path(spec.index).resolve()),

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from recspec.decoding import TopK, hf_beam_search
 from recspec.errors import RecspecError
+from recspec.fileio import CHECKSUMS
 from recspec.importer import PeerSpec, import_checkpoint, load_peer, peer_parts
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import BEST_DIR, INDEX_FILE, RUN_FILE
@@ -102,7 +103,7 @@ def imported(peers: dict[str, Path], released_index: Path, beauty_dir: Path) -> 
 
 def test_imported_folder_is_a_recspec_model_folder(imported: dict[str, Path], peers: dict[str, Path]) -> None:
     folder = imported["target"]
-    assert sorted(path.name for path in folder.iterdir()) == sorted([INDEX_FILE, BEST_DIR, RUN_FILE])
+    assert sorted(path.name for path in folder.iterdir()) == sorted([INDEX_FILE, BEST_DIR, RUN_FILE, CHECKSUMS])
     names = {path.name for path in (folder / BEST_DIR).iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "recspec.json", "checksums.json"} <= names
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in names)  # the pickle stays behind, unopened

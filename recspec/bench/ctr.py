@@ -190,7 +190,8 @@ def knowledge_vectors(texts: Mapping[int, str], count: int, model: str, max_leng
     from recspec.itemids.embed import embed_texts
     from recspec.hub import resolve_model_dir
 
-    out = np.zeros((count, AutoConfig.from_pretrained(resolve_model_dir(model)).hidden_size), dtype=np.float32)
+    hidden = AutoConfig.from_pretrained(resolve_model_dir(model), trust_remote_code=False).hidden_size
+    out = np.zeros((count, hidden), dtype=np.float32)
     if texts:
         entities = sorted(texts)
         out[entities] = embed_texts([texts[e] for e in entities], model=model, max_length=max_length)

@@ -27,8 +27,8 @@ def _forward_gflop(model_dir: Path, texts: list[str], max_length: int = 64) -> f
     """Forward FLOPs of the embedding pass: 2 x non-embedding parameters x real tokens."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(model_dir)
-    tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(model_dir)(
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)(
         texts, truncation=True, max_length=max_length)["input_ids"])
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     kv = config.num_key_value_heads * (h // config.num_attention_heads)

@@ -3,8 +3,13 @@
 A training run's ``out_dir`` holds ``best/`` and ``checkpoint/`` model folders (Hugging Face
 weights and config, the tokenizer with ``recspec.json``, ``checksums.json``; the checkpoint also
 the trainer's state, :mod:`recspec.statefile`), and beside them ``item_index.json`` and
-``run.json`` (the data set, format, split and history cap it was trained with). Every folder is
-written whole under a temporary name and checked against its checksums when it is read.
+``run.json`` (the data set, format, split and history cap it was trained with), listed with their
+sha256 in the ``out_dir``'s own ``checksums.json``. Every folder is written whole under a temporary
+name and checked against its checksums when it is read, and a listing must name every file that
+decides the model's answers (:data:`MODEL_FILES`, :data:`RUN_FILES`): one that leaves such a file
+out is refused, not trusted for what it omits. A training folder written before recspec listed its
+run files is refused with a line naming ``recspec upgrade``, which lists them
+(:func:`upgrade_run_dir`) after checking its model folder.
 """
 
 from __future__ import annotations
@@ -23,12 +28,24 @@ from recspec.models.examples import PromptEncoder
 from recspec.models.fused_projections import use_fused_projections
 from recspec.models.lean_forward import use_lean_forward
 from recspec.models.small_rows import streams_weights, use_small_row_products
-from recspec.models.tokenizer import (check_index, identifier_token_ids, index_fingerprint, load_tokenizer_dir,
-                                      read_metadata, save_tokenizer)
+from recspec.models.tokenizer import (RECSPEC_JSON, check_index, identifier_token_ids, index_fingerprint,
+                                      load_tokenizer_dir, read_metadata, save_tokenizer)
 from recspec.statefile import changed_settings, has_state, load_state, refuse_object_files, save_state
 
 CHECKPOINT_DIR, BEST_DIR, STATE_NAME, WEIGHTS_FILE = "checkpoint", "best", "trainer_state", "model.safetensors"
 RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
+#: The files beside ``best/`` that decide a trained model's answers (its item identifiers; its data
+#: set, split and history cap), listed in the training folder's ``checksums.json``.
+RUN_FILES = (INDEX_FILE, RUN_FILE)
+#: The files of a model folder that decide its answers (weights, architecture, tokenizer, item
+#: index fingerprint and prompt template in ``recspec.json``): its listing must name each.
+MODEL_FILES = ("config.json", WEIGHTS_FILE, RECSPEC_JSON)
+#: Files transformers reads from a model folder where present (generation settings, tokenizer): a
+#: listing must name each one the folder holds.
+MODEL_FILES_IF_PRESENT = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                          "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+MODEL_REMEDY = "the model folder is damaged; train it again or restore it from a copy"
+RUN_REMEDY = "the training folder is damaged; train it again or restore it from a copy"
 
 
 def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
@@ -49,14 +66,50 @@ def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> Non
     out_dir.mkdir(parents=True, exist_ok=True)
     index.save(out_dir / INDEX_FILE)
     write_json_atomic(out_dir / RUN_FILE, info)
+    record_checksums(out_dir, RUN_FILES)
+
+
+def run_folder(model_dir: Path) -> Path:
+    """The training folder of ``model_dir``: itself or its parent (for ``best/``), whichever holds
+    ``run.json`` and ``item_index.json``."""
+    for folder in (model_dir, model_dir.parent):
+        if (folder / RUN_FILE).is_file() and (folder / INDEX_FILE).is_file():
+            return folder
+    raise RecspecError(f"{model_dir}: no {RUN_FILE} / {INDEX_FILE}; not a folder written by `recspec train`")
+
+
+def verify_run_files(folder: Path) -> None:
+    """Check the training folder's ``run.json`` and ``item_index.json`` against its
+    ``checksums.json``, which must list both; a folder without that listing (written before recspec
+    kept one) is refused with a line naming ``recspec upgrade``."""
+    if not (folder / CHECKSUMS).is_file():
+        raise RecspecError(f"{folder}: no {CHECKSUMS} covers its {RUN_FILE} and {INDEX_FILE} (a folder written by an "
+                           f"earlier recspec); run `recspec upgrade {folder}` once to check and list them")
+    verify_checksums(folder, RUN_REMEDY, RUN_FILES)
 
 
 def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The training folder of ``model_dir`` (itself or its parent, for ``best/``) and its ``run.json``."""
-    for folder in (model_dir, model_dir.parent):
-        if (folder / RUN_FILE).is_file() and (folder / INDEX_FILE).is_file():
-            return folder, read_json(folder / RUN_FILE)
-    raise RecspecError(f"{model_dir}: no {RUN_FILE} / {INDEX_FILE}; not a folder written by `recspec train`")
+    """The training folder of ``model_dir`` (itself or its parent, for ``best/``) and its ``run.json``,
+    both run files checked against the folder's listing first (:func:`verify_run_files`)."""
+    folder = run_folder(model_dir)
+    verify_run_files(folder)
+    return folder, read_json(folder / RUN_FILE)
+
+
+def upgrade_run_dir(path: str | Path) -> tuple[Path, tuple[str, ...]]:
+    """List the run files of a training folder written before recspec listed them (``path``: the
+    folder or its ``best/``): its model folder is checked against its own listing and the item
+    index against the model's, then ``checksums.json`` beside them lists ``run.json`` and
+    ``item_index.json``. The listing's path and the files it lists, none where the folder had a
+    listing already (which is checked, never rewritten: that would bless an edit)."""
+    folder = run_folder(Path(path))
+    if (folder / CHECKSUMS).is_file():
+        verify_run_files(folder)
+        return folder / CHECKSUMS, ()
+    check_index(trained_model_dir(folder), ItemIndex.load(folder / INDEX_FILE))
+    read_json(folder / RUN_FILE)  # strict JSON: a malformed record is named, not listed
+    record_checksums(folder, RUN_FILES)
+    return folder / CHECKSUMS, RUN_FILES
 
 
 def load_weights(model, folder: Path) -> None:
@@ -129,7 +182,7 @@ class ModelFolders:
             refuse_object_files(self.checkpoint_path, self.REMEDY)
         if not has_state(self.checkpoint_path, STATE_NAME):
             return None
-        verify_checksums(self.checkpoint_path, self.REMEDY)
+        verify_model_dir(self.checkpoint_path, self.REMEDY)
         check_index(self.checkpoint_path, self.encoder.index)
         return load_state(self.checkpoint_path, STATE_NAME, self.REMEDY)
 
@@ -161,17 +214,26 @@ def weights_fingerprint(model_dir: Path, name: str = WEIGHTS_FILE) -> str:
     return sha256_file(model_dir / name)
 
 
+def verify_model_dir(folder: Path, remedy: str = MODEL_REMEDY) -> None:
+    """Check a model folder against its ``checksums.json``, which must list every file that decides
+    its answers (:data:`MODEL_FILES`, and those of :data:`MODEL_FILES_IF_PRESENT` it holds)."""
+    present = [name for name in MODEL_FILES_IF_PRESENT if (folder / name).exists()]
+    verify_checksums(folder, remedy, (*MODEL_FILES, *present))
+
+
 def trained_model_dir(path: str | Path) -> Path:
     """The model folder of a training ``out_dir`` (its ``best/``), or ``path`` itself (a ``best/`` or
-    ``checkpoint/`` folder), its files checked against its ``checksums.json``; a folder holding no
-    trained model, or a damaged one, is an error naming the file."""
+    ``checkpoint/`` folder), its files checked against its ``checksums.json``
+    (:func:`verify_model_dir`); a folder holding no trained model (a training folder without
+    ``best/`` included), or a damaged one, is an error naming the file."""
     path = Path(path)
     if not path.exists():
         raise RecspecError(f"{path}: no such folder; train a model first")
     folder = path / BEST_DIR if (path / BEST_DIR).is_dir() else path
-    if not any((folder / name).is_file() for name in (CHECKSUMS, "config.json", WEIGHTS_FILE)):
+    if (folder / RUN_FILE).is_file() or not any((folder / name).is_file()
+                                                 for name in (CHECKSUMS, "config.json", WEIGHTS_FILE)):
         raise RecspecError(f"{path}: not a trained model folder (no {BEST_DIR}/ and no config.json + {WEIGHTS_FILE})")
-    verify_checksums(folder, "the model folder is damaged; train it again or restore it from a copy")
+    verify_model_dir(folder)
     read_metadata(folder)
     return folder
 
@@ -210,13 +272,18 @@ def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu
 def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
     """The causal LM of a model folder on the CPU, in eval mode: weights from safetensors only
     (a pickle is never opened), no code from the folder (no ``trust_remote_code``), every weight
+    the config describes present in them with its shape before any is read
+    (:func:`~recspec.hub.check_weights_fit`: none is left randomly initialised), every weight
     checked finite, grouped-query attention over several rows packed (:mod:`recspec.models.attention`),
     and a small Llama's decoding calls made by one function (:mod:`recspec.models.lean_forward`).
     ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
     from transformers import AutoModelForCausalLM
 
+    from recspec.hub import check_weights_fit
+
+    config = check_weights_fit(folder)
     with loading_errors(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True,
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=False)
     check_finite_weights(model, folder)
     model = use_packed_attention(model.eval())

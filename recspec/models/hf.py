@@ -24,6 +24,6 @@ def load_causal_lm(spec: str | Path, device: str | torch.device = "cpu", dtype: 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     folder = resolve_model_dir(spec)
     with loading_errors(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False, **extra)
     check_finite_weights(model, folder)
     return use_packed_attention(use_fused_projections(use_small_row_products(model.to(device).eval())))

@@ -10,24 +10,40 @@ group of rows, so a call's products over 1 to 6 rows cost what reading its weigh
 The kernel is C++ compiled here against torch's headers and libraries (a C++ compiler is needed)
 into ``$RECSPEC_CACHE/kernels/rows-<source digest>-<torch>/`` the first time a process asks for it
 (about 10 seconds; :func:`build` or ``recspec assets kernel`` does it ahead), under a file lock so
-that parallel processes build it once. The folder's files are
-checksummed (``checksums.json``) and checked before the library is loaded; a damaged build is made
-again. Where it cannot be built or used (not x86-64 with AVX2 and FMA, no compiler, a build error,
-or ``RECSPEC_ROW_KERNEL=0``) :func:`available` says so once, with the reason, and recspec computes
-with torch's kernels as before.
+that parallel processes build it once. The folder's files are checksummed (``checksums.json``) and
+checked before the library is loaded; a damaged build is made again. Where it cannot be built or
+used (not x86-64 with AVX2 and FMA, no compiler, a build error, or ``RECSPEC_ROW_KERNEL=0``)
+:func:`available` says so once, with the reason, and recspec computes with torch's kernels as before.
+
+**What is trusted.** Loading the library runs its code in the process (a library's constructors
+run as it is loaded), so recspec loads only a library no one but the running user could have put
+or changed there. Trusted: the C++ source in the installed package, the compiler (``$CXX``), torch's
+headers and libraries, and folders and files that the running user owns and nobody else may write.
+Not trusted: a cache another user owns or can write (a cache shared between users, a group-writable
+``$RECSPEC_CACHE``). ``checksums.json`` beside the library catches damage (a torn or altered build),
+not a writer of the cache, who can rewrite the listing with the library. So, as ssh does for its
+keys (:func:`distrust`), the library file, its folder and every folder up to the cache root must be
+the running user's and writable by no group or other user, and the folders above the cache root the
+user's or root's and, where others may write them, sticky (``/tmp``): no one else can then replace
+any of them between the check and the load. Where that fails, the kernel is built privately for the
+process (a fresh 0700 folder, removed once loaded) and a warning names the path and the reason,
+once; where that build fails too, products run on torch's kernels. recspec writes its build
+folders private (0700, files 0600) whatever the umask, so that no one can alter a build while it
+is made.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,10 +83,40 @@ def unsupported() -> str | None:
     return None
 
 
+def distrust(path: Path, root: Path) -> str | None:
+    """Why ``path`` (a file or folder inside ``root``) might hold what someone other than the
+    running user put there, or None where it cannot: ``path`` and every folder from it up to
+    ``root`` must be owned by the running user and writable by no group or other user, and every
+    folder above ``root`` owned by the user or root and, where others may write it, sticky (as
+    ``/tmp``), so that nobody else can alter or replace any of them (ssh's rule for its keys)."""
+    uid = os.geteuid()
+    path, root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if path != root and root not in path.parents:
+        return f"{path} lies outside {root} (a symbolic link leads out)"
+    for part in (path, *path.parents):
+        info = os.lstat(part)
+        mode = stat.S_IMODE(info.st_mode)
+        if stat.S_ISLNK(info.st_mode):
+            return f"{part} became a symbolic link"
+        if part == root or root in part.parents:
+            if info.st_uid != uid:
+                return f"{part} is owned by uid {info.st_uid}, not by this user (uid {uid})"
+            if mode & 0o022:
+                return f"{part} is writable by group or others (mode {mode:o}; `chmod go-w` it)"
+        elif info.st_uid not in (uid, 0):
+            return f"{part} is owned by uid {info.st_uid}, neither this user (uid {uid}) nor root"
+        elif mode & 0o022 and not mode & stat.S_ISVTX:
+            return f"{part} is writable by group or others and not sticky (mode {mode:o})"
+    return None
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if needed) for the block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Hold an exclusive lock on ``path`` (created if needed, in a folder that exists) for the block."""
+    try:
+        import fcntl  # POSIX only; imported here so that the module imports everywhere
+    except ImportError:
+        raise RecspecError(f"recspec's small-row kernel is not used: {unsupported() or 'no file locks here'}") from None
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -79,50 +125,104 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@functools.cache
 def build() -> Path:
-    """The kernel's shared library, built (once, under a lock) and checked against its checksums,
-    then loaded into ``torch.ops.recspec_rows``; raises :class:`RecspecError` where it cannot be."""
+    """The kernel's shared library, loaded into ``torch.ops.recspec_rows`` (once per process): the
+    cache's build (made once, under a lock, and checked against its checksums) where the cache is
+    the running user's own (module doc), else one built privately for this process, with a
+    warning naming the path and the reason; raises :class:`RecspecError` where it cannot be."""
     reason = unsupported()
     if reason is not None:
         raise RecspecError(f"recspec's small-row kernel is not used: {reason}")
     folder = build_dir()
-    library = folder / f"{LIBRARY}.so"
-    with _locked(folder.with_name(folder.name + ".lock")):
-        if folder.is_dir():
-            try:
-                verify_checksums(folder, "it is built again")
-            except RecspecError as err:
-                warnings.warn(f"{err}", stacklevel=2)
-                shutil.rmtree(folder)
-        if not folder.is_dir():
-            _compile(folder)
-        try:
-            torch.ops.load_library(str(library))
-        except (OSError, RuntimeError) as err:
-            raise RecspecError(f"recspec's small-row kernel did not load: {str(err).splitlines()[0]}") from err
+    try:
+        doubt = _load_cached(folder)
+    except OSError as err:  # a cache that cannot be written (read-only) or a folder that went away
+        doubt = f"{err.filename or folder}: {err.strerror}"
+    if doubt is None:
+        return folder / f"{LIBRARY}.so"
+    library = _load_private(doubt)
+    warnings.warn(f"{folder}: recspec's small-row kernel there is not loaded, as {doubt}; it was built privately "
+                  f"for this process instead (a cache only you can write keeps one build)", stacklevel=2)
     return library
 
 
-def _compile(folder: Path) -> None:
-    """Compile :data:`SOURCE` into ``folder`` (atomically, with checksums), against the running
-    torch's headers and libraries."""
+def _load_cached(folder: Path) -> str | None:
+    """Load the cache's build in ``folder`` (built again when missing or damaged) where
+    :func:`distrust` finds nothing against it; None once loaded, else why not."""
+    root = cache_dir()
+    missing = [part for part in (folder.parent, *folder.parent.parents) if not part.exists()]
+    for part in reversed(missing):  # the cache root and kernels/ are made writable by their owner alone
+        part.mkdir(mode=0o755, exist_ok=True)
+    doubt = distrust(folder.parent, root)  # before the lock is taken there
+    if doubt is not None:
+        return doubt
+    with _locked(folder.with_name(folder.name + ".lock")):
+        if folder.is_dir():
+            doubt = distrust(folder, root)  # a foreign build is neither checked nor removed
+            if doubt is not None:
+                return doubt
+            try:
+                verify_checksums(folder, "it is built again")
+            except RecspecError as err:
+                warnings.warn(f"{err}", stacklevel=3)
+                shutil.rmtree(folder)
+        if not folder.is_dir():
+            with atomic_dir(folder, private=True) as tmp:
+                _compile(tmp, folder)
+                record_checksums(tmp)
+        doubt = distrust(folder / f"{LIBRARY}.so", root)
+        if doubt is None:
+            _load(folder / f"{LIBRARY}.so")
+    return doubt
+
+
+def _load_private(doubt: str) -> Path:
+    """Build the kernel into a fresh private folder (0700) and load it from there; the folder is
+    removed once loaded (the process keeps the library mapped). ``doubt``: why the cache's build
+    is not used, named in the error where this fails too."""
+    private = Path(tempfile.mkdtemp(prefix="recspec-rows-"))
+    library = private / f"{LIBRARY}.so"
+    try:
+        _compile(private, private)
+        unsafe = distrust(library, private)
+        if unsafe is not None:
+            raise RecspecError(f"recspec's small-row kernel is not used: its private build is not safe ({unsafe})")
+        _load(library)
+    except RecspecError as err:
+        raise RecspecError(f"{err} (the cache's build is not loaded, as {doubt})") from None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return library
+
+
+def _load(library: Path) -> None:
+    """Load ``library`` into ``torch.ops``; :class:`RecspecError` where it does not load."""
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as err:
+        raise RecspecError(f"recspec's small-row kernel did not load: {str(err).splitlines()[0]}") from err
+
+
+def _compile(folder: Path, shown: Path) -> None:
+    """Compile :data:`SOURCE` into ``folder`` against the running torch's headers and libraries,
+    saying so (the build ends up in ``shown``)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    print(f"recspec: building the small-row kernel into {folder} (once, about 10 s)", file=sys.stderr, flush=True)
+    print(f"recspec: building the small-row kernel into {shown} (about 10 s)", file=sys.stderr, flush=True)
     abi = int(torch.compiled_with_cxx11_abi())
-    with atomic_dir(folder) as tmp:
-        command = [os.environ.get("CXX", "c++"), *FLAGS, "-std=c++17", "-shared", "-fPIC",
-                   f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths()),
-                   str(SOURCE), "-o", str(tmp / f"{LIBRARY}.so"),
-                   *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as err:
-            raise RecspecError(f"recspec's small-row kernel did not build within {COMPILE_TIMEOUT_S} s") from err
-        if done.returncode != 0:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-            raise RecspecError(f"recspec's small-row kernel did not build: {first}")
-        record_checksums(tmp)
+    command = [os.environ.get("CXX", "c++"), *FLAGS, "-std=c++17", "-shared", "-fPIC",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths()),
+               str(SOURCE), "-o", str(folder / f"{LIBRARY}.so"),
+               *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        raise RecspecError(f"recspec's small-row kernel did not build within {COMPILE_TIMEOUT_S} s") from err
+    if done.returncode != 0:
+        first = next((line for line in done.stderr.splitlines() if "error" in line),
+                     done.stderr.strip()[:200] or f"{command[0]} exited with status {done.returncode}")
+        raise RecspecError(f"recspec's small-row kernel did not build: {first}")
 
 
 @functools.cache

@@ -187,7 +187,7 @@ def load_tokenizer_dir(folder: Path, index: ItemIndex | None = None):
     if not (folder / "tokenizer.json").is_file():
         raise RecspecError(f"{folder}: no tokenizer.json")
     with loading_errors(folder):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     if index is not None:
         identifier_token_ids(tokenizer, index)
     return tokenizer

@@ -8,10 +8,14 @@ as a Ray Serve replica does) starts batching at once. Endpoints: ``POST /v1/reco
 ``POST /v1/chat/completions`` (OpenAI-style, for models whose prompts are chat messages),
 ``GET /v1/models``, ``GET /metrics``.
 
-Every refusal is JSON ``{"error": {"kind": ..., "message": ...}}`` with a 4xx status, decided
-before any model work: malformed JSON (400), a body over ``max_body_bytes`` (413), a body of the
-wrong shape or types (422), unknown or repeated items, a bad ``k`` or decoder (422), a full
-queue (503 with ``Retry-After``), a passed deadline (504).
+Every refusal is JSON ``{"error": {"kind": ..., "message": ...}}`` (made by one function,
+:func:`error_response`), decided before any model work: a body that is not JSON (malformed,
+invalid UTF-8, nested deeper than the parser goes: 400), a body over ``max_body_bytes`` (413), a
+body of the wrong shape or types, a string that is not valid Unicode (a lone surrogate) or an
+absurd size (422), unknown or repeated items, a bad ``k`` or decoder (422), a full queue (503 with
+``Retry-After``), a passed deadline (504); an unknown path (404) or method (405) and a failure of
+the server itself (500) have the same shape. An answer with fewer than ``k`` items says why
+(``fewer_reason``: :mod:`recspec.serve.service`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.tokenizer import index_fingerprint
@@ -44,11 +49,23 @@ from recspec.serve.service import Answer, BadRequest, Query, RecommendService
 log = logging.getLogger("recspec.serve")
 
 
+#: The message of a body that is not JSON the service can read.
+MALFORMED = "the body is not valid JSON; send one JSON object as UTF-8 text"
+#: The kind and message of the refusals the framework makes (FastAPI's HTTPException), by status.
+FRAMEWORK_REFUSALS = {
+    400: ("malformed_json", MALFORMED),
+    404: ("not_found", "no such endpoint; the service answers POST /v1/recommend, POST /v1/chat/completions, "
+                       "GET /health, GET /v1/models and GET /metrics"),
+    405: ("method_not_allowed", "this endpoint does not take that method; see GET /docs"),
+}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """What ``recspec serve`` takes: the model folders, the default decoder and its options, the
     batching limits (``max_batch`` 1 serves one request at a time), the request deadline and body
-    limit, torch threads (None: leave torch's default)."""
+    limit, torch threads (None: leave torch's default), and the values of ``k`` an ``auto`` server
+    makes its choices for before it is ready (``auto_k``; others are measured in the background)."""
 
     target: Path
     draft: str | None = None
@@ -61,11 +78,14 @@ class ServeConfig:
     timeout_s: float = 30.0
     max_body_bytes: int = 1 << 20
     threads: int | None = None
+    auto_k: tuple[int, ...] = (DEFAULT_K,)
     on_failure: Callable[[BaseException], None] = field(default=lambda err: None, compare=False)
 
 
-def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None,
-           **extra: Any) -> JSONResponse:
+def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None,
+                   **extra: Any) -> JSONResponse:
+    """The service's one error body, ``{"error": {"kind", "message", ...extra}}``, with ``status``:
+    every refusal and failure is made here, so its shape is decided in one place."""
     return JSONResponse({"error": {"kind": kind, "message": message, **extra}}, status, headers=headers)
 
 
@@ -80,7 +100,7 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        too_large = _error(413, "too_large", f"the request body exceeds {self.limit} bytes")
+        too_large = error_response(413, "too_large", f"the request body exceeds {self.limit} bytes")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await too_large(scope, receive, send)
         seen, exceeded, answered = 0, False, False
@@ -124,7 +144,7 @@ class State:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         recommender = Recommender.load(config.target, device=config.device, draft_dir=config.draft)
-        service = RecommendService(recommender, config.decoder, config.options, config.max_batch)
+        service = RecommendService(recommender, config.decoder, config.options, config.max_batch, serving=True)
         self.models = {
             "target": str(recommender.folder), "target_sha256": weights_fingerprint(recommender.folder),
             "draft": recommender.draft_names,
@@ -132,9 +152,10 @@ class State:
             "items": service.num_items, "identifier_length": recommender.trie.depth,
             "decoders": service.decoders, "default_decoder": service.decoder, "chat": service.chat,
             "max_history": service.max_history, "device": config.device, "threads": torch.get_num_threads()}
-        if service.decoder == "auto":  # measured before /health says ready, not in the first requests
-            self.models["auto"] = [{"k": DEFAULT_K, "batch": size, "decoder": choice.decoder, "reason": choice.reason}
-                                   for size, choice in service.prepare(DEFAULT_K).items()]
+        if service.decoder == "auto":  # measured before /health says ready, not in the requests
+            for k in config.auto_k:
+                service.check_k(k)
+                service.prepare(k)
         self.service = service
 
     async def start(self) -> None:
@@ -156,12 +177,13 @@ class State:
         self.batcher.start()
         log.info("recspec serve: ready (%s)", self.models)
 
-    def refuse(self, endpoint: str, status: int, kind: str, message: str, headers: dict[str, str] | None = None,
-               **extra: Any) -> JSONResponse:
-        """The refusal of a request, counted by kind and by status."""
+    def refuse(self, endpoint: str | None, status: int, kind: str, message: str,
+               headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+        """The refusal of a request, counted by kind and, for an ``endpoint`` of the service, by status."""
         self.metrics.errors.labels(kind).inc()
-        self.metrics.requests.labels(endpoint, str(status)).inc()
-        return _error(status, kind, message, headers, **extra)
+        if endpoint is not None:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+        return error_response(status, kind, message, headers, **extra)
 
     async def answer(self, request: Request, endpoint: str, parse: Callable[[RecommendService], Query],
                      respond: Callable[[Query, Answer, RecommendStats], Any]) -> Any:
@@ -233,16 +255,24 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = err.errors()
         if "json" not in request.headers.get("content-type", ""):
-            state.metrics.errors.labels("not_json").inc()
-            return _error(415, "not_json", "send the body as JSON, with Content-Type: application/json")
+            return state.refuse(None, 415, "not_json", "send the body as JSON, with Content-Type: application/json")
         if any(e.get("type") == "json_invalid" for e in errors):
-            state.metrics.errors.labels("malformed_json").inc()
-            return _error(400, "malformed_json", "the body is not valid JSON")
+            return state.refuse(None, 400, "malformed_json", MALFORMED)
         first = errors[0] if errors else {}
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        state.metrics.errors.labels("invalid").inc()
-        return _error(422, "invalid", f"{where or 'body'}: {first.get('msg', 'invalid')}",
-                      details=[{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in errors])
+        return state.refuse(None, 422, "invalid", f"{where or 'body'}: {first.get('msg', 'invalid')}",
+                            details=[{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in errors])
+
+    @app.exception_handler(HTTPException)
+    async def refused(request: Request, err: HTTPException) -> JSONResponse:
+        """What the framework refuses itself (a body it cannot parse, an unknown path or method)."""
+        kind, message = FRAMEWORK_REFUSALS.get(err.status_code, ("http", str(err.detail)))
+        return state.refuse(None, err.status_code, kind, message, err.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, err: Exception) -> JSONResponse:
+        """A failure of the server itself (uvicorn logs the traceback)."""
+        return state.refuse(None, 500, "internal", "the server failed on this request; its log says why")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -254,10 +284,11 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        if state.batcher is None:
-            return _error(503, "loading", "the models are still loading")
+        if state.batcher is None or state.service is None:
+            return error_response(503, "loading", "the models are still loading")
+        described = {**state.models, "auto": state.service.auto_choices()}  # auto's choices made so far
         return JSONResponse({"object": "list", "data": [{"id": state.models["target"], "object": "model",
-                                                         **state.models}]})
+                                                         **described}]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -267,7 +298,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def recommend(body: RecommendRequest, request: Request) -> Any:
         def respond(query: Query, result: Answer, stats: RecommendStats) -> RecommendResponse:
             return RecommendResponse(items=result.items, scores=result.scores, decoder=result.decoder,
-                                     requested_decoder=query.decoder, stats=stats)
+                                     requested_decoder=query.decoder, fewer_reason=result.fewer_reason, stats=stats)
 
         return await state.answer(request, "recommend", lambda service: service.parse(body), respond)
 
@@ -283,7 +314,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                                           model=body.model or state.models["target"], choices=choices,
                                           usage=ChatUsage(prompt_tokens=length, completion_tokens=completion,
                                                           total_tokens=length + completion),
-                                          decoder=result.decoder, stats=stats)
+                                          decoder=result.decoder, fewer_reason=result.fewer_reason, stats=stats)
 
         return await state.answer(request, "chat", lambda service: service.parse_chat(body), respond)
 

@@ -1,21 +1,49 @@
 """Request and response bodies of the service (pydantic), validated before anything reaches a model.
 
 Field types are strict: item ids are strings (a number is refused, not coerced), ``k`` an integer.
+Every string must be Unicode text that UTF-8 can carry (:data:`Text`: JSON's ``"\\ud800"`` escape
+decodes to a lone surrogate, which no answer or log line could hold), and every size is bounded
+here (lists, deadlines), so an absurd request is a 422 before anything is allocated for it.
 What depends on the loaded models (unknown items, ``k`` above the catalogue, a decoder that needs
 a draft) is checked by :class:`~recspec.serve.service.RecommendService`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 #: The most items a history or an exclusion list may name (a request larger than this is refused).
 MAX_LIST = 10_000
 
 #: Items returned when a request names no ``k``.
 DEFAULT_K = 10
+
+#: The largest ``k`` (in magnitude) a request may name; the service checks the others against the catalogue.
+MAX_K = 2**31 - 1
+
+#: The longest deadline a request may ask for (a day, in milliseconds); the server's ``--timeout-s``
+#: bounds it further.
+MAX_TIMEOUT_MS = 86_400_000
+
+
+def encodable(text: str) -> str:
+    """``text`` when UTF-8 can encode it; a lone surrogate is refused (pydantic makes it a 422)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds a lone surrogate (an unpaired \\ud800-\\udfff escape); send valid Unicode "
+                         "text") from None
+    return text
+
+
+#: A string field of a request: strict, and valid Unicode (:func:`encodable`).
+Text = Annotated[StrictStr, AfterValidator(encodable)]
+#: How many items a request asks for.
+Count = Annotated[StrictInt, Field(ge=-MAX_K, le=MAX_K)]
+#: A request's own deadline in milliseconds.
+TimeoutMs = Annotated[StrictInt, Field(ge=1, le=MAX_TIMEOUT_MS)]
 
 
 class RecommendRequest(BaseModel):
@@ -26,11 +54,11 @@ class RecommendRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    history: list[StrictStr] = Field(min_length=1, max_length=MAX_LIST)
-    k: StrictInt = DEFAULT_K
-    decoder: StrictStr | None = None
-    exclude: list[StrictStr] = Field(default_factory=list, max_length=MAX_LIST)
-    timeout_ms: StrictInt | None = Field(default=None, ge=1)
+    history: list[Text] = Field(min_length=1, max_length=MAX_LIST)
+    k: Count = DEFAULT_K
+    decoder: Text | None = None
+    exclude: list[Text] = Field(default_factory=list, max_length=MAX_LIST)
+    timeout_ms: TimeoutMs | None = None
 
 
 class RecommendStats(BaseModel):
@@ -45,11 +73,20 @@ class RecommendStats(BaseModel):
     ms: float
 
 
+#: What ``fewer_reason`` of an answer means.
+FEWER_REASON = ("why the answer holds fewer than the k items asked for (null when it holds k): dsbd draws its k "
+                "beams independently, with replacement, so an item drawn twice comes out once")
+
+
 class RecommendResponse(BaseModel):
+    """The items best first, their scores, the decoder that ran (``auto``'s choice) and the one asked
+    for, ``fewer_reason`` (:data:`FEWER_REASON`) and the request's statistics."""
+
     items: list[str]
     scores: list[float]
     decoder: str
     requested_decoder: str
+    fewer_reason: str | None = Field(default=None, description=FEWER_REASON)
     stats: RecommendStats
 
 
@@ -57,7 +94,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    content: Text
 
 
 class ChatCompletionRequest(BaseModel):
@@ -67,11 +104,11 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
-    n: StrictInt = 10
-    decoder: StrictStr | None = None
-    timeout_ms: StrictInt | None = Field(default=None, ge=1)
+    n: Count = DEFAULT_K
+    decoder: Text | None = None
+    timeout_ms: TimeoutMs | None = None
 
 
 class ChatChoiceMessage(BaseModel):
@@ -103,4 +140,5 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: ChatUsage
     decoder: str
+    fewer_reason: str | None = Field(default=None, description=FEWER_REASON)
     stats: RecommendStats

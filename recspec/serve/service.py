@@ -7,18 +7,39 @@ raise :class:`BadRequest` before any model work; ``decode`` runs queries that sh
 decode thread). Exclusions are exact: the search runs over a trie of the catalogue without those
 items (kept in a small LRU cache), so a request with ``exclude`` gets what the decoder returns
 for a catalogue that lacks them.
+
+An answer may hold fewer than ``k`` items, and then says why (:attr:`Answer.fewer_reason`):
+``dsbd`` draws its ``k`` beams independently from the target's beam distribution, with
+replacement (DSBD's beam sampling; its exactness, Theorem 3.1, rests on independent draws), and an
+item drawn more than once comes out once. This is the algorithm, not a fault: where the
+distribution is peaked (a confident model, or exclusions that leave only ``k`` items) many draws
+repeat one item, so a dsbd answer for ``k = 10`` may hold a handful of items, or one.
+
+``auto`` is chosen from measurements (:func:`~recspec.auto.choose`). A service created with
+``serving=True`` (the HTTP server) never measures inside a request: the choices for the ``k``
+values it expects are made before it is ready (:meth:`RecommendService.prepare`); a batch whose
+``k`` and size have no choice yet runs ``tree-beam`` (exact, no measurement needed) while a
+background thread makes that choice for the next batches; and what it measures is kept in memory,
+never written into the model folders it serves (records already there are read). Without
+``serving`` (the Python API) a missing choice is made when first needed and kept beside the models,
+as ``recspec recommend --decoder auto`` does.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from recspec.auto import Choice, choose
+from recspec.calibration import Memory
 from recspec.data.splits import Examples
 from recspec.itemids.trie import ItemTrie
 from recspec.models.presets import MAX_POSITIONS
@@ -28,6 +49,11 @@ from recspec.serve.schemas import ChatCompletionRequest, RecommendRequest
 
 #: Tries of distinct exclusion sets kept for reuse.
 EXCLUDE_TRIES = 64
+#: The most values of ``k`` a serving ``auto`` measures in the background (each measurement shares
+#: the cores with decoding); a batch of any other ``k`` it has no choice for runs ``tree-beam``.
+BACKGROUND_K = 32
+
+log = logging.getLogger("recspec.serve")
 
 
 class BadRequest(Exception):
@@ -60,7 +86,8 @@ class Query:
 @dataclass(frozen=True)
 class Answer:
     """One query's result: raw item ids and scores best first, identifiers (token strings),
-    the decoder that ran, AS and target calls of its user, the batch size and its decode time."""
+    the decoder that ran, AS and target calls of its user, the batch size and its decode time;
+    ``fewer_reason``: why it holds fewer than ``k`` items (None when it holds ``k``; module doc)."""
 
     items: list[str]
     scores: list[float]
@@ -71,6 +98,19 @@ class Answer:
     target_calls: float
     batch_size: int
     decode_s: float
+    fewer_reason: str | None = None
+
+
+def fewer_reason(decoder: str, k: int, returned: int) -> str | None:
+    """Why ``decoder`` answered ``returned`` items for ``k`` asked (None when ``returned`` is ``k``):
+    the only decoder the service runs that can is ``dsbd`` (module doc)."""
+    if returned >= k:
+        return None
+    if decoder == "dsbd":
+        return (f"dsbd draws its {k} beams independently, with replacement (DSBD's beam sampling), and "
+                f"{k - returned} of the draws repeated an item, which comes out once; ask a beam decoder "
+                f"(tree-beam, spec-strict) for {k} distinct items")
+    return f"{decoder} found {returned} of the {k} items asked for"
 
 
 def _duplicates(values: list[str]) -> list[str]:
@@ -79,13 +119,15 @@ def _duplicates(values: list[str]) -> list[str]:
 
 class RecommendService:
     """``recommender`` (target, optional draft, index, trie) served with ``decoder`` by default
-    and ``options`` for the sampling / speculative decoders; ``max_batch`` sizes ``auto``'s choice."""
+    and ``options`` for the sampling / speculative decoders; ``max_batch`` sizes ``auto``'s choice;
+    ``serving``: never measure inside a request, nor write into the model folders (module doc)."""
 
     def __init__(self, recommender: Recommender, decoder: str = "auto", options: DecodeOptions = DecodeOptions(),
-                 max_batch: int = 16) -> None:
+                 max_batch: int = 16, serving: bool = False) -> None:
         self.recommender = recommender
         self.options = options
         self.max_batch = max_batch
+        self.serving = serving
         self.decoder = self.check_decoder(decoder)
         self.max_history = int(recommender.info.get("max_history") or 20)
         self.num_items = len(recommender.index.item_keys)
@@ -93,6 +135,11 @@ class RecommendService:
         self._token_ids = identifier_token_ids(recommender.tokenizer, recommender.index)
         self._tries: OrderedDict[tuple[int, ...], ItemTrie] = OrderedDict()
         self._choices: dict[tuple[int, int], Choice] = {}
+        self._records: Memory | None = {} if serving else None  # a server's measurements stay in memory
+        self._lock = threading.Lock()  # the choices and the values of k asked for, between threads
+        self._asked: set[int] = set()  # values of k handed to the background thread
+        self._unmeasured: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._measurer: threading.Thread | None = None
         #: whether prompts are chat messages (an LLM preset): /v1/chat/completions serves them
         self.chat = bool(getattr(recommender.tokenizer, "chat_template", None))
 
@@ -110,7 +157,8 @@ class RecommendService:
                              f"--draft or ask for one of {', '.join(self.decoders)}", "needs_draft")
         return name
 
-    def _check_k(self, k: int, excluded: int) -> None:
+    def check_k(self, k: int, excluded: int = 0) -> None:
+        """Refuse ``k`` outside [1, the items left after ``excluded`` are taken out]."""
         available = self.num_items - excluded
         if not 1 <= k <= available:
             raise BadRequest(f"k={k} is outside [1, {available}]: the catalogue has {self.num_items} items"
@@ -129,7 +177,7 @@ class RecommendService:
             shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
             raise BadRequest(f"unknown item id(s) {shown}", "unknown_items", items=unknown)
         decoder = self.check_decoder(request.decoder)
-        self._check_k(request.k, len(request.exclude))
+        self.check_k(request.k, len(request.exclude))
         history = np.array([self._dataset_item[key] for key in request.history[-self.max_history:]], dtype=np.int64)
         examples = Examples(np.zeros(1, dtype=np.int64), history[None, :], np.zeros(2, dtype=np.int64),
                             np.zeros(0, dtype=np.int64))
@@ -143,7 +191,7 @@ class RecommendService:
             raise BadRequest("this model's prompts are identifier tokens, not chat messages; use /v1/recommend",
                              "not_chat")
         decoder = self.check_decoder(request.decoder)
-        self._check_k(request.n, 0)
+        self.check_k(request.n, 0)
         tokenizer = self.recommender.tokenizer
         messages = [message.model_dump() for message in request.messages]
         try:
@@ -171,19 +219,66 @@ class RecommendService:
         return self._tries[exclude]
 
     def choice(self, k: int, batch: int) -> Choice:
-        """``auto``'s choice for ``k`` at ``batch`` users, per power-of-two batch size (made once,
-        from the measurements kept beside the models)."""
+        """``auto``'s choice for ``k`` at ``batch`` users, per power-of-two batch size. One made
+        already is reused; else, serving, ``tree-beam`` runs while the choice is made in the
+        background (:meth:`measure_later`), and otherwise it is made now (module doc)."""
         size = self._size_class(batch)
-        if (k, size) not in self._choices:
-            self._choices[(k, size)] = choose(self.recommender, k, size)
-        return self._choices[(k, size)]
+        with self._lock:
+            made = self._choices.get((k, size))
+        if made is not None:
+            return made
+        if not self.serving:
+            return self.measure(k, size)
+        self.measure_later(k)
+        return Choice("tree-beam", DecodeOptions(), {},
+                      f"auto: tree-beam (no choice measured yet for k={k} at batch {size}; it is made outside "
+                      f"the request path)")
+
+    def measure(self, k: int, size: int) -> Choice:
+        """Make ``auto``'s choice for ``k`` at the batch size class ``size`` now (from the records
+        kept, measuring what they lack: :func:`~recspec.auto.choose`) and keep it."""
+        made = choose(self.recommender, k, size, records=self._records)
+        with self._lock:
+            self._choices[(k, size)] = made
+        return made
 
     def prepare(self, k: int) -> dict[int, Choice]:
         """Make ``auto``'s choices for ``k`` at every batch size it distinguishes (powers of two up
-        to ``max_batch``) now, so that what they measure on a new device (:func:`~recspec.auto.choose`)
-        is not paid by the first requests; returns them by batch size."""
+        to ``max_batch``) that it has not made yet, so that the requests never wait for what they
+        measure on a new device; returns them by batch size."""
         sizes = sorted({self._size_class(batch) for batch in range(1, self.max_batch + 1)})
-        return {size: self.choice(k, size) for size in sizes}
+        with self._lock:
+            made = {size: self._choices.get((k, size)) for size in sizes}
+        return {size: choice or self.measure(k, size) for size, choice in made.items()}
+
+    def measure_later(self, k: int) -> None:
+        """Have the background thread :meth:`prepare` ``k`` (once per ``k``, at most
+        :data:`BACKGROUND_K` values), outside any request."""
+        with self._lock:
+            if k in self._asked or len(self._asked) >= BACKGROUND_K:
+                return
+            self._asked.add(k)
+            if self._measurer is None:
+                self._measurer = threading.Thread(target=self._measure_loop, name="recspec-measure", daemon=True)
+                self._measurer.start()
+        self._unmeasured.put(k)
+
+    def _measure_loop(self) -> None:
+        """The background thread: prepare each ``k`` handed to it, in order (a daemon: a measurement
+        keeps nothing on disk, so it may be cut short when the process exits)."""
+        while True:
+            k = self._unmeasured.get()
+            try:
+                self.prepare(k)
+            except Exception:  # noqa: BLE001 - its batches keep running tree-beam
+                log.exception("recspec serve: auto could not measure k=%d; it runs tree-beam for it", k)
+
+    def auto_choices(self) -> list[dict[str, Any]]:
+        """``auto``'s choices made so far (k, batch size, decoder, reason), by k and batch size."""
+        with self._lock:
+            made = sorted(self._choices.items())
+        return [{"k": k, "batch": size, "decoder": choice.decoder, "reason": choice.reason}
+                for (k, size), choice in made]
 
     def _size_class(self, batch: int) -> int:
         """The batch size ``auto`` chooses for at ``batch`` users: the next power of two, at most ``max_batch``."""
@@ -218,7 +313,7 @@ class RecommendService:
                 accepted_steps=0.0 if stats is None else float(stats.accepted_steps[row]),
                 drafted_steps=0.0 if stats is None else float(stats.drafted_steps[row]),
                 target_calls=levels if stats is None else float(stats.target_calls[row]),
-                batch_size=len(queries), decode_s=seconds))
+                batch_size=len(queries), decode_s=seconds, fewer_reason=fewer_reason(name, first.k, len(real))))
         return answers
 
 
