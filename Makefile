@@ -6,7 +6,7 @@ DEMO_TRAIN := --dataset ml-100k --ids $(DEMO_OUT)/ml-100k-ids --split loo --epoc
 	--valid-users 128
 DEMO_COMPARE := --target $(DEMO_OUT)/target --draft $(DEMO_OUT)/draft --k 10 --users 200 --repeats 5 --out $(DEMO_OUT)
 
-.PHONY: setup setup-test assets demo test bench
+.PHONY: setup setup-test assets demo test test-fast bench
 
 setup:
 	scripts/setup.sh
@@ -37,5 +37,10 @@ demo: setup assets
 test: setup-test assets
 	$(VENV)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
+# The tier to run often: every test that needs no fetched asset and no trained model, against an
+# empty asset cache (so nothing it runs can lean on one).
+test-fast: setup-test
+	RECSPEC_CACHE=$$(mktemp -d) $(VENV)/python -m pytest -q -n auto -m "not slow"
+
 bench: setup assets
-	$(VENV)/recspec bench ids
+	$(VENV)/python -m benchmarks.lab ids

@@ -62,6 +62,11 @@ class RecspecModel:
         self.service = service
 
     @property
+    def device(self) -> str:
+        """Where the models run (``auto`` resolved at :func:`load`: CUDA where present)."""
+        return str(next(self.service.recommender.model.parameters()).device)
+
+    @property
     def decoders(self) -> list[str]:
         """The decoders the loaded models can run."""
         return self.service.decoders
@@ -122,17 +127,20 @@ def _shown(value: Any) -> str:
     return text if value is None else f"{type(value).__name__} {text}"
 
 
-def load(target: str | Path, draft: str | Path | None = None, decoder: str = "auto", device: str = "cpu",
+def load(target: str | Path, draft: str | Path | None = None, decoder: str = "auto", device: str = "auto",
          threads: int | None = None, draft_beams: int = 40) -> RecspecModel:
     """Load ``target`` (a model folder of ``recspec train`` or ``recspec import``) and ``draft``
-    for :meth:`RecspecModel.recommend`; ``decoder``: its default; ``threads``: torch's CPU
-    threads (None: leave torch's default)."""
+    for :meth:`RecspecModel.recommend`, from the folders alone (no data set is read, so a folder
+    serves where its data set is not; ``--draft items`` excepted, which is fitted on the data set);
+    ``decoder``: its default; ``device``: cpu, cuda, cuda:N
+    or auto (CUDA where present; :attr:`RecspecModel.device` says which); ``threads``: torch's
+    CPU threads (None: leave torch's default)."""
     check_decoder(decoder, draft is not None)
     if threads is not None:
         if threads < 1:
             raise RecspecError(f"threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    recommender = Recommender.load(target, device=str(resolve_device(device)), draft_dir=draft)
+    recommender = Recommender.load(target, device=str(resolve_device(device)), draft_dir=draft, folder_only=True)
     return RecspecModel(RecommendService(recommender, decoder, DecodeOptions(draft_beams=draft_beams)))
 
 
@@ -168,7 +176,7 @@ class RecommendReport:
 def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: str = "tree-beam",
                     draft: str | None = None, options: DecodeOptions = DecodeOptions(), dataset: str | None = None,
                     format: str | None = None, part: str = "test", users: int | None = None, batch_size: int = 16,
-                    device: str = "cpu", overwrite: bool = False, peer: PeerSpec | None = None,
+                    device: str = "auto", overwrite: bool = False, peer: PeerSpec | None = None,
                     engine: Engine = Engine(), progress: bool = True) -> RecommendReport:
     """The top-``k`` items of every ``part`` user (the first ``users``) of ``target``'s data set
     (``dataset``: another one), written to ``out`` as JSON lines (user, items, scores) once every
@@ -220,7 +228,7 @@ class KnowledgeRun:
 
 def generate_knowledge(out: str | Path, config: KnowledgeConfig = KnowledgeConfig(), pool: str | Path | None = None,
               limit: int | None = None, model: str = "smollm2", dataset: str = "ml-100k", seed: int = 0,
-              device: str = "cpu", threads: int | None = None, engine: Engine = Engine(),
+              device: str = "auto", threads: int | None = None, engine: Engine = Engine(),
               progress: bool = True) -> KnowledgeRun:
     """Generate ``config``'s knowledge (side, part, method, verification, ...) with the LLM
     ``model`` for every user or item of ``dataset`` (the first ``limit``) missing from the store

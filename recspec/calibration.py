@@ -4,8 +4,9 @@ head, and a draft's acceptance per round level and width (:func:`acceptance_tabl
 :class:`CountingVerifier`), that draft trees and ``--decoder auto`` are sized from.
 
 The record lives in the model folder as ``calibration-<device>.json``: the cost, what it was
-measured for (the sha256 of the weights, the device, torch's thread count, the version of the
-small-row products, the prompt length and, for a call cost, whether the model pads its rows) and
+measured for (the sha256 of the weights, the device, torch's thread count, what accel does there
+(:func:`~recspec.accel.timing_key`), the prompt length and, for a call cost, whether the model pads
+its rows) and
 the sha256 of the record itself. It is used only when all of that matches and the digest checks
 out; otherwise the cost is measured again and the record rewritten (atomically). A folder that
 cannot be written to still works: the cost is then measured in every process. A caller that must
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from recspec.accel import call_shape, timing_key as accel_timing_key
 from recspec.decoding.cost import CallCost, measure_cost_model, measure_head_cost
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.draft_tree import Level
@@ -39,12 +41,8 @@ from recspec.decoding.tree_plan import Acceptance
 from recspec.decoding.verifiers import StepVerifier
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
-from recspec.models.attention import ATTENTION_VERSION
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
-from recspec.models.lean_forward import LEAN_FORWARD_VERSION
-from recspec.models.row_kernel import available
-from recspec.models.small_rows import PRODUCTS_VERSION, pads_rows
 
 
 #: Records kept in memory instead of in the model folders, by the path each would have there.
@@ -62,10 +60,9 @@ def _digest(record: dict[str, Any]) -> str:
 
 def timing_key(device: torch.device | str) -> dict[str, Any]:
     """What any timing on this machine depends on besides the models: the device, torch's thread
-    count, the versions of recspec's small-row products, attention and lean forward, and whether
-    recspec's small-row kernel computes the products (:func:`~recspec.models.row_kernel.available`)."""
-    return {"device": str(device), "threads": torch.get_num_threads(), "products": PRODUCTS_VERSION,
-            "attention": ATTENTION_VERSION, "lean_forward": LEAN_FORWARD_VERSION, "row_kernel": available()}
+    count, and what accel does on the device (:func:`~recspec.accel.timing_key`: the versions of its
+    speed-ups, whether recspec's small-row kernel computes the products)."""
+    return {"device": str(device), "threads": torch.get_num_threads(), **accel_timing_key(device)}
 
 
 def median_prompt_length(recommender) -> int:
@@ -116,11 +113,11 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
     ``prompt_len`` tokens: the kept record where it matches (see the module doc), else measured
     now (:func:`~recspec.decoding.cost.measure_cost_model`) and kept (in ``records`` when given:
     :func:`kept_record`). Whether the model computes
-    its calls over padded rows (:func:`~recspec.models.small_rows.pads_rows`) is part of the key:
-    it changes the cost, and the cost records it (:attr:`CallCost.padded`)."""
+    its calls over padded rows (:func:`~recspec.accel.call_shape`) is part of the key: it changes
+    the cost, and the cost records it (:attr:`CallCost.padded`)."""
     model_dir = Path(model_dir)
     device = next(model.parameters()).device
-    padded = pads_rows(model)
+    padded = call_shape(model).padded
     key = {"weights_sha256": weights_fingerprint(model_dir), **timing_key(device), "prompt_len": int(prompt_len),
            "padded_rows": padded}
     value = kept_record(calibration_path(model_dir, device), key,

@@ -12,18 +12,41 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from recspec.errors import RecspecError
+
+#: Commands moved out of the package into the repository's lab (``python -m benchmarks.lab NAME``,
+#: not installed), by group: for one release, running one says where it went instead of "No such
+#: command".
+MOVED_TO_LAB = {"bench": frozenset({"ids", "decode", "spec", "prefix", "coverage", "level-prior", "auto", "forward",
+                                    "ray", "curve", "pack", "rows", "cost", "align"}),
+                "knowledge": frozenset({"ctr"})}
+
+
+class _MovedToLab(TyperGroup):
+    """A command group that answers a name of :data:`MOVED_TO_LAB` with one line saying where it
+    went (status 2); its help lists only the commands it has."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in MOVED_TO_LAB.get(self.name or "", ()):
+            raise RecspecError(f"recspec {self.name} {cmd_name} moved to the repository: "
+                               f"python -m benchmarks.lab {cmd_name}")
+        return super().get_command(ctx, cmd_name)
+
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Fast, exact inference for LLM-based recommendation through speculative decoding.")
 assets_app = typer.Typer(no_args_is_help=True, help="Fetch and list cached models and data sets.")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect data sets and their splits.")
 ids_app = typer.Typer(no_args_is_help=True, help="Build and inspect semantic item identifiers.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results under benchmarks/results/).")
-knowledge_app = typer.Typer(no_args_is_help=True, help="Knowledge generation with retrieval-based speculative decoding (LASER).")
+bench_app = typer.Typer(cls=_MovedToLab, no_args_is_help=True,
+                        help="Benchmarks of your own models (results under benchmarks/results/).")
+knowledge_app = typer.Typer(cls=_MovedToLab, no_args_is_help=True,
+                            help="Knowledge generation with retrieval-based speculative decoding (LASER).")
 align_app = typer.Typer(no_args_is_help=True, help="Draft alignment: alignment data and draft training (AtSpeed).")
 app.add_typer(assets_app, name="assets")
 app.add_typer(data_app, name="data")
@@ -43,8 +66,15 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _root(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
-                                                help="Print recspec's version and exit.")] = False) -> None:
+                                                help="Print recspec's version and exit.")] = False,
+          accel: Annotated[bool, typer.Option(help="recspec's CPU speed-ups (the same answers; --no-accel, or "
+                                                   "RECSPEC_ACCEL=0, keeps transformers' own forward and "
+                                                   "products).")] = True) -> None:
     """Fast, exact inference for LLM-based recommendation through speculative decoding."""
+    if not accel:
+        from recspec.accel import set_enabled
+
+        set_enabled(False)
 
 DatasetArg = Annotated[str, typer.Option("--dataset", "-d", help="Known name (ml-100k) or a dataset path.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
@@ -62,6 +92,7 @@ GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round 
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, "
                                                     "spec-beam-sample, dsbd).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto: CUDA where present, else the CPU.")]
 ResultsOpt = Annotated[Path, typer.Option(help="Results folder.")]
 ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without extension).")]
 EngineOpt = Annotated[str, typer.Option(help="local (this process) or ray (Ray workers).")]
@@ -85,10 +116,14 @@ SplitOpt = Annotated[Optional[str], typer.Option(help="time, loo or given (defau
 
 
 def _device(name: str) -> str:
-    """``--device`` checked before any work (unknown names, CUDA where there is none)."""
+    """``--device`` checked before any work (unknown names, CUDA where there is none); ``auto``
+    says so when it chose CUDA (on a machine without it, it is the CPU as before)."""
     from recspec.devices import resolve_device
 
-    return str(resolve_device(name))
+    device = str(resolve_device(name))
+    if name == "auto" and device != "cpu":
+        typer.echo(f"note: --device auto: {device} (CUDA found; --device cpu stays on the CPU)", err=True)
+    return device
 
 
 def _engine(engine: str, address: str | None, workers: int = 1, cpus_per_worker: int = 1,
@@ -109,7 +144,7 @@ def _positive(**values: Optional[int]) -> None:
             raise RecspecError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def _results_dir(out: Path) -> Path:
+def results_dir(out: Path) -> Path:
     """A benchmark's results folder, checked writable before the benchmark runs."""
     from recspec.fileio import check_writable_dir
 
@@ -183,7 +218,7 @@ def assets_fetch(
 def assets_kernel() -> None:
     """Build recspec's small-row kernel into the cache (once; later runs check it against its checksums) and
     print where it is, or why it is not used here (then products run on torch's kernels)."""
-    from recspec.models.row_kernel import build, unsupported
+    from recspec.accel.kernel import build, unsupported
 
     reason = unsupported()
     typer.echo(f"small-row kernel: not used ({reason})" if reason else f"small-row kernel: {build()}")
@@ -246,7 +281,7 @@ def ids_build(
     collisions: Annotated[str, typer.Option(help="reassign (last level) or append (extra level).")] = "reassign",
     embedder: Annotated[str, typer.Option(help="Embedding model: an asset name or a HF model folder.")] = "smollm2",
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     kcore: KcoreOpt = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ) -> None:
@@ -310,7 +345,7 @@ def train_command(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
                                                         "machine).")] = None,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
 ) -> None:
     """Train a generative recommender (L_Rec); running it again on the same --out resumes."""
@@ -344,7 +379,7 @@ def align_data(
     mix_lambda: Annotated[float, typer.Option(help="lambda, the target's weight in the mixture (1: the target "
                                                    "alone; below 1 needs --mix-draft).")] = 1.0,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
 ) -> None:
     """For every training prompt: the target's top-K sequences (or the target-mixed top-K) and its
     log-probs of the valid tokens at their prefixes and at the ground truth's (sharded, resumable)."""
@@ -392,7 +427,7 @@ def align_train(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
     precision: str = "auto",
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
 ) -> None:
     """Train a draft (a small model, or with --head a feature-level head over the target) with an
@@ -433,7 +468,7 @@ def align_prior(
     k: Annotated[int, typer.Option(help="Beams of the target's search the prior averages over.")] = 10,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
 ) -> None:
     """Fit a target prior: the target's own next-level distributions averaged over its beams on
     many users, a draft that costs no model call (`--draft OUT` with spec-strict / spec-relaxed)."""
@@ -489,8 +524,10 @@ def upgrade_command(
     folder: Annotated[Path, typer.Argument(help="A folder written by `recspec train`, `align train` or `import` "
                                                 "of an earlier recspec (or its best/).")],
 ) -> None:
-    """List the run files (run.json, item_index.json) of a training folder written before recspec
-    listed them, after checking its model folder, so that every command takes it again."""
+    """Bring a training folder written by an earlier recspec up to date: list its run files (run.json,
+    item_index.json) after checking its model folder, so that every command takes it again, and
+    write its serving.json from the data set it was trained on (read here), so that it serves
+    without that data set; then list that too."""
     from recspec.models.checkpoint import upgrade_run_dir
 
     listing, names = upgrade_run_dir(folder)
@@ -542,7 +579,7 @@ def recommend_command(
     part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
     users: Annotated[Optional[int], typer.Option(help="Only the first N users.")] = None,
     batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     overwrite: OverwriteOpt = False,
     engine: EngineOpt = "local",
     address: AddressOpt = None,
@@ -601,7 +638,7 @@ def serve_command(
     seed: SeedOpt = 0,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: one per core); the decode "
                                                         "thread should have the cores to itself.")] = None,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     engine: EngineOpt = "local",
     replicas: Annotated[Optional[int], typer.Option(help="--engine ray: replicas of the service, each with its "
                                                           "own batcher and --threads cores (default 1).")] = None,
@@ -619,7 +656,10 @@ def serve_command(
         raise RecspecError(f"--port must lie in [0, 65535], got {port}")
     if max_wait_ms < 0 or timeout_s <= 0:
         raise RecspecError("--max-wait-ms must be at least 0 and --timeout-s above 0")
+    from recspec.extras import require_extra
     from recspec.serve.listen import listen
+
+    require_extra("serve", "recspec serve")
 
     # a busy port is refused before anything loads; the socket is closed however the command ends
     with listen(host, port) if engine == "local" else contextlib.nullcontext() as listener:
@@ -686,7 +726,7 @@ def generate_command(
     score: Annotated[bool, typer.Option(help="Also write the target's mean log-likelihood per token.")] = False,
     seed: int = 0,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 1,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
@@ -857,7 +897,7 @@ def calibrate_command(
     remeasure: Annotated[bool, typer.Option(help="Measure again even where a matching record is kept.")] = False,
     repeats: Annotated[int, typer.Option(help="Timed calls per size (median).")] = 10,
     threads: Annotated[int, typer.Option(help="torch threads (as the decoders will run).")] = 2,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
 ) -> None:
     """Measure the call cost F + r * n of the target and its draft on this device (kept in the
     model folders as calibration-<device>.json, reused while weights, device, threads and prompt
@@ -922,139 +962,9 @@ def eval_command(
         typer.echo(f"{name:<18} {value:.4f}" if isinstance(value, float) else f"{name:<18} {value}")
 
 
-@bench_app.command("ids")
-def bench_ids(
-    out: ResultsOpt = Path("benchmarks/results"),
-    repeats: Annotated[int, typer.Option(help="Timed runs per measurement (median reported).")] = 3,
-    beauty: Annotated[Optional[Path], typer.Option(help="AtSpeed Beauty folder for the trie benchmark.")] = None,
-) -> None:
-    """Time identifier building (embedding, quantisation), collision rates and trie mask throughput."""
-    from recspec.bench.ids import run
-
-    typer.echo(run(_results_dir(out), repeats=repeats, beauty=beauty))
-
-
-@bench_app.command("decode")
-def bench_decode(
-    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
-    batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
-    name: ResultNameOpt = "decode",
-) -> None:
-    """hf vs beam vs tree-beam: latency, users/s, peak memory and speed-ups, side by side."""
-    from recspec.bench.decode import run
-
-    typer.echo(run(_results_dir(out), target, k, batch_size, users, repeats, name))
-
-
-def _pairs(targets: list[Path], drafts: list[Path]) -> list[tuple[Path, Path]]:
-    if len(targets) != len(drafts):
-        raise RecspecError(f"give one --draft per --target ({len(targets)} targets, {len(drafts)} drafts)")
-    return list(zip(targets, drafts))
-
-
-@bench_app.command("spec")
-def bench_spec(
-    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
-    draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
-    users: Annotated[int, typer.Option(help="Test users timed one at a time (batch 1).")] = 64,
-    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
-    draft_beams: Annotated[list[int], typer.Option(help="N of strict verification (repeatable; at least K).")] = [40],
-    gamma: Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest).")] = None,
-    temperature: Annotated[list[float], typer.Option(help="Temperatures of the quality comparison.")] = [0.5, 1.0],
-    quality_k: Annotated[list[int], typer.Option(help="K of the quality comparison (repeatable).")] = [5, 10],
-    quality_users: Annotated[int, typer.Option(help="Test users of the quality comparison.")] = 1000,
-    name: ResultNameOpt = "spec",
-) -> None:
-    """AtSpeed: WS@K / AS@K of strict and relaxed verification against hf / beam / tree-beam, the
-    oracle ceiling, and Recall / NDCG of relaxed sampling against the target's beam sampling."""
-    from recspec.bench.spec import run
-
-    typer.echo(run(_results_dir(out), _pairs(target, draft), k, users, repeats, draft_beams, gamma, temperature, quality_k,
-                   quality_users, name=name))
-
-
-@bench_app.command("prefix")
-def bench_prefix(
-    target: Annotated[Path, typer.Option(help="Trained target folder (an LLM preset: its prompt has a shared prefix).")],
-    draft: Annotated[Optional[Path], typer.Option(help="Its draft, to time spec-strict too (a folder or items).")] = None,
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [10],
-    batch_size: Annotated[list[int], typer.Option(help="Batch sizes (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users decoded per cell, in batches of --batch-size.")] = 32,
-    repeats: Annotated[int, typer.Option(help="Timed runs per cell (median reported).")] = 3,
-    draft_beams: Annotated[int, typer.Option(help="N of spec-strict (at least K).")] = 20,
-    name: ResultNameOpt = "prefix",
-) -> None:
-    """Prefix caching on and off, side by side: the prefill, beam, tree-beam (and spec-strict)
-    with the template's shared prefix stored, and with every prompt fed whole."""
-    from recspec.bench.prefix import run
-
-    typer.echo(run(_results_dir(out), target, draft, k, batch_size, users, repeats, draft_beams, name))
-
-
-@bench_app.command("coverage")
-def bench_coverage(
-    target: Annotated[Path, typer.Option(help="A trained target folder.")],
-    draft: Annotated[list[Path], typer.Option(help="Its drafts: model folders or heads (repeatable).")],
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [10],
-    factor: Annotated[list[float], typer.Option(help="N = factor * K (repeatable).")] = [1.0, 1.5, 2.0, 4.0],
-    users: Annotated[int, typer.Option(help="Test users.")] = 200,
-    name: ResultNameOpt = "coverage",
-) -> None:
-    """Per level: how often the draft's top-N holds the target's top-K (strict acceptance from exact beams)."""
-    from recspec.bench.coverage import run
-
-    _positive(users=users, k=min(k))
-    if any(not math.isfinite(f) or f < 1 for f in factor):
-        raise RecspecError(f"--factor must be >= 1 (N >= K), got {factor}")
-    typer.echo(run(_results_dir(out), target, draft, k, factor, users, name))
-
-
-@bench_app.command("level-prior")
-def bench_level_prior(
-    target: Annotated[Path, typer.Option(help="A trained target folder.")],
-    draft: Annotated[Optional[Path], typer.Option(help="Its draft head (`recspec align train --head`); "
-                                                       "without one, the target prior alone.")] = None,
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[int, typer.Option(help="Beam width.")] = 10,
-    factor: Annotated[list[float], typer.Option(help="N = factor * K (repeatable).")] = [1.0, 2.0, 4.0],
-    users: Annotated[int, typer.Option(help="Test users measured.")] = 200,
-    prior_users: Annotated[int, typer.Option(help="The next test users, whose average is the target prior.")] = 1000,
-    name: ResultNameOpt = "level-prior",
-) -> None:
-    """Level 2 taken apart: a head's coverage and recall of the target's top-K pairs against the
-    target's own p(x2 | x1) averaged over other users (a table per node) and uniform."""
-    from recspec.bench.level_prior import run
-
-    _positive(users=users, prior_users=prior_users, k=k)
-    if any(not math.isfinite(f) or f < 1 for f in factor):
-        raise RecspecError(f"--factor must be >= 1 (N >= K), got {factor}")
-    typer.echo(run(_results_dir(out), target, draft, k, factor, users, prior_users, name=name))
-
-
-@bench_app.command("auto")
-def bench_auto(
-    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
-    draft: Annotated[list[Path], typer.Option(help="The draft of each target (a model, a head, or MODEL+HEAD).")],
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 5, 10, 20],
-    batch_size: Annotated[list[int], typer.Option(help="Users per batch (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users per cell.")] = 32,
-    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
-    name: ResultNameOpt = "auto",
-) -> None:
-    """`--decoder auto` against beam, tree-beam and spec-strict in every cell of K x batch size."""
-    from recspec.bench.auto import run
-
-    _positive(users=users, repeats=repeats, k=min(k), batch_size=min(batch_size))
-    typer.echo(run(_results_dir(out), _pairs(target, draft), k, batch_size, users, repeats, name))
+#: :func:`_positive` for the lab's commands (``python -m benchmarks.lab``), which check their
+#: options as these do.
+positive = _positive
 
 
 @bench_app.command("compare")
@@ -1081,29 +991,7 @@ def bench_compare(
     from recspec.bench.compare import run
 
     _positive(users=users, repeats=repeats, k=k, batch_size=batch_size, draft_beams=draft_beams)
-    typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma))
-
-
-@bench_app.command("forward")
-def bench_forward(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train` (a small Llama).")],
-    draft: Annotated[Optional[Path], typer.Option(help="Its draft, for speculative decoders.")] = None,
-    decoder: Annotated[list[str], typer.Option(help="Decoders timed both ways (repeatable; NAME+root: tree-beam or "
-                                                    "beam-sample with --expand-root).")] = ["beam", "tree-beam",
-                                                                                           "tree-beam+root"],
-    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
-    batch_size: Annotated[list[int], typer.Option(help="Users per batch (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 5,
-    out: ResultsOpt = Path("benchmarks/results"),
-    name: ResultNameOpt = "forward",
-) -> None:
-    """Decoders through transformers' forward and through recspec's lean one, side by side: ms per
-    user, speed-up, and the same items and scores bit for bit."""
-    from recspec.bench.forward import run
-
-    _positive(users=users, repeats=repeats, k=k, batch_size=min(batch_size))
-    typer.echo(run(_results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name))
+    typer.echo(run(results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma))
 
 
 @bench_app.command("serve")
@@ -1119,7 +1007,7 @@ def bench_serve(
     repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
     max_batch: Annotated[int, typer.Option(help="--max-batch of batching on.")] = 16,
     max_seconds: Annotated[float, typer.Option(help="Time cap of one run.")] = 60.0,
-    device: Annotated[str, typer.Option(help="The server's device (cpu, cuda).")] = "cpu",
+    device: DeviceOpt = "auto",
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "serve",
 ) -> None:
@@ -1131,7 +1019,7 @@ def bench_serve(
     _positive(k=k, users=users, requests=requests, repeats=repeats, max_batch=max_batch, concurrency=min(concurrency))
     for name_ in decoder:
         check_decoder(name_, draft is not None)
-    typer.echo(run(_results_dir(out), target, draft, decoder, concurrency, k, users, requests, repeats, max_batch,
+    typer.echo(run(results_dir(out), target, draft, decoder, concurrency, k, users, requests, repeats, max_batch,
                    max_seconds, name, _device(device)))
 
 
@@ -1150,144 +1038,7 @@ def bench_dropin(
     from recspec.bench.dropin import run
 
     _positive(users=users, repeats=repeats, k=min(k), batch=min(batch))
-    typer.echo(run(_results_dir(out), target, k, batch, users, repeats, name))
-
-
-@bench_app.command("ray")
-def bench_ray(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train` (recommend job).")],
-    model: Annotated[str, typer.Option(help="LLM of the knowledge job: an asset name or a HF folder.")] = "smollm2",
-    decoder: Annotated[str, typer.Option(help="Decoder of the recommend job.")] = "tree-beam",
-    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
-    batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
-    items: Annotated[int, typer.Option(help="Item texts of the knowledge job.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per text.")] = 32,
-    repeats: Annotated[int, typer.Option(help="Runs per set-up (median reported).")] = 3,
-    out: ResultsOpt = Path("benchmarks/results"),
-    name: ResultNameOpt = "ray",
-) -> None:
-    """Recommend (users/s) and knowledge generation (tokens/s) on Ray with one and with one-per-core
-    workers against one process, end to end, outputs checked equal; the overhead of Ray itself."""
-    from recspec.bench.cluster import run
-    from recspec.recommend import check_decoder
-
-    _positive(k=k, batch_size=batch_size, items=items, max_new_tokens=max_new_tokens, repeats=repeats)
-    check_decoder(decoder)
-    typer.echo(run(_results_dir(out), target, model, decoder, k, batch_size, items, max_new_tokens, repeats, name))
-
-
-@bench_app.command("curve")
-def bench_curve(
-    run: Annotated[list[Path], typer.Option(help="Training folders with a train_log.jsonl (repeatable).")],
-    label: Annotated[list[str], typer.Option(help="A name for each --run, in the same order.")],
-    threads: Annotated[list[int], typer.Option(help="The torch threads each --run trained with.")],
-    metric: Annotated[str, typer.Option(help="The logged metric to plot.")] = "valid_acceptance",
-    column: Annotated[Optional[list[str]], typer.Option(help="Further logged values to tabulate.")] = None,
-    budget: Annotated[float, typer.Option(help="CPU-minutes within which the best value is reported.")] = 60.0,
-    target: Annotated[Optional[float], typer.Option(help="A target value, drawn as a dashed line.")] = None,
-    unit: Annotated[str, typer.Option(help="What the minutes are called: CPU-minutes, or for runs trained on "
-                                           "an accelerator (--threads 1) its minutes, e.g. H100-minutes.")
-                    ] = "CPU-minutes",
-    out: ResultsOpt = Path("benchmarks/results"),
-    name: ResultNameOpt = "curve",
-) -> None:
-    """Validation curves of training runs side by side against CPU-minutes (from their train_log.jsonl)."""
-    from recspec.bench.curve import run as write_curves
-
-    _positive(threads=min(threads), budget=budget)
-    typer.echo(write_curves(_results_dir(out), run, label, threads, metric, column or [], budget, target, name,
-                            unit))
-
-
-@bench_app.command("pack")
-def bench_pack(
-    dataset: DatasetArg,
-    preset: Annotated[str, typer.Option(help="Model preset trained (a fresh model per mode).")] = "target-mini",
-    ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json (default: the "
-                                                     "dataset's own).")] = None,
-    split: Annotated[Optional[str], typer.Option(help="time, loo or given.")] = None,
-    max_history: Annotated[int, typer.Option(help="History cap of prompts.")] = 20,
-    mode: Annotated[Optional[list[str]], typer.Option(help="PACKxBATCH: pack size and sequences a step "
-                                                           "(repeatable; the first is the reference).")] = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps per timed run.")] = 20,
-    repeats: Annotated[int, typer.Option(help="Timed runs per mode (median reported).")] = 5,
-    threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
-    seed: int = 0,
-    out: ResultsOpt = Path("benchmarks/results"),
-    name: ResultNameOpt = "pack",
-) -> None:
-    """Training throughput of one-example and packed batches side by side (examples/s, tokens/s)."""
-    from recspec.bench.packing import run
-
-    _positive(steps=steps, repeats=repeats, threads=threads, max_history=max_history)
-    typer.echo(run(_results_dir(out), dataset, preset, ids, split, max_history, mode or ["1x64", "10x16"], steps,
-                   repeats, threads, seed, name))
-
-
-@bench_app.command("rows")
-def bench_rows(
-    out: ResultsOpt = Path("benchmarks/results"),
-    model: Annotated[str, typer.Option(help="Causal LM: an asset name or a HF model folder.")] = "smollm2",
-    past: Annotated[int, typer.Option(help="Cached tokens before the call (a user prompt: 356).")] = 356,
-    repeats: Annotated[int, typer.Option(help="Timed calls per size and setting (median).")] = 5,
-    rounds: Annotated[int, typer.Option(help="Alternating rounds per size (median over them).")] = 3,
-    threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = 2,
-    size: Annotated[Optional[list[int]], typer.Option(help="Tree nodes of a call (repeatable; default: 26 sizes "
-                                                           "from 1 to 64).")] = None,
-    name: ResultNameOpt = "rows",
-    pairs: Annotated[Optional[int], typer.Option(help="Compare recspec's default with version 5's products (oneDNN "
-                                                      "over packed weights, siblings fused) call by call instead: "
-                                                      "this many pairs per size (median of the pairs' ratios).")] = None,
-    against: Annotated[Optional[int], typer.Option(help="With --pairs: time each size against a call over this many "
-                                                        "nodes instead, under version 5's products and recspec's "
-                                                        "(median of the pairs' ratios n / this).")] = None,
-    products: Annotated[bool, typer.Option("--products", help="Time one call's products alone instead (MKL, oneDNN "
-                                                              "packed, recspec's kernel; --size rows, --repeats "
-                                                              "passes).")] = False,
-) -> None:
-    """One call by the tree nodes it feeds: MKL products (padded to fast row counts and not), oneDNN over the plain
-    weights from 7 rows, oneDNN over packed weights from 3 rows (unfused, and with sibling projections fused),
-    recspec's default (its own small-row kernel, siblings fused), and packed grouped-query attention against
-    transformers' own; with --pairs, the default against version 5's products pair by pair (with --against B, each
-    size against a B-node call under each); with --products, the products alone."""
-    import torch
-
-    from recspec.bench.rows import PRODUCT_SIZES, SIZES, paired, run
-    from recspec.bench.rows import against as time_against
-    from recspec.bench.rows import products as time_products
-
-    if min(past, repeats, rounds, threads, pairs or 2, *(size or [1])) < 1 or pairs == 1:
-        raise RecspecError("--past, --repeats, --rounds, --threads and --size must be positive and --pairs at least 2")
-    torch.set_num_threads(threads)
-    if products:
-        typer.echo(time_products(_results_dir(out), model, tuple(size or PRODUCT_SIZES), repeats,
-                                 name="row-products" if name == "rows" else name))
-        return
-    sizes = tuple(size or SIZES)
-    if against is not None:
-        if pairs is None or against < 1:
-            raise RecspecError("--against goes with --pairs and is a positive node count")
-        typer.echo(time_against(_results_dir(out), model, past, sizes, pairs, against,
-                                name="rows-against" if name == "rows" else name))
-        return
-    if pairs is not None:
-        typer.echo(paired(_results_dir(out), model, past, sizes, pairs, name=name))
-        return
-    typer.echo(run(_results_dir(out), model, past, sizes=sizes, repeats=repeats, rounds=rounds, name=name))
-
-
-@bench_app.command("cost")
-def bench_cost(
-    target: Annotated[list[Path], typer.Option(help="Trained target folders (repeatable).")],
-    draft: Annotated[list[Path], typer.Option(help="The draft of each target, in the same order.")],
-    out: ResultsOpt = Path("benchmarks/results"),
-    repeats: Annotated[int, typer.Option(help="Timed calls per shape (median reported).")] = 20,
-    name: ResultNameOpt = "cost",
-) -> None:
-    """The draft's cost per call relative to its target's (c), for the call shapes the decoders make."""
-    from recspec.bench.cost import run
-
-    typer.echo(run(_results_dir(out), _pairs(target, draft), repeats, name))
+    typer.echo(run(results_dir(out), target, k, batch, users, repeats, name))
 
 
 @bench_app.command("sampling")
@@ -1337,46 +1088,9 @@ def bench_sampling(
     if (rec_target is None) != (rec_draft is None):
         raise RecspecError("give --rec-target and --rec-draft together")
     torch.set_num_threads(threads)
-    typer.echo(run(_results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
+    typer.echo(run(results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
                    draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
                    text, name, method or None, draft_stop, most_drafted))
-
-
-@bench_app.command("align")
-def bench_align(
-    target: Annotated[Path, typer.Option(help="The trained target.")],
-    data: Annotated[Path, typer.Option(help="Its alignment data (`recspec align data`).")],
-    work: Annotated[Path, typer.Option(help="Folder of the drafts trained by the benchmark (reused).")] = Path(
-        "runs/bench-align"),
-    out: ResultsOpt = Path("benchmarks/results"),
-    k: Annotated[list[int], typer.Option(help="Beam widths (repeatable).")] = [1, 3, 5, 10, 20],
-    users: Annotated[int, typer.Option(help="Test users timed one at a time.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Timed runs (median reported).")] = 3,
-    alpha: float = 0.5,
-    curve_alpha: Annotated[list[float], typer.Option(help="Other alphas of the AtSpeed-S curve.")] = [0.1, 0.3, 0.7],
-    draft_beams: int = 40,
-    train_minutes: Annotated[float, typer.Option(help="Training budget of each draft.")] = 5.0,
-    quality_users: Annotated[int, typer.Option(help="Test users of the relaxed-quality comparison.")] = 1000,
-    heads: Annotated[bool, typer.Option(help="Also train and measure a feature-level head per method (same "
-                                              "budget unless --head-minutes).")] = False,
-    head_minutes: Annotated[Optional[float], typer.Option(help="Training budget of each head (default: "
-                                                              "--train-minutes).")] = None,
-    as_users: Annotated[int, typer.Option(help="Test users AS@K is averaged over (decoded in batches).")] = 256,
-    epochs: Annotated[int, typer.Option(help="Epoch cap of each draft (the budget's cosine schedule).")] = 10,
-    patience: Annotated[int, typer.Option(help="Epochs without a better validation acceptance before a draft "
-                                               "stops (--epochs: none, every draft trains its whole budget).")] = 2,
-    name: ResultNameOpt = "align",
-) -> None:
-    """Table 1 on our models: WS@K / AS@K of every alignment method under strict and relaxed
-    verification (independent drafts, and with --heads feature-level heads), the ranking against
-    the paper's, relaxed quality against beam sampling (Table 2) and the alpha curve (Fig. 4c)."""
-    from recspec.bench.align import run
-
-    _positive(users=users, repeats=repeats, as_users=as_users, epochs=epochs, quality_users=quality_users,
-              patience=patience)
-    typer.echo(run(_results_dir(out), target, data, work, k, users, repeats, alpha, curve_alpha, draft_beams, train_minutes,
-                   epochs=epochs, quality_users=quality_users, heads=heads, as_users=as_users, name=name,
-                   patience=patience, head_minutes=head_minutes))
 
 
 # --- knowledge generation (LASER) ---------------------------------------------------------------
@@ -1439,7 +1153,7 @@ def knowledge_generate(
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
-    device: str = "cpu",
+    device: DeviceOpt = "auto",
     engine: EngineOpt = "local",
     address: AddressOpt = None,
     workers: WorkersOpt = 2,
@@ -1469,25 +1183,6 @@ def knowledge_show(
     from recspec.knowledge.job import describe_store
 
     typer.echo(describe_store(store, examples))
-
-
-@knowledge_app.command("ctr")
-def knowledge_ctr(
-    greedy: Annotated[list[str], typer.Option(help="New-part store(s) of greedy knowledge (user and/or item).")],
-    relaxed: Annotated[list[str], typer.Option(help="New-part store(s) of relaxed (LASER) knowledge.")],
-    old: Annotated[list[str], typer.Option(help="Old-part item store(s): the existing items' knowledge.")] = [],
-    out: ResultsOpt = Path("benchmarks/results"),
-    seeds: Annotated[int, typer.Option(help="Training seeds per condition (mean reported).")] = 3,
-    epochs: int = 3,
-    model: Annotated[str, typer.Option(help="The target LLM whose hidden states embed the texts.")] = "smollm2",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
-) -> None:
-    """Downstream CTR (DIN-style) AUC / log loss: no knowledge vs greedy vs relaxed knowledge."""
-    from recspec.bench.ctr import run
-    from recspec.knowledge.job import set_threads
-
-    set_threads(threads)
-    typer.echo(run(_results_dir(out), greedy, relaxed, old, model, seeds, epochs))
 
 
 @bench_app.command("knowledge")
@@ -1542,17 +1237,27 @@ def bench_knowledge(
     base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", groups,
                              min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024, 1, draft, head_width,
                              head_depth, head_nodes, fixed_tree, head_gate)
-    typer.echo(run(_results_dir(out), pools, limit, repeats, max_new_tokens, base,
+    typer.echo(run(results_dir(out), pools, limit, repeats, max_new_tokens, base,
                    tuple(variant) if variant else None, name=name))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    """Run the command line (``argv``: the arguments, default ``sys.argv[1:]``) and exit: 0 when
-    done, 2 with one line for a user's error, 130 with one line saying what was kept on Ctrl-C."""
+def main(argv: Optional[list[str]] = None, commands: typer.Typer = app) -> None:
+    """Run the command line (``argv``: the arguments, default ``sys.argv[1:]``; ``commands``: its
+    app, recspec's or the repository's lab's) and exit: 0 when done, 2 with one line for a user's
+    error, 130 with one line saying what was kept on Ctrl-C."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = commands(args=argv, standalone_mode=False)
     except RecspecError as err:
         typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    except ModuleNotFoundError as err:  # a package of an extra that is not installed
+        from recspec.extras import extra_of, missing_extra_error
+
+        extra = extra_of(err)
+        if extra is None:
+            raise
+        command = " ".join(arg for arg in (argv if argv is not None else sys.argv[1:])[:2] if not arg.startswith("-"))
+        typer.echo(f"error: {missing_extra_error(extra, f'recspec {command}'.strip())}", err=True)
         sys.exit(2)
     except Interrupted as err:
         typer.echo(f"\ninterrupted: {err}", err=True)

@@ -20,6 +20,7 @@ from recspec.models.examples import PromptEncoder, one_target_per_row
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
 from recspec.models.tokenizer import identifier_token_ids
 from recspec.models.checkpoint import CHECKPOINT_DIR, write_run_info
+from recspec.models.run_data import ServingData
 from recspec.models.packing import next_item_task
 from recspec.models.train import TrainConfig, TrainResult, level_losses, train
 from recspec.recommend import item_rows
@@ -77,7 +78,8 @@ def fit(dataset_spec: str, out_dir: Path, preset: str, ids: str | Path | None = 
     index, tokenizer = encoder.index, encoder.tokenizer
     write_run_info(out_dir, index, {"dataset": recorded_spec(dataset_spec), "format": format, "split": split.kind,
                                     "max_history": max_history, "preset": preset,
-                                    "prompt": encoder.template.to_json()})  # a resume's settings checked first
+                                    "prompt": encoder.template.to_json()},  # a resume's settings checked first
+                   ServingData.from_split(dataset, split))
     model = build_model(preset, tokenizer, seed=config.seed)
     trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer))
     valid = split.valid.subset(np.arange(min(valid_users, len(split.valid))))

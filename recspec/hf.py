@@ -17,9 +17,10 @@ to keep that call:
   without a draft; with one, the first call for a K and batch size times both on its first
   batch and keeps the faster (logged on the ``recspec.hf`` logger, kept in ``.choices``). A bare
   model has no folder to keep measurements in, so the choice lives as long as the callable. A
-  model the lean forward serves (:mod:`recspec.models.lean_forward`: a float32 Llama with
-  multi-head attention) is called through it by recspec's decoders, bit for bit what its own
-  forward computes; ``generate`` itself, and every other model, keep transformers' forward.
+  model the lean forward serves (:mod:`recspec.accel.lean_forward`: a float32 Llama with
+  multi-head attention, on the CPU) is called through it by recspec's decoders, bit for bit what
+  its own forward computes; ``generate`` itself, and every other model, keep transformers' forward
+  (the models are the caller's: :func:`~recspec.accel.accelerate` with ``borrowed``).
 * :class:`TrieConstraint` is a ``LogitsProcessor`` for users who keep transformers' own beam
   search: the trie's allowed tokens as one vectorized mask per step instead of a Python callback
   per beam.
@@ -42,11 +43,11 @@ import torch
 from transformers import LogitsProcessor
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
+from recspec.accel import accelerate
 from recspec.decoding.beams import TopK
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
-from recspec.models.lean_forward import use_lean_forward
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.recommend import DecodeOptions, run_decoder
 
@@ -138,7 +139,7 @@ class TrieBeamSearch:
         check_vocabulary(model, trie)
         for decoder in (model, self.draft):  # checked once per model; recspec's calls only, never generate's
             if decoder is not None:
-                use_lean_forward(decoder)
+                accelerate(decoder, borrowed=True)
         device = input_ids.device
         if device not in self.tries:
             self.tries[device] = trie.to(device)

@@ -17,14 +17,15 @@ template without ``{history}`` or one whose pieces tokenize otherwise than the w
 (or that the tokenizer cannot tokenize at all), an index that knows none of the data set's items, a
 folder without safetensors weights. :func:`import_checkpoint` then writes the folder
 `recspec train` writes (``best/`` with the weights, tokenizer, ``recspec.json`` and checksums;
-``item_index.json`` and ``run.json`` beside it), atomically, so that every command takes it;
+``item_index.json``, ``run.json`` and ``serving.json`` beside it), atomically, so that every command
+takes it and it serves without the data set;
 :func:`load_peer` builds the same :class:`~recspec.recommend.Recommender` in memory and writes
 nothing (`recspec recommend --target HF_DIR --index ...`).
 
 An index with colliding identifiers is resolved as recspec resolves released ones
 (:func:`~recspec.itemids.build.load_index`). Items of the data set that the index lacks cannot be
 recommended: their interactions are left out of histories and targets (``only_indexed_items`` in
-``run.json``, :func:`~recspec.recommend.run_dataset`). Nothing from the model folder is executed:
+``run.json``, :func:`~recspec.models.run_data.run_dataset`). Nothing from the model folder is executed:
 no remote code, weights only from safetensors (pickled weights are refused unopened), the chat
 template rendered by transformers' sandboxed Jinja.
 """
@@ -47,6 +48,7 @@ from recspec.itemids.build import load_index
 from recspec.models.checkpoint import (BEST_DIR, check_vocabulary_fits, load_safetensors_lm, save_model_dir,
                                        write_run_info)
 from recspec.models.examples import PromptEncoder, TextTemplate
+from recspec.models.run_data import ServingData
 from recspec.models.presets import preset_template
 from recspec.models.tokenizer import RECSPEC_JSON, check_one_token_each
 from recspec.recommend import Recommender, check_drafts, check_k
@@ -71,15 +73,16 @@ class PeerSpec:
 @dataclass
 class PeerParts:
     """A checked checkpoint: its model ``folder``, the prompt ``encoder`` (tokenizer, item index,
-    token template) for ``dataset`` (without the items the index lacks), the run ``info`` and the
-    ``provenance`` a recspec folder records, and ``notes`` for the user (items moved or left out,
-    a pad token chosen)."""
+    token template) for ``dataset`` (without the items the index lacks), the run ``info``, the
+    ``provenance`` a recspec folder records and the ``serving`` data it keeps, and ``notes`` for the
+    user (items moved or left out, a pad token chosen)."""
 
     folder: Path
     encoder: PromptEncoder
     dataset: Dataset
     info: dict[str, Any]
     provenance: dict[str, Any]
+    serving: ServingData
     notes: list[str]
 
 
@@ -148,7 +151,7 @@ def peer_parts(spec: PeerSpec) -> PeerParts:
             "max_history": spec.max_history, "only_indexed_items": True, "imported": str(folder.resolve())}
     provenance = {"model": str(folder.resolve()), "index": str(Path(spec.index).resolve()),
                   "prompt": text.to_json() if text else {"preset": spec.template}, "moved_items": sorted(moved)}
-    return PeerParts(folder, encoder, dataset, info, provenance, notes)
+    return PeerParts(folder, encoder, dataset, info, provenance, ServingData.from_split(dataset, split), notes)
 
 
 def import_checkpoint(spec: PeerSpec, out: Path, overwrite: bool = False) -> PeerParts:
@@ -159,7 +162,7 @@ def import_checkpoint(spec: PeerSpec, out: Path, overwrite: bool = False) -> Pee
     model = load_safetensors_lm(parts.folder, dtype="auto")
     with atomic_dir(out, overwrite) as tmp:
         save_model_dir(tmp / BEST_DIR, model, parts.encoder.tokenizer, parts.encoder, {"imported": parts.provenance})
-        write_run_info(tmp, parts.encoder.index, parts.info)
+        write_run_info(tmp, parts.encoder.index, parts.info, parts.serving)
     return parts
 
 

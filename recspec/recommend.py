@@ -2,9 +2,12 @@
 
 A trained model folder (``recspec train --out DIR``, :mod:`recspec.models.checkpoint`) holds
 ``best/`` (weights, tokenizer, ``recspec.json`` with the item-index fingerprint),
-``item_index.json`` and ``run.json``. :class:`Recommender` loads all of it
-and turns examples into top-K item lists with any decoder; results are written as JSON lines,
-one object per user: ``{"user": raw id, "items": [raw item ids, best first], "scores": [...]}``.
+``item_index.json``, ``run.json`` and ``serving.json`` (:mod:`recspec.models.run_data`).
+:class:`Recommender` loads all of it and turns examples into top-K item lists with any decoder;
+results are written as JSON lines, one object per user: ``{"user": raw id, "items": [raw item
+ids, best first], "scores": [...]}``. Recommending for a data set's users reads that data set (the
+one the model was trained on, or another); answering raw histories (``folder_only``: the Python
+API, ``recspec serve``) reads the folder alone.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recspec.data import Dataset, Examples, SplitData, load_dataset, split_dataset
-from recspec.data.loaders import keep_items
+from recspec.data import Dataset, Examples, SplitData, load_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
@@ -41,6 +43,7 @@ from recspec.itemids.trie import ItemTrie
 from recspec.models.checkpoint import INDEX_FILE, load_trained, run_info, trained_model_dir
 from recspec.models.examples import PromptEncoder, saved_template
 from recspec.models.head import bind_head, head_dir, head_fingerprint, is_head_dir, load_head, read_head_config
+from recspec.models.run_data import SERVING_FILE, ServingData, recorded_dataset, run_dataset, run_split
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 
 #: The exact top-K decoders (trie-constrained beam search), all returning the same items.
@@ -142,8 +145,9 @@ def item_rows(dataset_keys: Sequence[str], keys: Sequence[str]) -> np.ndarray:
     return np.array([lookup.get(str(key), -1) for key in keys], dtype=np.int64)
 
 
-def evaluation_part(split: SplitData, part: str) -> Examples:
-    """The validation or test examples of ``split``; another name is an error."""
+def evaluation_part(split: SplitData | ServingData, part: str) -> Examples:
+    """The validation or test examples of ``split`` (or the histories a model folder keeps of
+    them); another name is an error."""
     if part not in ("valid", "test"):
         raise RecspecError(f"unknown part {part!r}; choose valid or test")
     return split.valid if part == "valid" else split.test
@@ -187,26 +191,35 @@ def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie:
 
 @dataclass
 class Recommender:
-    """A trained model with its tokenizer, item index, prompt encoder and trie, for one data set."""
+    """A trained model with its tokenizer, item index, prompt encoder and trie, for the users of
+    ``dataset``, or (``dataset`` None: loaded from its folder alone) for raw histories, with the
+    folder's ``saved`` serving data (None for a folder written before recspec kept it)."""
 
     model: Any
     tokenizer: Any
     index: ItemIndex
     encoder: PromptEncoder
     trie: ItemTrie
-    dataset: Dataset
+    dataset: Dataset | None
     info: dict[str, Any]
     draft: Any = None
     folder: Path | None = None  # the target's model folder
     draft_dirs: tuple[Path, ...] = ()  # the draft's folders (a model, a head, or both)
+    saved: ServingData | None = None
     # what ``auto`` chose for these models, per (K, batch size): made once per loaded recommender
     auto_choices: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
-             draft_dir: str | Path | Sequence[str | Path] | None = None, k: int | None = None) -> Recommender:
-        """Load ``model_dir`` (a training folder or its ``best/``); ``dataset`` defaults to the trained
-        one. ``draft_dir``: a draft model for the speculative decoders, refused unless it was
+             draft_dir: str | Path | Sequence[str | Path] | None = None, k: int | None = None,
+             folder_only: bool = False) -> Recommender:
+        """Load ``model_dir`` (a training folder or its ``best/``) for the users of ``dataset``
+        (default: the trained one, read now). ``folder_only``: for raw histories, from the folder
+        alone (the Python API, ``recspec serve``): no data set is read unless ``dataset`` is given;
+        the item ids come from the folder's ``serving.json``, and so do the users ``auto``
+        measures on (:meth:`examples`); a folder written before recspec kept that file reads them
+        from its data set, or names ``recspec upgrade`` when it cannot be read.
+        ``draft_dir``: a draft model for the speculative decoders, refused unless it was
         trained with the same item index and tokenizer, or a draft head (`recspec align train
         --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
         the model drafts the first round, the head the rest; or a target prior (`recspec align
@@ -216,20 +229,27 @@ class Recommender:
         folder, info, models, heads = check_folders(model_dir, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
         check_k(k, index, folder)
+        saved = ServingData.load(folder) if (folder / SERVING_FILE).is_file() else None
+        if dataset is not None or not folder_only:  # a data set that cannot be read is named before any weight
+            dataset = users_dataset(info, index, dataset)
+        elif saved is None:
+            dataset = recorded_dataset(info, index, f"{folder} was written before recspec kept {SERVING_FILE}: run "
+                                                    f"`recspec upgrade {folder}` where the data set can be read")
         model, tokenizer = load_trained(folder, index, device=device)
         model_folder = trained_model_dir(folder)
-        dataset = run_dataset(info, index, dataset)
-        encoder = PromptEncoder(index, dataset.item_ids, tokenizer, saved_template(model_folder, tokenizer))
-        recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder)
+        item_keys = saved.item_ids if dataset is None and saved is not None else users_of(dataset).item_ids
+        encoder = PromptEncoder(index, item_keys, tokenizer, saved_template(model_folder, tokenizer))
+        recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder, saved)
         named = named_draft(draft_dir)
         return replace(recommender, draft=recommender.build_named_draft(named)) if named else recommender
 
     @classmethod
-    def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset, info: dict[str, Any], device: str = "cpu",
-                   models: Sequence[Path] = (), heads: Sequence[Path] = (), folder: Path | None = None
-                   ) -> Recommender:
-        """A recommender from a loaded target ``model``, its prompt ``encoder`` for ``dataset`` and
-        its run ``info``, with the draft ``models`` and ``heads`` (folders checked by
+    def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset | None, info: dict[str, Any],
+                   device: str = "cpu", models: Sequence[Path] = (), heads: Sequence[Path] = (),
+                   folder: Path | None = None, saved: ServingData | None = None) -> Recommender:
+        """A recommender from a loaded target ``model``, its prompt ``encoder`` for ``dataset`` (None:
+        raw histories, over the item ids of its folder's ``saved`` serving data) and its run
+        ``info``, with the draft ``models`` and ``heads`` (folders checked by
         :func:`check_drafts`; at most one of each, or a target prior alone in ``heads``) loaded and
         checked against it. ``folder``: the target's model folder, which heads and priors are tied
         to and ``auto`` keeps its measurements in (None for a model loaded from elsewhere,
@@ -254,7 +274,7 @@ class Recommender:
             if loaded is not None:
                 share_prefix(loaded, encoder.template.prefix)
         draft = HybridPair(draft_model, tied) if draft_model is not None and tied is not None else draft_model or tied
-        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads))
+        return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads), saved)
 
     def with_draft(self, draft_dir: str | Path | Sequence[str | Path]) -> Recommender:
         """This recommender with another draft (``draft_dir`` as in :meth:`load`), the target's
@@ -265,7 +285,7 @@ class Recommender:
         models, heads = check_drafts(draft_dir)
         device = str(next(self.model.parameters()).device)
         return type(self).from_parts(self.model, self.encoder, self.dataset, self.info, device, models, heads,
-                                     self.folder)
+                                     self.folder, self.saved)
 
     @property
     def draft_name(self) -> str | None:
@@ -289,14 +309,24 @@ class Recommender:
 
     def item_draft(self, decay: float = DECAY, smoothing: float = SMOOTHING) -> ItemDraft:
         """The draft of ``--draft items``: an item-transition prior fitted on the training part
-        of this recommender's data (:mod:`recspec.decoding.item_prior`), read through its trie."""
-        prior = TransitionPrior.fit(training_sequences(self.dataset, self.info, self.index), len(self.index.item_keys),
+        of this recommender's data (:mod:`recspec.decoding.item_prior`), read through its trie.
+        Loaded from its folder alone, it reads the data set the model was trained on (a folder
+        keeps no training data)."""
+        dataset = self.dataset if self.dataset is not None else recorded_dataset(
+            self.info, self.index, "--draft items is fitted on its training users: pass --dataset where the "
+                                   "command takes one, or choose another draft")
+        prior = TransitionPrior.fit(training_sequences(dataset, self.info, self.index), len(self.index.item_keys),
                                     decay, smoothing)
         return ItemDraft(prior, self.trie)
 
     def examples(self, part: str = "test", users: int | None = None) -> Examples:
-        """The evaluation examples of ``part`` under the trained split (the first ``users`` of them)."""
-        return trained_examples(self.dataset, self.info, part, users)
+        """The evaluation examples of ``part`` under the trained split (the first ``users`` of them).
+        Loaded from its folder alone (no data set), the histories its folder keeps of the first
+        validation and test users instead (:class:`~recspec.models.run_data.ServingData`, no
+        targets): prompts for ``auto`` and calibration to measure on, not users to evaluate."""
+        if self.dataset is None and self.saved is not None:
+            return first_users(evaluation_part(self.saved, part), users)
+        return trained_examples(users_of(self.dataset), self.info, part, users)
 
     def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16,
                   options: DecodeOptions = DecodeOptions(), progress: bool = False) -> Decoded:
@@ -333,20 +363,40 @@ def trained_examples(dataset: Dataset, info: dict[str, Any], part: str = "test",
                      ) -> Examples:
     """The evaluation examples of ``part`` of ``dataset`` under the split a model was trained
     with (its run ``info``), the first ``users`` of them; no model is needed."""
-    split = split_dataset(dataset, info.get("split"), info.get("max_history", 20))
-    examples = evaluation_part(split, part)
+    return first_users(evaluation_part(run_split(dataset, info), part), users)
+
+
+def first_users(examples: Examples, users: int | None) -> Examples:
+    """The first ``users`` of ``examples`` (None: all of them); fewer than one is an error."""
     if users is not None and users < 1:
         raise RecspecError(f"users must be at least 1, got {users}")
-    if users is not None:
-        examples = examples.subset(np.arange(min(users, len(examples))))
-    return examples
+    return examples if users is None else examples.subset(np.arange(min(users, len(examples))))
+
+
+def users_dataset(info: dict[str, Any], index: ItemIndex, dataset: Dataset | None = None) -> Dataset:
+    """The data set whose users a model of run ``info`` recommends for: ``dataset``, else the one it
+    was trained on (:func:`~recspec.models.run_data.run_dataset`); one that cannot be read here is
+    a one-line error saying to pass one."""
+    if dataset is not None:
+        return run_dataset(info, index, dataset)
+    return recorded_dataset(info, index, "pass the data set whose users to recommend for (--dataset), or load the "
+                                         "folder alone to answer raw histories (recspec.load)")
+
+
+def users_of(dataset: Dataset | None) -> Dataset:
+    """``dataset``, the data set whose users a recommender answers for; None (a recommender loaded
+    from its model folder alone, for raw histories) is a one-line error saying how to give one."""
+    if dataset is None:
+        raise RecspecError("this recommender answers raw histories from its model folder alone; load it with the "
+                           "data set whose users to recommend for (`recspec recommend`: the trained one or --dataset)")
+    return dataset
 
 
 def training_sequences(dataset: Dataset, info: dict[str, Any], index: ItemIndex) -> list[np.ndarray]:
     """Each user's items in the training part of the split a model was trained with (its run
     ``info``), as rows of ``index``, in time order (items the index lacks left out): what the
     item prior of ``--draft items`` is fitted on."""
-    labels = split_dataset(dataset, info.get("split"), info.get("max_history", 20)).labels
+    labels = run_split(dataset, info).labels
     inter = dataset.interactions
     rows = item_rows(index.item_keys, dataset.item_ids)[inter.items]
     train = np.flatnonzero((labels == 0) & (rows >= 0))
@@ -412,15 +462,6 @@ def check_k(k: int | None, index: ItemIndex, source: str | Path) -> None:
                            f"{len(index.item_keys)} items")
 
 
-def run_dataset(info: dict[str, Any], index: ItemIndex, dataset: Dataset | None = None) -> Dataset:
-    """The data set a model is used with: ``dataset``, else the one of its run ``info``; for a
-    model trained elsewhere (``only_indexed_items`` in its run info, :mod:`recspec.importer`)
-    without the interactions of the items its index lacks (:func:`~recspec.data.loaders.keep_items`)."""
-    if dataset is None:
-        dataset = load_dataset(info["dataset"], info.get("format"))
-    return keep_items(dataset, index.item_keys) if info.get("only_indexed_items") else dataset
-
-
 def draft_folders(draft_dir: str | Path | Sequence[str | Path] | None) -> list[Path]:
     """The folders of a ``--draft`` value: one folder, two joined by ``+`` (a draft model for the
     first round and a head for the rest), or a sequence of folders."""
@@ -444,7 +485,7 @@ def recs_text(recommender: Recommender, examples: Examples, topk: TopK) -> str:
     """One JSON line per example (user, items as raw ids best first, scores); non-finite scores
     are refused (see :func:`check_finite_scores`), so every line is valid JSON."""
     keys = recommender.index.item_keys
-    users = [recommender.dataset.user_ids[user] for user in examples.users.tolist()]
+    users = [users_of(recommender.dataset).user_ids[user] for user in examples.users.tolist()]
     check_finite_scores(topk, users)
     rows, scores = topk.items.cpu().tolist(), topk.scores.cpu().tolist()
     return "".join(dumps_strict({"user": user, "items": [keys[i] for i in items if i >= 0],

@@ -13,7 +13,7 @@ fi
 # them (a few files written for Python 2 in some packages do not compile: pip skips them too)
 pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile "$@"; }
 pip_install "torch==2.13.0"
-extras=""
+extras="[all]"
 if [ "${1:-}" = "test" ]; then extras="[test]"; fi
 pip_install -e ".${extras}"
 .venv/bin/python -m compileall -qq -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true

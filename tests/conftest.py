@@ -31,12 +31,21 @@ LONGEST_FIRST = ("test_cluster", "test_exactness_movielens", "test_serve_ray", "
                  "test_text_head_chain")
 
 
+#: Fixtures that need fetched assets (MovieLens, SmolLM2) or the Beauty data: the tests that use
+#: them are ``slow``, so that ``make test-fast`` (``-m "not slow"``) runs without any of them.
+ASSET_FIXTURES = {"ml100k", "smollm2_dir", "trained_models", "beauty_dir", "beauty"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first (:data:`LONGEST_FIRST`), then the other files marked ``slow``, then
+    """Tests using :data:`ASSET_FIXTURES` marked ``slow``; the longest files first
+    (:data:`LONGEST_FIRST`), then the other files marked ``slow``, then
     the rest, each file's tests in their order: under ``make test`` (``-n auto --dist loadfile
     --no-loadscope-reorder``) each file goes to one worker in this order, so no long file is left
     for last to run alone for minutes while the other worker idles (xdist's own reordering, by
     the number of tests in a file, did exactly that)."""
+    for item in items:  # a test that needs an asset needs it whether or not its file says so
+        if ASSET_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def order(item: pytest.Item) -> tuple[int, bool]:

@@ -18,10 +18,11 @@ from recspec.align.task import METHODS, AlignmentTask
 from recspec.align.train import align_fit
 from recspec.errors import RecspecError
 from recspec.fit import fit
-from recspec.models.small_rows import SmallRowForward, streams_weights
+from recspec.accel.policy import streams_weights
+from recspec.accel.small_rows import SmallRowForward
 from recspec.models.train import TrainConfig, answer_loss
 from recspec.recommend import Recommender
-from tests.test_cli import recspec
+from tests.test_cli import lab, recspec
 from tests.test_recommend_cli import small_data  # noqa: F401  (fixture)
 
 LOG = math.log
@@ -313,7 +314,7 @@ def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, a
     """`bench align --heads`: a draft and a head per method, trained once (a second call reuses
     them), every strict row returning beam search's items, AS@K over the batched users, the
     ranking against the paper's, each draft's validation curve, and the result files."""
-    from recspec.bench.align import KINDS, VERIFICATIONS, run, train_drafts
+    from benchmarks.lab.align import KINDS, VERIFICATIONS, run, train_drafts
     from recspec.models.head import is_head_dir
 
     target_dir, _ = small_target
@@ -348,7 +349,7 @@ def test_bench_align_with_heads_ranks_every_method_of_both_kinds(small_target, a
     stamps = {folder: (folder / "finished").stat().st_mtime_ns for folder in drafts.values()}
     again = train_drafts(work, alignment_data, target_dir, KINDS, 0.5, TrainConfig(epochs=1))
     assert again == drafts and all((f / "finished").stat().st_mtime_ns == t for f, t in stamps.items())
-    bad = recspec("bench", "align", "--target", str(target_dir), "--data", str(alignment_data), "--as-users", "0")
+    bad = lab("align", "--target", str(target_dir), "--data", str(alignment_data), "--as-users", "0")
     assert bad.returncode == 2 and "--as-users must be at least 1" in bad.stderr
-    bad = recspec("bench", "align", "--target", str(target_dir), "--data", str(alignment_data), "--patience", "0")
+    bad = lab("align", "--target", str(target_dir), "--data", str(alignment_data), "--patience", "0")
     assert bad.returncode == 2 and "--patience must be at least 1" in bad.stderr

@@ -24,10 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 @pytest.fixture(scope="module")
 def histories(models) -> list[list[str]]:  # noqa: F811
     """The raw-id histories of the first 6 test users."""
-    target, _ = models
+    return raw_histories(models[0], 6)
+
+
+def raw_histories(target: Path, users: int) -> list[list[str]]:
+    """The raw-id histories of the first ``users`` test users of ``target``'s data set."""
     recommender = Recommender.load(target)
-    examples = recommender.examples("test", 6)
-    return [[recommender.dataset.item_ids[item] for item in examples.history_of(i)] for i in range(6)]
+    examples = recommender.examples("test", users)
+    return [[recommender.dataset.item_ids[item] for item in examples.history_of(i)] for i in range(users)]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Packed grouped-query attention (:mod:`recspec.models.attention`) on the real SmolLM2: the same
-logits as transformers' own SDPA attention for verifying calls over a cache (tree masks, several
+"""Packed grouped-query attention (:mod:`recspec.accel.packed_attention`) on the real SmolLM2: the
+same logits as transformers' own SDPA attention for verifying calls over a cache (tree masks, several
 rows, batches), the cases it leaves to transformers, and a saved model that loads anywhere."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from recspec.accel import packed_attention as attention
+from recspec.accel.packed_attention import PACKED_SDPA, packs, use_packed_attention
 from recspec.decoding.cache import gather_positions
-from recspec.models import attention
-from recspec.models.attention import PACKED_SDPA, packs, use_packed_attention
 from recspec.models.hf import load_causal_lm
 from recspec.hub import with_cache
 

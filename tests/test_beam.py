@@ -37,7 +37,7 @@ from recspec.decoding.tree import (
     tree_position_ids,
 )
 from recspec.errors import RecspecError
-from recspec.models.attention import additive_mask
+from recspec.accel.packed_attention import additive_mask
 from recspec.itemids.trie import ItemTrie
 from recspec.hub import returned_cache, with_cache
 

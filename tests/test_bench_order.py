@@ -47,7 +47,7 @@ def test_decoders_take_turns_user_by_user() -> None:
     """`time_per_user`: within a run every decoder decodes each user once, the decoders taking
     turns user by user in the balanced order; one total per run; the last run's outputs in user
     order."""
-    from recspec.bench.spec import time_per_user
+    from recspec.bench.sampling import time_per_user
 
     calls: list[tuple[str, int]] = []
 

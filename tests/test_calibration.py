@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from recspec import calibration
+from recspec.accel import packed_attention, small_rows
+from recspec.accel.packed_attention import ATTENTION_VERSION
+from recspec.accel.small_rows import PRODUCTS_VERSION, use_small_row_products
 from recspec.calibration import calibration_path, call_cost
 from recspec.decoding.cost import CallCost, fit_call_cost
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
-from recspec.models.attention import ATTENTION_VERSION
-from recspec.models.small_rows import PRODUCTS_VERSION, use_small_row_products
 
 
 def test_fit_recovers_a_line_and_stays_non_negative() -> None:
@@ -67,10 +67,10 @@ def test_record_is_kept_reused_and_remeasured_when_it_does_not_match(tiny, monke
     padded = call_cost(use_small_row_products(model, onednn=False, kernel=False), folder, prompt_len=16, repeats=2)  # padded: again
     assert padded.padded and read_json(path)["padded_rows"] is True and padded.samples != other.samples
     # a newer small-row forward computes the calls another way: the record is measured again
-    monkeypatch.setattr(calibration, "PRODUCTS_VERSION", PRODUCTS_VERSION + 1)
+    monkeypatch.setattr(small_rows, "PRODUCTS_VERSION", PRODUCTS_VERSION + 1)
     remeasured = call_cost(model, folder, prompt_len=16, repeats=2)
     assert read_json(path)["products"] == PRODUCTS_VERSION + 1 and remeasured.samples != padded.samples
-    monkeypatch.setattr(calibration, "ATTENTION_VERSION", ATTENTION_VERSION + 1)  # so does a newer attention
+    monkeypatch.setattr(packed_attention, "ATTENTION_VERSION", ATTENTION_VERSION + 1)  # so does a newer attention
     again = call_cost(model, folder, prompt_len=16, repeats=2)
     assert read_json(path)["attention"] == ATTENTION_VERSION + 1 and again.samples != remeasured.samples
 

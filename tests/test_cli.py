@@ -15,10 +15,13 @@ import pytest
 import torch
 import typer.testing
 
-from recspec.cli import app, main
+from benchmarks.lab.cli import app as lab_app
+from recspec.cli import MOVED_TO_LAB, app, main
 
 COMMANDS = [[], ["assets"], ["assets", "fetch"], ["assets", "list"], ["data"], ["data", "show"], ["ids"],
-            ["ids", "build"], ["ids", "show"], ["bench"], ["bench", "ids"]]
+            ["ids", "build"], ["ids", "show"], ["bench"], ["bench", "compare"]]
+#: What ``recspec bench`` keeps: the benchmarks a user runs on their own models.
+KEPT_BENCHMARKS = ["compare", "serve", "dropin", "sampling", "knowledge"]
 
 
 def recspec_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -28,11 +31,13 @@ def recspec_process(*args: str, env: dict[str, str] | None = None) -> subprocess
                           env={**os.environ, **(env or {})})
 
 
-def recspec(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def recspec(*args: str, env: dict[str, str] | None = None,
+            commands: typer.Typer = app) -> subprocess.CompletedProcess:
     """The command line's ``main`` run in this process, returning what :func:`recspec_process`
     would (exit status, standard output and error) without starting Python, torch and
     transformers again, about 5 s a call on this machine. ``env`` holds for the call only, and
-    torch's thread count (which ``--threads`` sets) is restored after it."""
+    torch's thread count (which ``--threads`` sets) is restored after it. ``commands``: the app
+    run (:func:`lab` runs the lab's)."""
     out, err = io.StringIO(), io.StringIO()
     threads = torch.get_num_threads()
     saved = {key: os.environ.get(key) for key in env or {}}
@@ -41,7 +46,7 @@ def recspec(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         code = 0
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                main(list(args))
+                main(list(args), commands)
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     finally:
@@ -54,11 +59,48 @@ def recspec(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     return subprocess.CompletedProcess(["recspec", *args], code, out.getvalue(), err.getvalue())
 
 
+def lab(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.lab ARGS`` (the repository's research benchmarks) run in this
+    process, as :func:`recspec` runs ``recspec``."""
+    return recspec(*args, env=env, commands=lab_app)
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "root")
 def test_help_everywhere(command: list[str]) -> None:
     result = typer.testing.CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output
     assert "Usage" in result.output
+
+
+def test_bench_keeps_the_user_benchmarks_and_names_where_the_rest_went() -> None:
+    """`recspec bench --help` lists the kept benchmarks alone; a moved one (and `knowledge ctr`)
+    says in one line where it went, with status 2; the lab runs every moved one."""
+    group = typer.main.get_command(app).commands["bench"]
+    assert sorted(group.commands) == sorted(KEPT_BENCHMARKS)
+    for name in MOVED_TO_LAB["bench"]:
+        result = recspec("bench", name, "--help")
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.splitlines() == [f"error: recspec bench {name} moved to the repository: "
+                                              f"python -m benchmarks.lab {name}"]
+    result = recspec("knowledge", "ctr")
+    assert result.returncode == 2 and "python -m benchmarks.lab ctr" in result.stderr
+    moved = {name for names in MOVED_TO_LAB.values() for name in names}
+    assert set(typer.main.get_command(lab_app).commands) == moved
+    for name in sorted(moved):
+        result = typer.testing.CliRunner().invoke(lab_app, [name, "--help"])
+        assert result.exit_code == 0 and "Usage" in result.output, (name, result.output)
+
+
+def test_the_lab_runs_as_a_module_from_the_repository() -> None:
+    """`python -m benchmarks.lab` from the repository's root: its commands, and one-line errors."""
+    root = Path(__file__).parents[1]
+    listed = subprocess.run([sys.executable, "-m", "benchmarks.lab", "--help"], capture_output=True, text=True,
+                            cwd=root)
+    assert listed.returncode == 0 and "level-prior" in listed.stdout, listed.stderr
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.lab", "cost", "--target", "t", "--draft", "a", "--draft",
+                          "b"], capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == ["error: give one --draft per --target (1 targets, 2 drafts)"]
 
 
 def test_errors_are_one_line(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """A listing covers what it vouches for: a model folder's ``checksums.json`` must name every file that
 decides the model's answers (weights, config, tokenizer, ``recspec.json``), and a training folder's
-must name its ``run.json`` and ``item_index.json``; a listing emptied or cut short is refused in one
-line, and so is a folder written before recspec listed its run files, until ``recspec upgrade``
-lists them."""
+must name its ``run.json``, ``item_index.json`` and ``serving.json``; a listing emptied or cut short
+is refused in one line, and so is a folder written before recspec listed its run files, until
+``recspec upgrade`` lists them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from recspec.fileio import CHECKSUMS, read_json, write_json_atomic
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import (BEST_DIR, INDEX_FILE, RUN_FILE, WEIGHTS_FILE, run_info, trained_model_dir,
                                        upgrade_run_dir, write_run_info)
+from recspec.models.run_data import SERVING_FILE
 from recspec.recommend import Recommender
 from tests.test_cli import recspec
 
@@ -92,7 +93,7 @@ def test_trained_folders_list_what_decides_the_answers(run: Path) -> None:
     recspec.json, and the training folder lists exactly its run files; it loads."""
     listed = read_json(run / BEST_DIR / CHECKSUMS)["files"]
     assert {"config.json", WEIGHTS_FILE, "recspec.json", "tokenizer.json", "tokenizer_config.json"} <= set(listed)
-    assert sorted(read_json(run / CHECKSUMS)["files"]) == [INDEX_FILE, RUN_FILE]
+    assert sorted(read_json(run / CHECKSUMS)["files"]) == [INDEX_FILE, RUN_FILE, SERVING_FILE]
     assert Recommender.load(run).folder == run / BEST_DIR
 
 
@@ -139,8 +140,8 @@ def test_an_earlier_folder_is_refused_until_upgraded(run: Path) -> None:
     assert f"run `recspec upgrade {run}` once" in refused.stderr and not out.exists()
     upgraded = recspec("upgrade", str(run / BEST_DIR))
     assert upgraded.returncode == 0, upgraded.stderr
-    assert upgraded.stdout.strip() == f"listed {INDEX_FILE}, {RUN_FILE} in {run / CHECKSUMS}"
-    assert sorted(read_json(run / CHECKSUMS)["files"]) == [INDEX_FILE, RUN_FILE]
+    assert upgraded.stdout.strip() == f"listed {INDEX_FILE}, {RUN_FILE}, {SERVING_FILE} in {run / CHECKSUMS}"
+    assert sorted(read_json(run / CHECKSUMS)["files"]) == [INDEX_FILE, RUN_FILE, SERVING_FILE]
     assert Recommender.load(run).folder == run / BEST_DIR
     again = recspec("upgrade", str(run))
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr
@@ -164,7 +165,7 @@ def test_the_upgrade_lists_nothing_it_cannot_vouch_for(run: Path) -> None:
     one_line(err, "trained for another item index")
     assert not (run / CHECKSUMS).exists()
     index.save(run / INDEX_FILE)
-    assert upgrade_run_dir(run) == (run / CHECKSUMS, (INDEX_FILE, RUN_FILE))
+    assert upgrade_run_dir(run) == (run / CHECKSUMS, (INDEX_FILE, RUN_FILE, SERVING_FILE))
     (run / RUN_FILE).write_text(json.dumps({**read_json(run / RUN_FILE), "split": "random"}))
     with pytest.raises(RecspecError) as err:
         upgrade_run_dir(run)

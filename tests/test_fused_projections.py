@@ -1,4 +1,4 @@
-"""Fused sibling projections (:mod:`recspec.models.fused_projections`): the same outputs as each
+"""Fused sibling projections (:mod:`recspec.accel.fused`): the same outputs as each
 sibling alone (bit for bit on the real SmolLM2), one product per group where recspec's kernel or
 oneDNN's packed product computes the rows, each sibling alone everywhere else (1-2 rows without the
 kernel, another input, a gradient), a weight changed in place taken up, and a copy of the model that works."""
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from recspec.models.fused_projections import FusedProjections, use_fused_projections
-from recspec.models.int8_products import int8_engine, use_int8_products
-from recspec.models.row_kernel import available
-from recspec.models.small_rows import PACKED_ROWS, use_small_row_products
+from recspec.accel.fused import FusedProjections, use_fused_projections
+from recspec.accel.int8 import int8_engine, use_int8_products
+from recspec.accel.kernel import available
+from recspec.accel.small_rows import PACKED_ROWS, use_small_row_products
 from recspec.hub import with_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -172,7 +172,7 @@ def test_int8_siblings_fused_give_each_siblings_int8_output_bit_for_bit(bias: bo
 def test_an_int8_text_heads_siblings_are_fused() -> None:
     """An int8 text head binding computes q, k, v and gate, up as one int8 product each, and its step
     is the unfused int8 head's, bit for bit."""
-    from recspec.models.int8_products import Int8Forward
+    from recspec.accel.int8 import Int8Forward
     from recspec.models.text_head import TextHeadDraft, new_text_head
     from tests.test_speculative import small_llama
 

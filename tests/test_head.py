@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.lab.coverage import level_coverage
 from recspec.align.train import head_fit
-from recspec.bench.coverage import level_coverage
 from recspec.decoding import beam_search
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
@@ -25,7 +25,7 @@ from recspec.models.train import TrainConfig
 from recspec.recommend import Recommender, run_decoder
 from tests.test_align import alignment_data, cli_spec_and_beam, small_target  # noqa: F401  (fixtures)
 from tests.test_beam import CONTROL, PAD, SETUPS, Setup
-from tests.test_cli import recspec
+from tests.test_cli import lab, recspec
 from tests.test_recommend_cli import small_data  # noqa: F401  (fixture)
 from tests.test_speculative import small_llama
 
@@ -241,8 +241,8 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     assert [line.split(":")[0] for line in lines] == ["target", "draft, later rounds", "acceptance at K=5, first round",
                                                        "acceptance at K=5, later rounds"]
     assert "nothing drafted" in lines[2] and "level 1: N=5" in lines[3]  # a head drafts from the second round on
-    bench = recspec("bench", "auto", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
-                    "--batch-size", "2", "--users", "4", "--repeats", "1", "--out", str(tmp_path / "bench"))
+    bench = lab("auto", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
+                "--batch-size", "2", "--users", "4", "--repeats", "1", "--out", str(tmp_path / "bench"))
     assert bench.returncode == 0, bench.stderr
     row = json.loads((tmp_path / "bench" / "auto.json").read_text())["rows"][0]
     assert row["same_as_beam"] and row["auto_vs_best"] > 0 and row["choice"].startswith("auto: ")
@@ -258,8 +258,8 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
         unknown = recspec("bench", "compare", "--target", str(target_dir), "--decoder", "beam", "--decoder", bad,
                           "--out", str(tmp_path / "bench"))
         assert unknown.returncode == 2 and f"unknown: {bad}" in unknown.stderr
-    coverage = recspec("bench", "coverage", "--target", str(target_dir), "--draft", str(target_dir), "--k", "5",
-                       "--factor", "1", "--users", "8", "--out", str(tmp_path / "bench"))
+    coverage = lab("coverage", "--target", str(target_dir), "--draft", str(target_dir), "--k", "5",
+                   "--factor", "1", "--users", "8", "--out", str(tmp_path / "bench"))
     assert coverage.returncode == 0, coverage.stderr
     rows = json.loads((tmp_path / "bench" / "coverage.json").read_text())["rows"]
     assert rows and all(r["coverage"] == 1.0 for r in rows)  # the target covers itself at N = K
@@ -290,11 +290,11 @@ def recommender_options(n: int):
 
 
 def test_level_prior_takes_level_two_apart(small_target, tmp_path: Path) -> None:  # noqa: F811
-    """`recspec bench level-prior`: the target's level-1 beams and level-2 log-probs of a padded
+    """`python -m benchmarks.lab level-prior`: the target's level-1 beams and level-2 log-probs of a padded
     batch are those of plain unpadded forwards; a prior counted from one user is that user's own
     distribution, so it ranks all K target pairs first, as the target itself does; the command
     writes one row per draft and N and refuses more users than the data has, in one line."""
-    from recspec.bench.level_prior import NodePrior, first_levels, level_two, ranked_hits
+    from benchmarks.lab.level_prior import NodePrior, first_levels, level_two, ranked_hits
     from recspec.models.head import head_fingerprint
     from recspec.models.checkpoint import trained_model_dir
     from tests.test_align import forward_log_probs
@@ -328,21 +328,21 @@ def test_level_prior_takes_level_two_apart(small_target, tmp_path: Path) -> None
                                 levels=recommender.trie.depth))
     save_head(tmp_path / "head", head, head_fingerprint(trained_model_dir(target_dir), recommender.index), {})
     out = tmp_path / "results"
-    run = recspec("bench", "level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
-                  "--k", str(k), "--users", "8", "--prior-users", "16", "--out", str(out))
+    run = lab("level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
+              "--k", str(k), "--users", "8", "--prior-users", "16", "--out", str(out))
     assert run.returncode == 0, run.stderr
     saved = json.loads((out / "level-prior.json").read_text())
     assert [(row["draft"], row["n"]) for row in saved["rows"]] == [
         (draft, n) for draft in ("head", "target prior", "uniform") for n in (4, 8, 16)]
     assert all(0 <= row["coverage"] <= row["recall"] <= 1 for row in saved["rows"])
     assert 1 <= saved["head_sibling_rank_mean"] and 0 < saved["head_mass_on_children"] <= 1
-    run = recspec("bench", "level-prior", "--target", str(target_dir), "--k", str(k), "--users", "8",
-                  "--prior-users", "16", "--out", str(out), "--name", "prior-alone")  # no head: the table alone
+    run = lab("level-prior", "--target", str(target_dir), "--k", str(k), "--users", "8",
+              "--prior-users", "16", "--out", str(out), "--name", "prior-alone")  # no head: the table alone
     assert run.returncode == 0, run.stderr
     alone = json.loads((out / "prior-alone.json").read_text())
     assert alone["rows"] == saved["rows"][3:] and alone["head"] is None  # the same table, the same users
-    run = recspec("bench", "level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
-                  "--users", "8", "--prior-users", "100000", "--out", str(out))
+    run = lab("level-prior", "--target", str(target_dir), "--draft", str(tmp_path / "head"),
+              "--users", "8", "--prior-users", "100000", "--out", str(out))
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1] == ("error: --users 8 and --prior-users 100000 need 100008 test "
                                                    "users; the data has 60")

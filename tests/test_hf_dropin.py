@@ -15,7 +15,7 @@ from recspec.decoding.prompts import left_pad
 from recspec.errors import RecspecError
 from recspec.hf import TrieConstraint, item_trie, trie_beam_search
 from recspec.itemids.index import ItemIndex
-from recspec.models.lean_forward import forward_of
+from recspec.accel.lean_forward import forward_of
 from recspec.models.tokenizer import build_tokenizer
 from recspec.recommend import Recommender
 from tests.test_beam import assert_same_ranking, random_codes

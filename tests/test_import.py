@@ -25,6 +25,7 @@ from recspec.fileio import CHECKSUMS
 from recspec.importer import PeerSpec, import_checkpoint, load_peer, peer_parts
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import BEST_DIR, INDEX_FILE, RUN_FILE
+from recspec.models.run_data import SERVING_FILE
 from recspec.models.examples import TextTemplate
 from recspec.models.presets import preset_template
 from recspec.models.tokenizer import extend_llm_tokenizer
@@ -103,7 +104,8 @@ def imported(peers: dict[str, Path], released_index: Path, beauty_dir: Path) -> 
 
 def test_imported_folder_is_a_recspec_model_folder(imported: dict[str, Path], peers: dict[str, Path]) -> None:
     folder = imported["target"]
-    assert sorted(path.name for path in folder.iterdir()) == sorted([INDEX_FILE, BEST_DIR, RUN_FILE, CHECKSUMS])
+    assert sorted(path.name for path in folder.iterdir()) == sorted([INDEX_FILE, BEST_DIR, RUN_FILE, SERVING_FILE,
+                                                                     CHECKSUMS])
     names = {path.name for path in (folder / BEST_DIR).iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "recspec.json", "checksums.json"} <= names
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in names)  # the pickle stays behind, unopened

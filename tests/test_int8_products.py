@@ -1,4 +1,4 @@
-"""Int8 products for a draft (:mod:`recspec.models.int8_products`): close to the float32 product
+"""Int8 products for a draft (:mod:`recspec.accel.int8`): close to the float32 product
 within the rounding of per-row int8 weights and 8-bit activations on each row's own scale, the same
 for a row whatever shares its call, the float32 product itself wherever int8 cannot serve, and a
 quantized weight that follows its weight."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from recspec.models.int8_products import (Int8Forward, Int8Pack, int8_computes, int8_engine, int8_linear,
-                                          int8_serves, quantize_rows, use_int8_products)
-from recspec.models.small_rows import small_row_linear
+from recspec.accel.int8 import (Int8Forward, Int8Pack, int8_computes, int8_engine, int8_linear,
+                                int8_serves, quantize_rows, use_int8_products)
+from recspec.accel.small_rows import small_row_linear
 
 #: The tests of the int8 path itself; the closeness test runs everywhere (float32 where int8 does not serve).
 needs_int8 = pytest.mark.skipif(not int8_engine(), reason="no x86 / fbgemm / oneDNN quantized engine, or its 8-bit "

@@ -1,5 +1,5 @@
 """The small-row kernel is loaded only from a cache that is the running user's own
-(:func:`recspec.models.row_kernel.distrust`): a foreign library planted in a cache that others own
+(:func:`recspec.accel.kernel.distrust`): a foreign library planted in a cache that others own
 or can write, with its ``checksums.json`` rewritten to match, never runs; recspec builds the kernel
 privately instead, or falls back to torch's kernels, and says so once. A cache that is the user's
 own is trusted, whatever the umask it was made under."""
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from recspec.fileio import record_checksums
-from recspec.models.row_kernel import LIBRARY, build_dir, distrust, unsupported
+from recspec.accel.kernel import LIBRARY, build_dir, distrust, unsupported
 
 pytestmark = pytest.mark.skipif(unsupported() is not None or shutil.which("gcc") is None,
                                 reason=f"the small-row kernel cannot be built here: {unsupported() or 'no gcc'}")
 
 PRIVATE_NOTE = "it was built privately for this process instead"
 FALLBACK_NOTE = "products run on torch's kernels"
-LOAD = "from recspec.models.row_kernel import available; print(available())"
+LOAD = "from recspec.accel.kernel import available; print(available())"
 FOREIGN_SOURCE = """#include <stdio.h>
 __attribute__((constructor)) static void planted(void) {
     FILE *marker = fopen(MARKER, "w");

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.lab.ctr import ctr_samples, downstream_check, train_and_evaluate
 from recspec.errors import RecspecError
-from recspec.bench.ctr import ctr_samples, downstream_check, train_and_evaluate
 from recspec.knowledge.decode import Generation
 from recspec.knowledge.prompts import PROMPT_VERSION
 from recspec.knowledge.store import KnowledgeStore

@@ -21,7 +21,7 @@ from recspec.knowledge.retrieval import DraftTree
 from recspec.knowledge.store import read_rows, read_settings
 from recspec.knowledge.verify import Verification
 from recspec.models.head import save_head
-from recspec.models.int8_products import INT8_PRODUCTS_VERSION, int8_serves
+from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.models.text_head import TEXT_HEAD, new_text_head, text_head_fingerprint
 from tests.test_knowledge_job import OLD_ITEMS, old_store, task  # noqa: F401  (fixtures)
 

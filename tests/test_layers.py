@@ -1,5 +1,7 @@
 """The package's layer order (README, Code layout): every import points down the list, and no
-module imports another module's private (``_``-prefixed) names."""
+module imports another module's private (``_``-prefixed) names. The research benchmarks live in
+the repository (``benchmarks/lab``, not installed): the package never imports them, and only the
+command line imports the benchmarks it keeps (``recspec bench``)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ import recspec
 
 #: Lowest first; a module may import from its own layer and the ones before it.
 LAYERS = (
-    ("errors", "fileio", "devices", "statefile", "assets", "hub", "data", "eval"),
-    ("itemids", "models"),
+    ("errors", "extras", "fileio", "devices", "statefile", "assets", "ready", "hub", "data", "eval"),
+    ("itemids", "models", "accel"),
     ("decoding",),
     ("recommend", "calibration", "turns", "auto", "fit", "knowledge", "align", "hf", "importer"),
     ("bench", "cluster"),
     ("serve", "cli", "api"),
 )
 ROOT = Path(recspec.__file__).parent
+#: The repository's research benchmarks (``python -m benchmarks.lab``).
+LAB = ROOT.parent / "benchmarks" / "lab"
+#: The one product module that imports ``recspec.bench``: its commands run the kept benchmarks.
+BENCH_USERS = ("recspec.cli",)
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
 #: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
 DECODING = (
@@ -37,6 +43,19 @@ DECODING = (
 def _layer(module: str) -> int:
     top = module.split(".")[1]
     return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def _imported_modules() -> list[tuple[str, str, int]]:
+    """(module, the module it imports, line) for every import statement under recspec/."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(("recspec", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                out += [(module, alias.name, node.lineno) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                out.append((module, node.module, node.lineno))
+    return out
 
 
 def _imports() -> list[tuple[str, ast.ImportFrom]]:
@@ -83,3 +102,24 @@ def test_decoding_imports_point_down() -> None:
               if module.startswith("recspec.decoding.") and node.module.startswith("recspec.decoding.")
               and _decoding_layer(node.module) > _decoding_layer(module)]
     assert not upward, upward
+
+
+def test_the_package_never_imports_the_lab() -> None:
+    """Nothing under recspec/ imports ``benchmarks`` (the moved experiments), and no module of
+    ``recspec.bench`` is named after one of them (which would bring a moved one back)."""
+    lab = [f"{module} imports {name} (line {line})" for module, name, line in _imported_modules()
+           if name == "benchmarks" or name.startswith("benchmarks.")]
+    assert not lab, lab
+    moved = {path.stem for path in LAB.glob("*.py")} - {"__init__", "__main__", "cli"}
+    assert moved, f"no lab modules under {LAB}"
+    back = sorted(moved & {path.stem for path in (ROOT / "bench").glob("*.py")})
+    assert not back, back
+
+
+def test_only_the_command_line_imports_the_benchmarks() -> None:
+    """Product modules do not depend on benchmark code: outside recspec/bench/, only
+    :data:`BENCH_USERS` import ``recspec.bench``."""
+    users = [f"{module} imports {name} (line {line})" for module, name, line in _imported_modules()
+             if (name == "recspec.bench" or name.startswith("recspec.bench.")) and not module.startswith("recspec.bench")
+             and module not in BENCH_USERS]
+    assert not users, users

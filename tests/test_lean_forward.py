@@ -1,4 +1,4 @@
-"""recspec.models.lean_forward: a small Llama's forward in one function, bit for bit transformers'."""
+"""recspec.accel.lean_forward: a small Llama's forward in one function, bit for bit transformers'."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from recspec.decoding.prompts import left_pad
 from recspec.decoding.scorer import prompt_rows
 from recspec.decoding.tree import ancestor_matrix, node_depths, tree_attention_mask, tree_position_ids
 from recspec.hub import returned_cache
-from recspec.models.attention import additive_mask, use_packed_attention
-from recspec.models.lean_forward import LeanLlama, LeanOutput, drop_lean_forward, eligible, forward_of, use_lean_forward
+from recspec.accel.packed_attention import additive_mask, use_packed_attention
+from recspec.accel.lean_forward import LeanLlama, LeanOutput, drop_lean_forward, eligible, forward_of, use_lean_forward
 from recspec.recommend import DecodeOptions, Recommender
-from tests.test_cli import recspec
+from tests.test_cli import lab
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,12 +153,12 @@ def test_trained_models_get_it_and_decode_the_same(trained_models: Path) -> None
 
 
 def test_bench_forward_times_both_and_checks_the_bits(trained_models: Path, tmp_path: Path) -> None:
-    """`recspec bench forward`: every decoder both ways per batch size, the same bits, and the
+    """`python -m benchmarks.lab forward`: every decoder both ways per batch size, the same bits, and the
     decoders it refuses before any work."""
     target, draft = str(trained_models / "target"), str(trained_models / "draft")
-    result = recspec("bench", "forward", "--target", target, "--draft", draft, "--decoder", "tree-beam",
-                     "--decoder", "tree-beam+root", "--decoder", "spec-strict", "--batch-size", "1", "--batch-size",
-                     "4", "--users", "8", "--repeats", "1", "--out", str(tmp_path), "--name", "fw")
+    result = lab("forward", "--target", target, "--draft", draft, "--decoder", "tree-beam",
+                 "--decoder", "tree-beam+root", "--decoder", "spec-strict", "--batch-size", "1", "--batch-size",
+                 "4", "--users", "8", "--repeats", "1", "--out", str(tmp_path), "--name", "fw")
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "fw.json").read_text())["rows"]
     assert [(r["decoder"], r["batch_size"]) for r in rows] == [
@@ -167,5 +167,5 @@ def test_bench_forward_times_both_and_checks_the_bits(trained_models: Path, tmp_
     assert "| tree-beam+root | 4 |" in (tmp_path / "fw.md").read_text()
     for extra, message in ((["--decoder", "auto"], "(not: auto)"), (["--decoder", "beam+root"], "(not: beam+root)"),
                            (["--decoder", "spec-strict"], "needs a draft model")):
-        result = recspec("bench", "forward", "--target", target, "--out", str(tmp_path), *extra)
+        result = lab("forward", "--target", target, "--out", str(tmp_path), *extra)
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from recspec.bench.prefix import run as bench_prefix
+from benchmarks.lab.prefix import run as bench_prefix
 from recspec.calibration import median_prompt_length
 from recspec.data import split_dataset
 from recspec.decoding.prefix import MIN_SHARED, shared_columns
@@ -20,7 +20,8 @@ from recspec.models.examples import PromptEncoder
 from recspec.models.layer_draft import keep_first_layers
 from recspec.fit import fit
 from recspec.models.presets import build_model, count_parameters, preset_template, preset_tokenizer
-from recspec.models.small_rows import SmallRowForward, streams_weights
+from recspec.accel.policy import streams_weights
+from recspec.accel.small_rows import SmallRowForward
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 from recspec.models.train import TrainConfig
 from recspec.recommend import BEAM_DECODERS, Recommender
@@ -260,7 +261,7 @@ def test_fine_tune_then_every_decoder(ml100k, movielens_index, tmp_path: Path) -
 
 
 def test_bench_prefix_times_every_decoder_both_ways(ml100k, movielens_index, tmp_path: Path) -> None:
-    """`recspec bench prefix` on a briefly trained `draft-llm` (the LLM presets' prompt, so its
+    """`python -m benchmarks.lab prefix` on a briefly trained `draft-llm` (the LLM presets' prompt, so its
     prefix, at a small model's cost): each decoder with the prefix stored and fed whole returns the
     same items; the ceiling rows of both variants."""
     ids = tmp_path / "ids"

@@ -15,7 +15,7 @@ from recspec.data.splits import PAD_ITEM, Examples
 from recspec.errors import RecspecError
 from recspec.fileio import record_checksums
 from recspec.itemids.index import ItemIndex
-from recspec.models.attention import additive_mask
+from recspec.accel.packed_attention import additive_mask
 from recspec.models.examples import PromptEncoder, PromptTemplate
 from recspec.models.packing import IGNORE, PackedTask, pack_offsets
 from recspec.models.presets import build_model, preset_template, preset_tokenizer
@@ -226,13 +226,13 @@ def test_packed_training_learns_counts_examples_and_resumes_older_checkpoints(tm
 
 
 def test_bench_pack_times_the_modes_side_by_side(movielens, tmp_path) -> None:
-    from tests.test_cli import recspec
+    from tests.test_cli import lab
 
     movielens[2].save(tmp_path / "item_index.json")
-    result = recspec("bench", "pack", "--dataset", "ml-100k", "--ids", str(tmp_path / "item_index.json"), "--split",
-                     "loo", "--preset", "draft-tiny", "--mode",
-                     "1x32", "--mode", "8x4", "--steps", "2", "--repeats", "2", "--threads", "1", "--out",
-                     str(tmp_path), "--name", "pack-test")
+    result = lab("pack", "--dataset", "ml-100k", "--ids", str(tmp_path / "item_index.json"), "--split",
+                 "loo", "--preset", "draft-tiny", "--mode",
+                 "1x32", "--mode", "8x4", "--steps", "2", "--repeats", "2", "--threads", "1", "--out",
+                 str(tmp_path), "--name", "pack-test")
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "pack-test.json").read_text())
     one, packed = saved["modes"]
@@ -241,7 +241,7 @@ def test_bench_pack_times_the_modes_side_by_side(movielens, tmp_path) -> None:
     assert packed["sequences"] < one["sequences"] == saved["examples"]
     assert packed["tokens_per_example"] < one["tokens_per_example"] and packed["ceiling"] > 2
     assert "| 8x4 |" in (tmp_path / "pack-test.md").read_text()
-    bad = recspec("bench", "pack", "--dataset", "ml-100k", "--mode", "4", "--out", str(tmp_path))
+    bad = lab("pack", "--dataset", "ml-100k", "--mode", "4", "--out", str(tmp_path))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --mode '4': write PACKxBATCH, e.g. 1x64 or 10x16"]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recspec.bench.prefix import bench as bench_prefix
+from benchmarks.lab.prefix import bench as bench_prefix
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
-from tests.test_cli import recspec
+from tests.test_cli import lab, recspec
 
 
 @pytest.fixture(scope="module")
@@ -135,21 +135,21 @@ def test_train_recommend_eval(small_data: tuple[Path, Path], tmp_path: Path) -> 
     assert all(r["ws"] > 0 and 0 <= r["recall@5"] <= 1 for r in rows), rows
 
     bench = tmp_path / "results"
-    result = recspec("bench", "decode", "--target", str(out), "--k", "5", "--batch-size", "1", "--batch-size", "4",
-                     "--users", "8", "--repeats", "1", "--out", str(bench))
+    result = lab("decode", "--target", str(out), "--k", "5", "--batch-size", "1", "--batch-size", "4",
+                 "--users", "8", "--repeats", "1", "--out", str(bench))
     assert result.returncode == 0, result.stderr
     rows = json.loads((bench / "decode.json").read_text())["rows"]
     assert [(r["batch"], r["decoder"]) for r in rows] == [(b, d) for b in (1, 4) for d in ("hf", "beam", "tree-beam")]
     assert all(r["users"] == 8 and r["same_items_as_hf"] and r["peak_mib"] >= 0 and r["median_s"] > 0 for r in rows), rows
     assert "same as hf" in (bench / "decode.md").read_text()
-    result = recspec("bench", "cost", "--target", str(out), "--draft", str(draft), "--repeats", "3", "--out", str(bench))
+    result = lab("cost", "--target", str(out), "--draft", str(draft), "--repeats", "3", "--out", str(bench))
     assert result.returncode == 0, result.stderr
     rows = json.loads((bench / "cost.json").read_text())["rows"]
     assert len(rows) == 5 and all(r["target_s"] > 0 and r["draft_s"] > 0 for r in rows)
     assert all(r["c"] == r["draft_s"] / r["target_s"] for r in rows)
     # both models are draft-tiny here: the same parameters, so the same cost up to timing noise
     assert rows[0]["target_parameters"] == rows[0]["draft_parameters"] and 0.2 < rows[0]["c"] < 5
-    assert recspec("bench", "cost", "--target", str(out), "--out", str(bench)).returncode == 2
+    assert lab("cost", "--target", str(out), "--out", str(bench)).returncode == 2
     with pytest.raises(RecspecError, match="no shared prefix of at least 16 tokens"):  # a small preset's is <bos>
         bench_prefix(out, None, (5,), (1,), 2, 1, 10)
     result = recspec("calibrate", "--target", str(out), "--draft", str(draft), "--repeats", "2", "--threads", "1")

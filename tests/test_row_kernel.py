@@ -1,7 +1,7 @@
-"""recspec's small-row kernel (``recspec/models/row_kernel.cpp``): the linear product for every row
+"""recspec's small-row kernel (``recspec/accel/kernel.cpp``): the linear product for every row
 count, shape and bias; each row's output the same bits whatever rows share its call and whatever
 columns share its weight; the build checksummed, made again when damaged, and switched off by
-``RECSPEC_ROW_KERNEL=0``."""
+``RECSPEC_ACCEL=0``."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from recspec.fileio import CHECKSUMS
-from recspec.models.row_kernel import SWITCH, available, unsupported
-from recspec.models.small_rows import MAX_SMALL_ROWS, OneDnnPack, RowPanels, new_pack, small_row_linear
+from recspec.accel.kernel import available, unsupported
+from recspec.accel.policy import SWITCH
+from recspec.accel.small_rows import MAX_SMALL_ROWS, OneDnnPack, RowPanels, new_pack, small_row_linear
 
 pytestmark = pytest.mark.skipif(unsupported() is not None or not available(),
                                 reason=f"the small-row kernel cannot be built here: {unsupported()}")
@@ -111,7 +112,7 @@ def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "RECSPEC_CACHE": str(cache), **env})
 
 
-CHECK = ("import torch; from recspec.models.row_kernel import available, build_dir; print(available()); "
+CHECK = ("import torch; from recspec.accel.kernel import available, build_dir; print(available()); "
          "w = torch.randn(20, 8); x = torch.randn(3, 8); "
          "print(torch.equal(torch.ops.recspec_rows.linear(x, torch.ops.recspec_rows.pack(w), 20, None), "
          "torch.ops.recspec_rows.linear(x, torch.ops.recspec_rows.pack(w), 20, None)) if available() else '-'); "
@@ -142,7 +143,7 @@ def test_the_build_is_checksummed_checked_and_made_again_when_damaged(tmp_path) 
 def test_a_failed_build_says_why_and_falls_back(tmp_path) -> None:
     """A compiler that fails (``CXX=false``): one warning naming the failed build, nothing left in
     the cache, and layers keep oneDNN's packs."""
-    code = ("from recspec.models.small_rows import new_pack; from recspec.models.row_kernel import available; "
+    code = ("from recspec.accel.small_rows import new_pack; from recspec.accel.kernel import available; "
             "print(available(), type(new_pack()).__name__)")
     failed = _run(code, tmp_path, CXX="false")
     assert failed.returncode == 0, failed.stderr
@@ -151,8 +152,8 @@ def test_a_failed_build_says_why_and_falls_back(tmp_path) -> None:
 
 
 def test_the_switch_turns_the_kernel_off(tmp_path) -> None:
-    """``RECSPEC_ROW_KERNEL=0``: nothing is built, layers keep oneDNN's packs."""
-    code = ("from recspec.models.small_rows import new_pack; from recspec.models.row_kernel import available; "
+    """``RECSPEC_ACCEL=0``: nothing is built, layers keep oneDNN's packs."""
+    code = ("from recspec.accel.small_rows import new_pack; from recspec.accel.kernel import available; "
             "print(available(), type(new_pack()).__name__)")
     off = _run(code, tmp_path, **{SWITCH: "0"})
     assert off.returncode == 0, off.stderr
@@ -160,10 +161,10 @@ def test_the_switch_turns_the_kernel_off(tmp_path) -> None:
 
 
 def test_bench_products_times_a_calls_products_side_by_side(smollm2_dir, tmp_path) -> None:
-    """`recspec bench rows --products` on the real SmolLM2: the 121 weights one call streams (q, k, v
+    """`python -m benchmarks.lab rows --products` on the real SmolLM2: the 121 weights one call streams (q, k, v
     and gate, up concatenated per layer, 538 MB), each product timed every pass, JSON, Markdown and
     plot written."""
-    from recspec.bench.rows import PRODUCTS, call_weights, products
+    from benchmarks.lab.rows import PRODUCTS, call_weights, products
     from recspec.models.hf import load_causal_lm
 
     weights = call_weights(load_causal_lm(smollm2_dir))

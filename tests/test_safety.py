@@ -20,7 +20,7 @@ import torch
 
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, atomic_path, read_json, umask_mode
-from tests.test_cli import recspec
+from tests.test_cli import lab, recspec
 from tests.test_recommend_cli import small_data  # noqa: F401  (module fixture: a small CSV data set)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -262,8 +262,8 @@ def test_outputs_are_checked_before_any_work(trained, tmp_path: Path) -> None:
                             "--out", str(tmp_path / "file")), "is a file")
     _one_error_line(recspec("generate", "--out", str(out), "--prompt", "hi"), "already exists")
     _one_error_line(recspec("knowledge", "generate", "--out", str(tmp_path)), "is a folder")
-    _one_error_line(recspec("bench", "decode", "--target", str(trained["target"]), "--out",
-                            str(tmp_path / "file" / "results")), "is a file")
+    _one_error_line(lab("decode", "--target", str(trained["target"]), "--out",
+                        str(tmp_path / "file" / "results")), "is a file")
 
 
 def test_written_files_follow_the_umask(tmp_path: Path) -> None:

@@ -8,14 +8,11 @@ the background, writing nothing into the model folders."""
 
 from __future__ import annotations
 
-import os
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,8 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from recspec.bench.serve import wait_until_ready
+from recspec.bench.serve import running_server
 from recspec.recommend import Recommender
+from tests.test_api_input import raw_histories
 from tests.test_serve import K, metric, models, server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -36,10 +34,7 @@ FILE_LIMIT = 256  # the server's open-file limit (soft and hard) in the idle-con
 @pytest.fixture(scope="module")
 def histories(models) -> list[list[str]]:  # noqa: F811
     """The raw-id histories of the first 20 test users."""
-    target, _ = models
-    recommender = Recommender.load(target)
-    examples = recommender.examples("test", 20)
-    return [[recommender.dataset.item_ids[item] for item in examples.history_of(i)] for i in range(20)]
+    return raw_histories(models[0], 20)
 
 
 @pytest.fixture(scope="module")
@@ -127,28 +122,8 @@ def limited_server(target: Path, *args: str) -> Iterator[str]:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (FILE_LIMIT, FILE_LIMIT))
 
-    port = free_port()
-    output = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen([sys.executable, "-m", "recspec.cli", "serve", "--target", str(target), "--port",
-                                str(port), "--threads", "1", *args], stdout=output, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=limit)
-
-    def alive() -> None:
-        if process.poll() is not None:
-            output.seek(0)
-            raise AssertionError(f"the server exited: {output.read()[-2000:]}")
-
-    try:
-        assert wait_until_ready(f"http://127.0.0.1:{port}", 300, alive)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        output.close()
+    with running_server(["--target", str(target), "--threads", "1", *args], setup=limit) as (url, _):
+        yield url
 
 
 def closed_by_server(sock: socket.socket) -> bool:

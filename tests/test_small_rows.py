@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recspec.models.row_kernel import available
-from recspec.models.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels,
-                                       SmallRowForward, new_pack, onednn_computes, padded_rows, pads_rows,
-                                       small_row_linear, use_small_row_products)
+from recspec.accel.kernel import available
+from recspec.accel.small_rows import (MAX_SMALL_ROWS, ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels,
+                                      SmallRowForward, new_pack, onednn_computes, padded_rows, pads_rows,
+                                      small_row_linear, use_small_row_products)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -143,12 +143,12 @@ def test_loaded_llms_use_it_and_keep_their_logits(smollm2_dir) -> None:
 
 
 def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
-    """`recspec bench rows` on the real SmolLM2: a cell per size with every setting timed every
+    """`python -m benchmarks.lab rows` on the real SmolLM2: a cell per size with every setting timed every
     round, the rows each setting computes, and its JSON, Markdown and plot written; the model is
     left with the default products and attention."""
     import json
 
-    from recspec.bench.rows import SETTINGS, run
+    from benchmarks.lab.rows import SETTINGS, run
 
     markdown = run(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4, 14), repeats=1, rounds=2, name="rows")
     results = json.loads((tmp_path / "rows.json").read_text())
@@ -168,11 +168,11 @@ def test_bench_rows_times_every_setting(smollm2_dir, tmp_path) -> None:
 
 
 def test_bench_rows_pairs_two_settings_call_by_call(smollm2_dir, tmp_path) -> None:
-    """`recspec bench rows --pairs`: per size, version 5's products and recspec's default timed pair by
+    """`python -m benchmarks.lab rows --pairs`: per size, version 5's products and recspec's default timed pair by
     pair, the median ratio within its quartiles, JSON, Markdown and plot written."""
     import json
 
-    from recspec.bench.rows import paired
+    from benchmarks.lab.rows import paired
 
     markdown = paired(tmp_path, str(smollm2_dir), past=8, sizes=(1, 4), pairs=3, name="pairs")
     results = json.loads((tmp_path / "pairs.json").read_text())
@@ -184,12 +184,12 @@ def test_bench_rows_pairs_two_settings_call_by_call(smollm2_dir, tmp_path) -> No
 
 
 def test_bench_rows_against_times_sizes_against_a_base_call(smollm2_dir, tmp_path) -> None:
-    """`recspec bench rows --pairs N --against 2`: per size and setting, calls over n nodes against
+    """`python -m benchmarks.lab rows --pairs N --against 2`: per size and setting, calls over n nodes against
     calls over 2, the median ratio within its quartiles, JSON,
     Markdown and plot written."""
     import json
 
-    from recspec.bench.rows import against
+    from benchmarks.lab.rows import against
 
     markdown = against(tmp_path, str(smollm2_dir), past=8, sizes=(2, 6), pairs=3, base=2, name="against")
     results = json.loads((tmp_path / "against.json").read_text())

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.lab.curve import run as write_curves
 from recspec.align.distill import CHECKPOINT, corpus_split, sample_corpus, validation_cut
 from recspec.align.head import HeadStore
 from recspec.align.text_head import (ACCEPTANCE, ACCEPTANCE_2, FEATURES, HeadDistillConfig, TextHeadTask,
                                      corpus_features, distill_head, draft_vocabulary)
-from recspec.bench.curve import run as write_curves
 from recspec.decoding.scorer import score_tree_features
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
@@ -30,8 +30,8 @@ from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
-from recspec.models.fused_projections import FusedProjections
-from recspec.models.int8_products import Int8Forward, int8_serves
+from recspec.accel.fused import FusedProjections
+from recspec.accel.int8 import Int8Forward, int8_serves
 from recspec.models.text_head import (TEXT_HEAD, TextHeadDraft, layer_features, load_text_head, new_text_head,
                                       text_head_fingerprint)
 from recspec.statefile import load_state
@@ -283,7 +283,7 @@ def test_samples_per_prompt_follow_each_other_and_differ(lm, ml100k, tmp_path: P
 
 
 def test_bench_curve_reads_the_real_logs(runs, tmp_path: Path) -> None:
-    """`recspec bench curve` over the two runs' real logs: CPU-minutes are the training and
+    """`python -m benchmarks.lab curve` over the two runs' real logs: CPU-minutes are the training and
     evaluation seconds so far times the threads (a partial epoch's training not counted twice), the partial epoch is labelled, the best
     value respects the budget, and bad input is refused before anything is written."""
     import json

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recspec.decoding import text
-from recspec.models.int8_products import int8_serves
+from recspec.accel.int8 import int8_serves
 from recspec.decoding.chain_drafts import HeadChainDraft
 from recspec.decoding.drafters import importance_proposal
 from recspec.decoding.prompts import Prompts

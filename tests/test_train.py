@@ -180,7 +180,7 @@ def test_loss_curve_and_level_losses(setup, tmp_path, monkeypatch) -> None:
     """The log's loss curve: a point every LOSS_WINDOW steps, the examples trained on so far and
     the example-weighted mean of the window's step losses; ``level_losses`` is each level's
     cross-entropy of a plain forward per example, and their mean the validation loss."""
-    from recspec.bench.curve import run as write_curves
+    from benchmarks.lab.curve import run as write_curves
 
     index, split, tokenizer, encoder = setup
     monkeypatch.setattr(train_module, "LOSS_WINDOW", 3)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from recspec.auto import choose
-from recspec.bench.decode import same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
+from recspec.decoding import TopK
 from recspec.errors import RecspecError
 from recspec.recommend import DECODERS, ROOT_EXPANDING, DecodeOptions, Decoded, Recommender
 from recspec.turns import take_turns, user_batches
@@ -58,6 +58,12 @@ def unknown_decoders(decoders: Sequence[str]) -> list[str]:
 def joined_outputs(outputs: dict[str, list[Decoded]]) -> dict[str, Decoded]:
     """Each decoder's outputs over the batches as one result."""
     return {name: Decoded.joined(parts) for name, parts in outputs.items()}
+
+
+def same_up_to_ties(result: TopK, reference: TopK, atol: float = 1e-4) -> bool:
+    """Same items with the same scores per user; the order may differ only among tied scores."""
+    items_match = torch.equal(result.items.sort(dim=1).values, reference.items.sort(dim=1).values)
+    return bool(items_match and torch.allclose(result.scores, reference.scores, atol=atol))
 
 
 def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = DEMO_DECODERS, k: int = 10,

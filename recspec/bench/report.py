@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from recspec.errors import RecspecError
+from recspec.extras import require_extra
 from recspec.fileio import atomic_path, write_json_atomic, write_text_atomic
 
 
@@ -91,7 +92,9 @@ def write_results(out_dir: Path, name: str, results: dict[str, Any], markdown: s
 
 
 def new_figure(**subplots: Any) -> tuple[Any, Any]:
-    """An off-screen matplotlib figure and its axes (the Agg backend): ``plt.subplots(**subplots)``."""
+    """An off-screen matplotlib figure and its axes (the Agg backend): ``plt.subplots(**subplots)``;
+    the ``plot`` extra is required."""
+    require_extra("plot", "a benchmark's plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -42,7 +42,6 @@ import torch
 
 from recspec.align.distill import acceptance
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
-from recspec.bench.spec import time_per_user
 from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call
 from recspec.decoding.cache import drop_tail
 from recspec.decoding.cost import median_seconds
@@ -57,7 +56,8 @@ from recspec.hub import load_tokenizer, resolve_model_dir, with_cache
 from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
 from recspec.models.text_head import TextHeadDraft, layer_features
-from recspec.recommend import DecodeOptions, Recommender, item_rows, run_decoder
+from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
+from recspec.turns import take_turns
 
 #: label -> (method, option overrides, baseline label of the same output distribution)
 TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -73,7 +73,7 @@ TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
     "spec-sample-tree": ("spec-sample", {}, "sample"),
 }
 #: Rows run only when asked for (``--method``): the head's rows drafted by the same head in float32,
-#: side by side with its int8 products (:mod:`recspec.models.int8_products`).
+#: side by side with its int8 products (:mod:`recspec.accel.int8`).
 FLOAT32_HEAD: dict[str, tuple[str, dict[str, Any], str]] = {
     "spec-sample-fp32": ("spec-sample", {}, "sample"),
     "dsbd-one-cache-fp32": ("dsbd", {"one_cache": True}, "beam-sample"),
@@ -85,6 +85,20 @@ TREE_LABELS = ("sample-tree", "spec-sample-tree")
 #: below DRAFT_STOP, at MOST_DRAFTED tokens at most (measured on SmolLM2 with a text head,
 #: BENCHMARKS.md "A dynamic draft length").
 DRAFT_STOP, MOST_DRAFTED = 0.3, 6
+
+
+def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
+                   repeats: int, warmup: bool = True) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
+    """:func:`~recspec.turns.take_turns` user by user (one call per user): per decoder the
+    total seconds of each run and the last run's outputs. A decoder named ``ceiling`` (the
+    speculative ceiling of the lab's spec benchmark: the target as its own draft) counts only its
+    verification phase, its drafting time left out."""
+    def charge(name: str, decoded: Decoded, seconds: float) -> float:
+        if name == "ceiling":
+            return float(decoded.stats.verify_s.sum() + decoded.stats.overhead_s.sum())
+        return seconds
+
+    return take_turns(decoders, [[prompt] for prompt in prompts], repeats, warmup, charge)
 
 
 def _options(base: TextOptions, overrides: dict[str, Any], named: dict[str, Any]) -> TextOptions:

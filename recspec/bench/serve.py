@@ -43,6 +43,7 @@ import numpy as np
 from recspec.bench.report import markdown_table, new_figure, save_figure, write_results
 from recspec.errors import RecspecError
 from recspec.recommend import Recommender
+from recspec.ready import wait_until_ready
 
 READY_SECONDS = 300  # model loading and auto's first measurements
 
@@ -53,11 +54,21 @@ def _cores() -> tuple[set[int], set[int]]:
     return (set(cores), set(cores)) if len(cores) < 2 else ({cores[0]}, set(cores[1:]))
 
 
+def prepare(cores: set[int] | None, setup: Callable[[], None] | None) -> None:
+    """In a server's process before it starts: pin it to ``cores``, then run ``setup``."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    if setup is not None:
+        setup()
+
+
 @contextmanager
-def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``recspec serve ARGS`` on a free loopback port (pinned to ``cores``), ready (GET /health
-    is 200, from each of its ``--replicas``); yields its URL and process; stopped with SIGTERM on
-    exit. Its output goes to a temporary file, quoted when it fails to start."""
+def running_server(args: Sequence[str], cores: set[int] | None = None,
+                   setup: Callable[[], None] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``recspec serve ARGS`` on a free loopback port (pinned to ``cores``; ``setup`` run in the
+    server's process before it starts, e.g. to set its limits), ready (GET /health is 200, from
+    each of its ``--replicas``); yields its URL and process; stopped with SIGTERM on exit. Its
+    output goes to a temporary file, quoted when it fails to start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -65,7 +76,7 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
     process = subprocess.Popen([sys.executable, "-m", "recspec.cli", "serve", "--port", str(port), *args],
                                stdout=output, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                               preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))
+                               preexec_fn=lambda: prepare(cores, setup))
     url = f"http://127.0.0.1:{port}"
 
     def failed(why: str) -> RecspecError:
@@ -90,28 +101,6 @@ def running_server(args: Sequence[str], cores: set[int] | None = None) -> Iterat
                 process.kill()
                 process.wait()
         output.close()
-
-
-def wait_until_ready(url: str, seconds: float, alive: Callable[[], None] = lambda: None, replicas: int = 1) -> bool:
-    """Poll ``GET URL/health`` until ``replicas`` distinct replicas (named by ``/health``) have
-    answered 200 (True) or ``seconds`` have passed (False); ``alive()`` runs before each try, and
-    raises to give up. Ray Serve counts a deployment running before its proxy routes to all its
-    replicas, and requests sent in between would all go to the first."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + seconds
-    while True:
-        alive()
-        try:
-            answer = httpx.get(f"{url}/health", timeout=2)
-            if answer.status_code == 200:
-                seen.add(answer.json()["replica"])
-        except httpx.TransportError:
-            pass
-        if len(seen) >= replicas:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
 
 
 class Load:

@@ -30,8 +30,8 @@ from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
-from recspec.recommend import (RecommendJob, check_folders, named_draft, recs_text, run_dataset, trained_examples,
-                               user_chunks)
+from recspec.recommend import (RecommendJob, check_folders, named_draft, recs_text, trained_examples, user_chunks,
+                               users_dataset)
 
 
 def parts_folder(out: Path) -> Path:
@@ -108,7 +108,7 @@ def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: st
     check_address(address)
     folder, info, models, heads = check_folders(job.target, job.draft_dir)
     given = load_dataset(job.dataset, job.format) if job.dataset else None
-    dataset = run_dataset(info, ItemIndex.load(folder / INDEX_FILE), given)
+    dataset = users_dataset(info, ItemIndex.load(folder / INDEX_FILE), given)
     chunks = user_chunks(len(trained_examples(dataset, info, job.part, job.users)), job.batch_size)
     shards = ShardFolder(parts_folder(out), job_settings(job, folder, info, [*models, *heads]), len(chunks),
                          overwrite)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recspec.errors import RecspecError
+from recspec.extras import require_extra
 
 #: How long the TCP probe of a HOST:PORT address waits.
 PROBE_S = 5.0
@@ -77,6 +78,8 @@ class Engine:
             raise RecspecError(f"unknown engine {self.name!r}; choose local or ray")
         if self.address is not None and self.name != "ray":
             raise RecspecError("--address names a Ray cluster: use it with --engine ray")
+        if self.name == "ray":
+            require_extra("ray", "--engine ray")
 
 
 def probe(address: str) -> None:

@@ -45,6 +45,7 @@ from functools import partial
 
 import torch
 
+from recspec.accel.lean_forward import forward_of
 from recspec.decoding.beams import Beams, TopK, best_first, sampling_select, select_top_k
 from recspec.decoding.cache import require_full_attention, select_rows
 from recspec.decoding.prompts import Prompts, decode_in_batches
@@ -53,7 +54,6 @@ from recspec.decoding.tree import child_rows, tree_position_ids
 from recspec.decoding.warp import Warp
 from recspec.hub import with_cache
 from recspec.itemids.trie import ItemTrie
-from recspec.models.lean_forward import forward_of
 
 
 class PerBeamCache:

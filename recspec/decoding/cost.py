@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from recspec.accel import CallShape
+from recspec.accel.lean_forward import forward_of
 from recspec.decoding.cache import gather_positions
 from recspec.errors import RecspecError
 from recspec.hub import keep_logits_at, with_cache
 from recspec.models.head import HeadDraft
-from recspec.models.lean_forward import forward_of
-from recspec.models.small_rows import padded_rows
 
 #: Tokens fed per timed call of :func:`measure_cost_model` (one row over a cached prompt).
 COST_SIZES = (1, 4, 16, 64)
@@ -35,9 +35,9 @@ COST_SIZES = (1, 4, 16, 64)
 class CallCost:
     """``fixed_s`` + ``per_token_s`` * tokens: the seconds of one call feeding that many tokens
     (summed over the rows of a batch) over a cached prompt; ``samples``: the measured
-    ``(tokens, seconds)`` pairs the fit came from; ``padded``: the model computes a call over
-    :func:`~recspec.models.small_rows.padded_rows` rows (recspec's CPU products), so a call may
-    feed up to that many tokens at the cost of the tokens it feeds (:meth:`free_tokens`)."""
+    ``(tokens, seconds)`` pairs the fit came from; ``padded``: the model computes a call over more
+    rows than it is fed (accel's :class:`~recspec.accel.CallShape`), so a call may feed up to that
+    many tokens at the cost of the tokens it feeds (:meth:`free_tokens`)."""
 
     fixed_s: float
     per_token_s: float
@@ -50,7 +50,7 @@ class CallCost:
 
     def free_tokens(self, tokens: int) -> int:
         """The most tokens (at least ``tokens``) a call may feed for the computation of ``tokens``."""
-        return padded_rows(tokens) if self.padded else tokens
+        return CallShape(self.padded).rows(tokens)
 
     def to_json(self) -> dict:
         return {**asdict(self), "samples": [list(pair) for pair in self.samples]}

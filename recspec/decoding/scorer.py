@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
+from recspec.accel.lean_forward import forward_of
+from recspec.accel.packed_attention import additive_mask
 from recspec.decoding.prefix import OpenCache, open_cache
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.tree import node_depths, tree_rows
 from recspec.hub import keep_logits_at, returned_cache, with_cache
-from recspec.models.attention import additive_mask
-from recspec.models.lean_forward import forward_of
 from recspec.models.text_head import layer_features
 
 

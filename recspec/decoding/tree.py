@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from recspec.models.attention import additive_mask
+from recspec.accel.packed_attention import additive_mask
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:

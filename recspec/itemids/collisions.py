@@ -13,7 +13,6 @@ Two resolutions:
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from recspec.errors import RecspecError
 
@@ -41,6 +40,8 @@ def resolve_reassign(codes: np.ndarray, codebook_size: int,
     codes: int [n, L]; costs: float [n, codebook_size] distance of each item to each last-level
     code, or None. Returns the new codes and the rows of the items that moved.
     """
+    from scipy.optimize import linear_sum_assignment  # the 'train' extra
+
     codes = codes.copy()
     prefixes = {tuple(row) for row in codes[:, :-1]}
     used: dict[tuple, set[int]] = {p: set() for p in prefixes}

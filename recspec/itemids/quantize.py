@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.cluster import KMeans
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -254,6 +253,7 @@ def _kmeans_codebooks(
     level's residuals."""
     residual, codebooks = x, []
     for size in sizes:
+        from sklearn.cluster import KMeans  # the 'train' extra
         kmeans = KMeans(size, n_init=n_init, random_state=seed).fit(residual.cpu().numpy())
         codebook = torch.from_numpy(kmeans.cluster_centers_.astype(np.float32)).to(x.device)
         residual = residual - codebook[_nearest(residual, codebook)]

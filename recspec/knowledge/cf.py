@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
 
 from recspec.errors import RecspecError
 
@@ -47,4 +46,5 @@ def kmeans_labels(vectors: np.ndarray, groups: int, seed: int = 0) -> np.ndarray
     """int64 ``[n]``: the k-means cluster (``groups`` clusters, 3 restarts) of each row."""
     if not 1 <= groups <= len(vectors):
         raise RecspecError(f"cannot cluster {len(vectors)} vectors into {groups} groups")
+    from sklearn.cluster import KMeans  # the 'train' extra
     return KMeans(groups, n_init=3, random_state=seed).fit_predict(vectors).astype(np.int64)

@@ -31,10 +31,10 @@ head's confidence tracks the acceptance rate), a round emits ``1 + sum_{i <= n} 
 expectation, so :func:`node_budget` keeps the ``n <= nodes`` best candidates that maximise
 ``(1 + sum_{i <= n} c_i) / C(n)``: per round, from that round's own confidences. A prefix of the
 ranking is still a tree (parents rank before their children). **Free nodes**: where the target
-computes a call over padded rows (:attr:`~recspec.decoding.cost.CallCost.padded`: recspec's CPU
-products compute 10..15 rows as 16, :func:`~recspec.models.small_rows.padded_rows`), a budget of
-9..14 nodes is filled with the next-ranked candidates up to 15, the nodes that call computes
-anyway: more expected tokens at the same cost (still a prefix of the ranking).
+computes a call over more rows than it is fed (:attr:`~recspec.decoding.cost.CallCost.padded`, as
+accel says: :class:`~recspec.accel.CallShape`), a budget is filled with the next-ranked candidates
+up to the rows that call computes anyway (:meth:`~recspec.decoding.cost.CallCost.free_tokens`):
+more expected tokens at the same cost (still a prefix of the ranking).
 
 **Pruning.** A node never scores above its ancestors, so once a node's score is at or below
 :func:`expansion_floor` none of its descendants can be kept: the ``nodes``-th best score drafted
@@ -72,8 +72,8 @@ COST_CONTEXT = 384
 @dataclass(frozen=True)
 class HeadTreeConfig:
     """A head's draft tree: ``width`` children per expanded node and nodes expanded per level,
-    ``depth`` levels at most, ``nodes`` nodes proposed at most (15: with the root, 16 rows, the
-    cheapest call past 9 rows on this project's CPU, where 17 cost 14% more); ``sized``: under
+    ``depth`` levels at most, ``nodes`` nodes proposed at most (15, with the root a call of 16
+    rows: the shape measured best on this project's CPU); ``sized``: under
     greedy or sampling verification (where the tree cannot change the text, for a given seed) each
     round verifies only the :func:`node_budget` best of them and its free nodes, from the measured
     cost model (relaxed verification always verifies ``nodes``: its text depends on the tree, which

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.data import load_dataset
 from recspec.decoding.cost import CallCost
 from recspec.errors import RecspecError
@@ -58,7 +59,6 @@ from recspec.knowledge.verify import Verification
 from recspec.hub import load_tokenizer, resolve_model_dir
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, head_dir
-from recspec.models.int8_products import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.models.hf import load_causal_lm
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
@@ -90,7 +90,7 @@ class KnowledgeConfig:
     batch_size: int = 1
     draft: str | None = None
     head_tree: HeadTreeConfig = field(default_factory=HeadTreeConfig)
-    head_int8: bool = True  # the head's logits and decoder layer in int8 on the CPU (recspec.models.int8_products)
+    head_int8: bool = True  # the head's logits and decoder layer in int8 on the CPU (recspec.accel.int8)
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)

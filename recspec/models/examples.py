@@ -162,7 +162,9 @@ class PromptEncoder:
     """Turns examples into token ids for one item index, one tokenizer and one prompt template.
 
     index: the item identifiers; dataset_item_keys: raw id of each dense dataset item
-    (``Dataset.item_ids``), every one of which must be in the index; tokenizer: one holding the
+    (``Dataset.item_ids``, or the list a model folder keeps of them:
+    :class:`~recspec.models.run_data.ServingData`), every one of which must be in the index, kept
+    as :attr:`item_keys` (the rows of the examples it encodes); tokenizer: one holding the
     identifier tokens and a pad token (:func:`recspec.models.tokenizer.build_tokenizer`, or an
     LLM's tokenizer extended with them); template: default
     :meth:`PromptTemplate.identifiers_only`.
@@ -171,12 +173,13 @@ class PromptEncoder:
     def __init__(self, index: ItemIndex, dataset_item_keys: Sequence[str], tokenizer,
                  template: PromptTemplate | None = None) -> None:
         self.index = index
+        self.item_keys = list(dataset_item_keys)
         self.tokenizer = tokenizer
         self.length = index.length
         self.template = template or PromptTemplate.identifiers_only(tokenizer)
         ids = identifier_token_ids(tokenizer, index)
         table = np.array([ids[t] for t in index.tokens], dtype=np.int64)
-        rows = index.positions(list(dataset_item_keys))
+        rows = index.positions(self.item_keys)
         #: int64 [num_dataset_items, L]: token ids of each dataset item's identifier
         self.item_tokens = torch.from_numpy(table[index.codes[rows]])
         if getattr(tokenizer, "pad_token_id", None) is None:

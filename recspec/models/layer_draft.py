@@ -78,7 +78,7 @@ def text_draft_model(model, draft: str | None, layers: str | None = None, target
     """The draft of the text decoders: a text head folder ``draft`` (`recspec distill --head`,
     bound to ``model``; ``target_dir``: the model's folder, whose weights the head must have been
     trained on; with ``int8`` its draft logits and decoder layer in int8 on the CPU,
-    :mod:`recspec.models.int8_products`), the
+    :mod:`recspec.accel.int8`), the
     causal-LM folder or asset ``draft`` (e.g. `recspec distill`'s ``OUT/best``), else ``layers``
     of ``model`` (default :data:`DEFAULT_DRAFT_LAYERS`) as :func:`layer_draft`."""
     if draft is not None and is_head_dir(draft, TEXT_HEAD):

@@ -34,10 +34,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from recspec.accel.packed_attention import additive_mask
 from recspec.data.splits import Examples, SplitData
 from recspec.errors import RecspecError
 from recspec.hub import keep_logits_at
-from recspec.models.attention import additive_mask
 from recspec.models.examples import PromptEncoder
 from recspec.models.train import SupervisedTask, TrainConfig, autocast
 

@@ -49,12 +49,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recspec.accel import accelerate
+from recspec.accel.int8 import int8_serves
+from recspec.accel.small_rows import KeptWeight
 from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
-from recspec.models.fused_projections import use_fused_projections
 from recspec.models.head import Block, HeadKind, RMSNorm, load_head
-from recspec.models.int8_products import Int8Pack, int8_linear, int8_serves, use_int8_products
-from recspec.models.small_rows import SmallRowForward, new_pack, small_row_linear, use_small_row_products
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,6 @@ class TextHeadConfig:
     def input_width(self) -> int:
         """The width of the target features the head reads: ``(len(fused_layers) + 1) * hidden``."""
         return (len(self.fused_layers) + 1) * self.hidden
-
-
-#: The head's sibling layers that read one input (:func:`~recspec.models.fused_projections.use_fused_projections`).
-HEAD_SIBLINGS = (("q", "k", "v"), ("gate", "up"))
 
 
 def ordered_layers(layers: Sequence[int]) -> bool:
@@ -145,11 +141,17 @@ class TextHead(nn.Module):
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, -hidden:] = torch.eye(hidden)
 
-    def decoder_linears(self) -> tuple[nn.Linear, ...]:
+    def decoder_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
         """The linear layers of the head's decoder layer (attention and MLP), the ones a draft may
-        compute in int8; not the input projections ``fc`` and ``fuse``, whose inputs join features
-        and embeddings of different scales (:mod:`recspec.models.int8_products`)."""
-        return self.q, self.k, self.v, self.o, self.mlp.gate, self.mlp.up, self.mlp.down
+        compute in int8, grouped by the input they read (q, k, v; o; gate, up; down: siblings of
+        one input are one product, :mod:`recspec.accel.fused`); not the input projections ``fc``
+        and ``fuse``, whose inputs join features and embeddings of different scales
+        (:mod:`recspec.accel.int8`)."""
+        return (self.q, self.k, self.v), (self.o,), (self.mlp.gate, self.mlp.up), (self.mlp.down,)
+
+    def decoder_linears(self) -> tuple[nn.Linear, ...]:
+        """:meth:`decoder_groups`' layers, in order."""
+        return tuple(layer for group in self.decoder_groups() for layer in group)
 
     def read(self, target_features: torch.Tensor) -> torch.Tensor:
         """The head's input feature ``[..., H]`` from the target's ``[..., input_width]`` (the
@@ -248,16 +250,16 @@ def load_text_head(path: str | Path, target_dir: Path, device: torch.device | st
 class TextHeadDraft:
     """A text head bound to its loaded target: the target's input embeddings (shared, frozen) and
     the rows of its output layer for the draft vocabulary (``weight`` ``[D, H]``, gathered once;
-    the output layer itself for the whole vocabulary). ``ids``: int64 ``[D]``, the draft tokens'
-    ids in the target's vocabulary (ascending). The head's layers and the draft logits run their
-    one to a few rows through the fast CPU product (:mod:`recspec.models.small_rows`; binding gives
-    the head's linear layers that forward): a drafting step over a cache of 360 inputs takes
-    2.4 ms for one row and 2.9 ms for four, against 3.2 and 4.1 ms with ``F.linear`` (measured on
-    this project's CPU). With ``int8`` (decoding on the CPU; never for training, whose products
-    need gradients) the draft logits and the head's decoder layer
-    (:meth:`TextHead.decoder_linears`) are int8 products (:mod:`recspec.models.int8_products`), a
-    step of one row 2.1 ms instead of 3.3: ``int8`` holds whether they are, where the device and
-    build allow it; an int8 binding computes with its own copy of ``head`` (:attr:`head`)."""
+    the output layer itself for the whole vocabulary), the draft logits computed by :attr:`output`,
+    a linear layer over them. ``ids``: int64 ``[D]``, the draft tokens' ids in the target's
+    vocabulary (ascending). Binding accelerates the head's layers and :attr:`output` as a draft
+    (:func:`~recspec.accel.accelerate`: on the CPU their one to a few rows run through the
+    small-row products, the whole output layer sharing the target's kept copy of it). With
+    ``int8`` (decoding on the CPU; never for training, whose products need gradients) the draft
+    logits and the head's decoder layer (:meth:`TextHead.decoder_groups`) are int8 products
+    (:mod:`recspec.accel.int8`): ``int8`` holds whether they are, where the device, the build and
+    accel's switch allow it; an int8 binding computes with its own copy of ``head``
+    (:attr:`head`)."""
 
     def __init__(self, head: TextHead, target, int8: bool = False) -> None:
         expected = text_head_config(target, head.config.draft_vocab, head.config.fused_layers)
@@ -267,22 +269,24 @@ class TextHeadDraft:
         layer = target.get_output_embeddings()
         output = layer.weight.detach()
         self.int8 = int8 and int8_serves(output.device)
-        head = use_small_row_products(head)
         if self.int8:  # on a copy: the head module, and other bindings of it, keep their float32 layers
             head = copy.deepcopy(head)
-            use_int8_products(head.decoder_linears())
-            use_fused_projections(head, HEAD_SIBLINGS, int8=True)  # q, k, v and gate, up: one product each
         self.head, self.embed = head, target.get_input_embeddings()
         if head.config.draft_vocab:
             self.ids = head.vocab_ids.to(output.device)
             self.weight = output.index_select(0, self.ids)
         else:
             self.ids, self.weight = torch.arange(output.shape[0], device=output.device), output
-        # the output rows kept packed (panels for recspec's kernel, or oneDNN's for 3 rows or more);
-        # the whole output layer shares the target's copy
-        shared = layer.forward.pack if isinstance(layer.forward, SmallRowForward) else None
-        self.pack = shared if shared is not None and not head.config.draft_vocab else new_pack()
-        self.int8_pack = Int8Pack()
+        self.output = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=False, device="meta")
+        self.output.weight = nn.Parameter(self.weight.to(head.fc.weight.dtype), requires_grad=False)  # no copy
+        accelerate(nn.ModuleList((head, self.output)), output.device,
+                   int8=(*head.decoder_groups(), (self.output,)) if self.int8 else ())
+
+    @property
+    def pack(self) -> KeptWeight | None:
+        """The copy of the output rows their products keep (the target's own for the whole
+        vocabulary; None where accel gives them none)."""
+        return getattr(self.output.forward, "pack", None)
 
     @property
     def fused_layers(self) -> tuple[int, ...]:
@@ -304,10 +308,7 @@ class TextHeadDraft:
     def logits(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the target's output layer over the draft vocabulary at features
         ``guessed`` ``[..., H]``."""
-        weight = self.weight.to(guessed.dtype)
-        if self.int8:
-            return int8_linear(guessed, weight, None, self.int8_pack).float()
-        return small_row_linear(guessed, weight, pack=self.pack).float()
+        return self.output(guessed).float()
 
     def log_probs(self, guessed: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: the draft distribution (log-softmax of :meth:`logits`)."""

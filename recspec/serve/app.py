@@ -143,7 +143,7 @@ class State:
         config = self.config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        recommender = Recommender.load(config.target, device=config.device, draft_dir=config.draft)
+        recommender = Recommender.load(config.target, device=config.device, draft_dir=config.draft, folder_only=True)
         service = RecommendService(recommender, config.decoder, config.options, config.max_batch, serving=True)
         self.models = {
             "target": str(recommender.folder), "target_sha256": weights_fingerprint(recommender.folder),

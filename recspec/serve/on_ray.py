@@ -6,7 +6,7 @@ HTTP proxy on ``host:port`` spreads the requests over the replicas and passes th
 refusals through unchanged, so the API is the one of ``recspec serve``. ``/metrics`` and the
 queue of ``/health`` are those of the replica that answered (``/health`` names it). The service
 says it runs only once the proxy has routed ``/health`` to every replica
-(:func:`~recspec.bench.serve.wait_until_ready`): Serve reports a deployment running before its
+(:func:`~recspec.ready.wait_until_ready`): Serve reports a deployment running before its
 proxy routes to all of it.
 
 A replica loads its models while it is built (``State.load`` before the app starts): the proxy
@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from fastapi import FastAPI
 
-from recspec.bench.serve import wait_until_ready
+from recspec.ready import wait_until_ready
 from recspec.cluster.runtime import Workers, connect
 from recspec.errors import RecspecError
 from recspec.serve.app import ServeConfig, create_app

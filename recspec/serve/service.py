@@ -131,7 +131,7 @@ class RecommendService:
         self.decoder = self.check_decoder(decoder)
         self.max_history = int(recommender.info.get("max_history") or 20)
         self.num_items = len(recommender.index.item_keys)
-        self._dataset_item = {key: i for i, key in enumerate(recommender.dataset.item_ids)}
+        self._item_row = {key: i for i, key in enumerate(recommender.encoder.item_keys)}  # the ids a history may hold
         self._token_ids = identifier_token_ids(recommender.tokenizer, recommender.index)
         self._tries: OrderedDict[tuple[int, ...], ItemTrie] = OrderedDict()
         self._choices: dict[tuple[int, int], Choice] = {}
@@ -171,14 +171,14 @@ class RecommendService:
             if repeated:
                 raise BadRequest(f"{name} repeats item id(s) {', '.join(repeated[:10])}", "duplicate_items",
                                  items=repeated)
-        unknown = [key for key in request.history if key not in self._dataset_item]
+        unknown = [key for key in request.history if key not in self._item_row]
         unknown += [key for key in request.exclude if key not in self.recommender.index.key_to_position]
         if unknown:
             shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
             raise BadRequest(f"unknown item id(s) {shown}", "unknown_items", items=unknown)
         decoder = self.check_decoder(request.decoder)
         self.check_k(request.k, len(request.exclude))
-        history = np.array([self._dataset_item[key] for key in request.history[-self.max_history:]], dtype=np.int64)
+        history = np.array([self._item_row[key] for key in request.history[-self.max_history:]], dtype=np.int64)
         examples = Examples(np.zeros(1, dtype=np.int64), history[None, :], np.zeros(2, dtype=np.int64),
                             np.zeros(0, dtype=np.int64))
         prompt = self.recommender.encoder.prompts(examples)[0]

@@ -1,4 +1,4 @@
-"""`recspec bench ids`: time to build MovieLens identifiers (embedding and quantisation apart),
+"""`python -m benchmarks.lab ids`: time to build MovieLens identifiers (embedding and quantisation apart),
 collision rates, and trie mask throughput for a batch of 1,000 prefixes.
 
 Ceilings: embedding is set against the machine's measured float32 matmul throughput (the model's

@@ -1,4 +1,4 @@
-"""`recspec bench coverage`: how often a draft's top-N covers the target's top-K, level by level.
+"""`python -m benchmarks.lab coverage`: how often a draft's top-N covers the target's top-K, level by level.
 
 Strict verification accepts a drafted level only when the draft's top ``N`` children (ranked by
 the target's exact beam scores plus the draft's log-probabilities) contain all ``K`` beams the
@@ -11,7 +11,7 @@ that counts, for every round, the level it drafted and whether it was accepted
 (:func:`~recspec.calibration.count_rounds`): a round starts
 from the target's exact beams, so each round is one sample of coverage at its level. (An accepted
 round also takes the bonus step, so deep levels are sampled less often for good drafts.) Not a
-timing: the decoders' speed is `recspec bench spec`'s.
+timing: the decoders' speed is `python -m benchmarks.lab spec`'s.
 """
 
 from __future__ import annotations

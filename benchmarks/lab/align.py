@@ -1,4 +1,4 @@
-"""`recspec bench align`: the paper's Table 1 on our models (atspeed.txt Table 1, Table 2, Fig. 4c).
+"""`python -m benchmarks.lab align`: the paper's Table 1 on our models (atspeed.txt Table 1, Table 2, Fig. 4c).
 
 For every alignment method a draft is trained on the same alignment data with the same budget
 (`recspec align train`, selected by validation acceptance; drafts already trained in the work
@@ -33,7 +33,7 @@ import torch
 
 from recspec.align.task import METHODS
 from recspec.align.train import ACCEPTANCE_METRIC, align_fit, head_fit
-from recspec.bench.curve import read_log
+from benchmarks.lab.curve import read_log
 from recspec.bench.report import markdown_table, new_figure, reuse_freed_memory, save_figure, write_results
 from recspec.eval.metrics import recall_ndcg
 from recspec.models.train import TrainConfig

@@ -2,7 +2,7 @@
 
 A decoder layer of a Llama-family model projects the same hidden states three times for attention
 (``q_proj``, ``k_proj``, ``v_proj``) and twice for its MLP (``gate_proj``, ``up_proj``). Over 3-128
-rows on the CPU each is oneDNN's product over its packed weight (:mod:`recspec.models.small_rows`),
+rows on the CPU each is oneDNN's product over its packed weight (:mod:`recspec.accel.small_rows`),
 and the small ones stream their weights badly: SmolLM2's 192 x 576 key and value products take
 4x the time their weights take to read (BENCHMARKS.md "Packed oneDNN weights"). One product over
 the concatenated weights, packed once, streams them together: a SmolLM2 call over 3-16 rows is
@@ -10,7 +10,7 @@ the concatenated weights, packed once, streams them together: a SmolLM2 call ove
 bit-identical: oneDNN computes every output column with the same summation whatever columns
 share the product. One and two rows (MKL's product, every plain decoding step) are computed by
 each sibling alone: fused as MKL products over a plain concatenated copy, whole calls ran
-0.97-0.98x as fast. Where recspec's kernel serves (:mod:`recspec.models.row_kernel`), every row
+0.97-0.98x as fast. Where recspec's kernel serves (:mod:`recspec.accel.kernel`), every row
 count from 1 to 128 is one kernel product over the concatenated panels, bit-identical too (each
 output column is its own chain of multiply-adds).
 
@@ -24,7 +24,7 @@ The kept outputs and the tensor they belong to are replaced in one assignment, s
 running the same model never take each other's outputs. The packed concatenation replaces the
 siblings' own packs: no memory is added.
 
-A draft whose layers compute in int8 (:mod:`recspec.models.int8_products`: a text head's decoder
+A draft whose layers compute in int8 (:mod:`recspec.accel.int8`: a text head's decoder
 layer, q, k, v and gate, up) fuses its siblings the same way, with ``int8``: one int8 product over
 the concatenated weights, quantized once, for any row count (a head's steps are 1-8 rows). Its
 outputs are bit-identical too: each activation row is quantized on its own scale and each weight row
@@ -39,9 +39,9 @@ import functools
 import torch
 from torch import nn
 
-from recspec.models.int8_products import Int8Forward, Int8Pack, int8_computes
-from recspec.models.small_rows import (MAX_SMALL_ROWS, PACKED_ROWS, KeptWeight, RowPanels, SmallRowForward, has_onednn,
-                                       kernel_computes, needs_grad, new_pack)
+from recspec.accel.int8 import Int8Forward, Int8Pack, int8_computes
+from recspec.accel.small_rows import (MAX_SMALL_ROWS, PACKED_ROWS, KeptWeight, RowPanels, SmallRowForward, has_onednn,
+                                      kernel_computes, needs_grad, new_pack)
 
 #: The sibling groups of a transformers Llama-family layer fused, by attribute name.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -63,9 +63,9 @@ class FusedProjections:
 
     def fuses(self, x: torch.Tensor, rows: int) -> bool:
         """Whether a call over ``rows`` rows of ``x`` is one product: in int8 where
-        :func:`~recspec.models.int8_products.int8_computes` (one row or more), else recspec's kernel
+        :func:`~recspec.accel.int8.int8_computes` (one row or more), else recspec's kernel
         over 1 to 128 rows where the siblings use it, or oneDNN's packed product over
-        :data:`~recspec.models.small_rows.PACKED_ROWS` to 128 rows (the CPU, float32), no gradient
+        :data:`~recspec.accel.small_rows.PACKED_ROWS` to 128 rows (the CPU, float32), no gradient
         asked for."""
         weight, bias = self.layers[0].weight, self.layers[0].bias
         if self.int8:
@@ -122,13 +122,19 @@ def sibling_groups(model: nn.Module, siblings: tuple[tuple[str, ...], ...] = SIB
 def use_fused_projections(model: nn.Module, siblings: tuple[tuple[str, ...], ...] = SIBLINGS,
                           int8: bool = False) -> nn.Module:
     """Fuse every group of ``siblings`` (attribute names) of ``model`` (in place, after
-    :func:`~recspec.models.small_rows.use_small_row_products`, or with ``int8`` after
-    :func:`~recspec.models.int8_products.use_int8_products`; groups whose layers do not qualify,
+    :func:`~recspec.accel.small_rows.use_small_row_products`, or with ``int8`` after
+    :func:`~recspec.accel.int8.use_int8_products`; groups whose layers do not qualify,
     :func:`fusable`, are left as they are): each sibling's forward becomes its group's call with
     its index; returns ``model``."""
-    for layers in sibling_groups(model, siblings):
+    fuse_groups(sibling_groups(model, siblings), int8)
+    return model
+
+
+def fuse_groups(groups: list[list[nn.Linear]], int8: bool = False) -> None:
+    """Fuse each of ``groups`` (sibling linear layers reading one input) that is :func:`fusable`,
+    in place: each layer's forward becomes its group's call with its index."""
+    for layers in groups:
         if fusable(layers, int8):
             group = FusedProjections(layers, int8)
             for index, layer in enumerate(layers):
                 layer.forward = functools.partial(group, index)
-    return model

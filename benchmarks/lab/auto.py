@@ -1,4 +1,4 @@
-"""`recspec bench auto`: ``--decoder auto`` against every exact decoder it chooses among.
+"""`python -m benchmarks.lab auto`: ``--decoder auto`` against every exact decoder it chooses among.
 
 For each (target, draft) pair, K and batch size, on the first ``users`` test users: ``beam``,
 ``tree-beam``, ``tree-beam+root`` (the first identifier level scored in the prompt's call),
@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from recspec.auto import choose
-from recspec.bench.compare import joined_outputs
-from recspec.bench.decode import same_up_to_ties
+from recspec.bench.compare import joined_outputs, same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.data.splits import Examples
 from recspec.recommend import DecodeOptions, Decoded, Recommender

@@ -1,19 +1,21 @@
-"""recspec's small-row product kernel (``row_kernel.cpp``): built once per machine, checked on use.
+"""recspec's small-row product kernel (``kernel.cpp``): built once per machine, checked on use.
 
 On this project's CPU neither of torch's kernels streams a weight at the memory's speed for a few
 rows: MKL's product over 1-2 rows reads SmolLM2's weights at 28-31 GB/s and oneDNN's over packed
 weights at 20-25 GB/s over 3-6 rows, where a read in order reaches 31-51 GB/s as the host's memory
-allows (BENCHMARKS.md "A small-row kernel"). ``row_kernel.cpp`` keeps each weight once in panels of
+allows (BENCHMARKS.md "A small-row kernel"). ``kernel.cpp`` keeps each weight once in panels of
 16 output columns and streams them in order, a 6 x 16 register tile of AVX2 fused multiply-adds per
 group of rows, so a call's products over 1 to 6 rows cost what reading its weights costs.
 
 The kernel is C++ compiled here against torch's headers and libraries (a C++ compiler is needed)
 into ``$RECSPEC_CACHE/kernels/rows-<source digest>-<torch>/`` the first time a process asks for it
-(about 10 seconds; :func:`build` or ``recspec assets kernel`` does it ahead), under a file lock so
-that parallel processes build it once. The folder's files are checksummed (``checksums.json``) and
+(:func:`build` or ``recspec assets kernel`` does it ahead), under a file lock so that parallel
+processes build it once; only a model on the CPU that accel's policy gives small-row products
+(:mod:`recspec.accel.policy`) asks for it. The folder's files are checksummed (``checksums.json``) and
 checked before the library is loaded; a damaged build is made again. Where it cannot be built or
-used (not x86-64 with AVX2 and FMA, no compiler, a build error, or ``RECSPEC_ROW_KERNEL=0``)
-:func:`available` says so once, with the reason, and recspec computes with torch's kernels as before.
+used (accel switched off, ``RECSPEC_ACCEL=0``; not Linux on x86-64 with AVX2 and FMA; no compiler; a
+build error) :func:`available` says so once, with the reason, and recspec computes with torch's
+kernels as before.
 
 **What is trusted.** Loading the library runs its code in the process (a library's constructors
 run as it is loaded), so recspec loads only a library no one but the running user could have put
@@ -38,7 +40,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import stat
 import subprocess
@@ -50,15 +51,14 @@ from pathlib import Path
 
 import torch
 
+from recspec.accel.policy import is_enabled, unfit
 from recspec.assets import cache_dir
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, record_checksums, verify_checksums
 
-SOURCE = Path(__file__).with_name("row_kernel.cpp")
+SOURCE = Path(__file__).with_name("kernel.cpp")
 LIBRARY = "recspec_rows"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
-#: Set to 0 to compute with torch's kernels only.
-SWITCH = "RECSPEC_ROW_KERNEL"
 #: The longest a build may take (it takes about 10 s here) before it counts as failed.
 COMPILE_TIMEOUT_S = 600
 
@@ -70,13 +70,14 @@ def build_dir() -> Path:
 
 
 def unsupported() -> str | None:
-    """Why the kernel cannot serve on this machine, or None where it can be built."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return f"{SWITCH}=0"
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"it is built for Linux on x86-64 (this is {sys.platform} on {platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"this CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    """Why the kernel cannot serve on this machine, or None where it can be built: accel switched
+    off or this CPU not one it serves (:func:`~recspec.accel.policy.unfit`), not Linux, or no C++
+    compiler."""
+    reason = unfit("cpu")
+    if reason is not None:
+        return reason
+    if sys.platform != "linux":
+        return f"it is built for Linux (this is {sys.platform})"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH"
@@ -232,7 +233,7 @@ def available() -> bool:
     try:
         build()
     except RecspecError as err:
-        if os.environ.get(SWITCH, "1") != "0":
+        if is_enabled():
             warnings.warn(f"{err}; products run on torch's kernels", stacklevel=2)
         return False
     return True

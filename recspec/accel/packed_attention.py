@@ -21,8 +21,9 @@ a 1-row call does. One-row calls and calls without a mask (a prompt's causal pre
 (attention dropout) keep transformers' own SDPA path, so plain greedy decoding and ``generate``
 are unchanged: the gain is the verifying calls' alone.
 
-:func:`use_packed_attention` switches a loaded model's SDPA attention to this one (models
-loaded by recspec get it; other attention implementations are left as they are).
+:func:`use_packed_attention` switches a loaded model's SDPA attention to this one (accel's policy
+gives it to the models recspec loads, :mod:`recspec.accel.policy`; other attention implementations
+are left as they are).
 """
 
 from __future__ import annotations

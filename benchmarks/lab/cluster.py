@@ -1,4 +1,4 @@
-"""`recspec bench ray`: batch recommendation and knowledge generation on Ray against one process.
+"""`python -m benchmarks.lab ray`: batch recommendation and knowledge generation on Ray against one process.
 
 Three ways to run the same job on this machine, side by side in one run (in a balanced order
 between repeats, median of ``repeats``): one process with every core as torch threads (what

@@ -1,12 +1,12 @@
-"""`recspec bench rows`: one target call by the number of rows (tree nodes) it feeds, under each
-setting of the small-row products (:mod:`recspec.models.small_rows`): MKL's product for every row
-count, unpadded and over :func:`~recspec.models.small_rows.padded_rows` rows, oneDNN's linear over
-the plain weights from :data:`~recspec.models.small_rows.ONEDNN_ROWS` rows on (version 3), oneDNN's
-linear over packed weights from :data:`~recspec.models.small_rows.PACKED_ROWS` rows on (version 4)
-and with sibling projections fused (:mod:`recspec.models.fused_projections`, version 5), and
+"""`python -m benchmarks.lab rows`: one target call by the number of rows (tree nodes) it feeds, under each
+setting of the small-row products (:mod:`recspec.accel.small_rows`): MKL's product for every row
+count, unpadded and over :func:`~recspec.accel.small_rows.padded_rows` rows, oneDNN's linear over
+the plain weights from :data:`~recspec.accel.small_rows.ONEDNN_ROWS` rows on (version 3), oneDNN's
+linear over packed weights from :data:`~recspec.accel.small_rows.PACKED_ROWS` rows on (version 4)
+and with sibling projections fused (:mod:`recspec.accel.fused`, version 5), and
 recspec's default, its own kernel over 1-128 rows with the siblings fused
-(:mod:`recspec.models.row_kernel`, version 6); the default also with transformers' own SDPA
-attention instead of recspec's packed grouped-query attention (:mod:`recspec.models.attention`),
+(:mod:`recspec.accel.kernel`, version 6); the default also with transformers' own SDPA
+attention instead of recspec's packed grouped-query attention (:mod:`recspec.accel.packed_attention`),
 which show what each is worth. :func:`products` times a call's products alone, side by side.
 
 MKL's products cost a step function of ``n`` on this CPU (multiples of 8 fast, 16 fastest, counts
@@ -32,18 +32,18 @@ import torch
 
 from recspec.bench.report import markdown_table, new_figure, reuse_freed_memory, save_figure, write_results
 from recspec.decoding.cost import measure_call_cost
-from recspec.models.attention import PACKED_SDPA
+from recspec.accel.packed_attention import PACKED_SDPA
 from recspec.errors import RecspecError
-from recspec.models.fused_projections import sibling_groups, use_fused_projections
+from recspec.accel.fused import sibling_groups, use_fused_projections
 from recspec.models.hf import load_causal_lm
 from recspec.hub import with_cache
-from recspec.models.row_kernel import available, unsupported
-from recspec.models.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
-                                       small_row_linear, use_small_row_products)
+from recspec.accel.kernel import available, unsupported
+from recspec.accel.small_rows import (ONEDNN_ROWS, PACKED_ROWS, OneDnnPack, RowPanels, rows_computed,
+                                      small_row_linear, use_small_row_products)
 from recspec.turns import turn_order
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 23, 24, 28, 32, 40, 48, 56, 64)
-#: Name -> (pad, onednn, pack, kernel) of :func:`~recspec.models.small_rows.use_small_row_products`,
+#: Name -> (pad, onednn, pack, kernel) of :func:`~recspec.accel.small_rows.use_small_row_products`,
 #: whether the attention is packed and whether sibling projections are fused; "recspec" is the default.
 SETTINGS = {"mkl": (False, False, False, False, True, False), "mkl_padded": (True, False, False, False, True, False),
             "onednn_plain": (True, True, False, False, True, False),
@@ -53,7 +53,7 @@ SETTINGS = {"mkl": (False, False, False, False, True, False), "mkl_padded": (Tru
 
 def computed(n: int) -> dict[str, int]:
     """The rows each setting computes a float32 call over ``n`` nodes with
-    (:func:`~recspec.models.small_rows.rows_computed`)."""
+    (:func:`~recspec.accel.small_rows.rows_computed`)."""
     return {setting: rows_computed(n, pad, onednn, pack, kernel and available())
             for setting, (pad, onednn, pack, kernel, _, _) in SETTINGS.items()}
 
@@ -260,7 +260,7 @@ PRODUCTS = ("mkl", "onednn_packed", "kernel")
 
 def call_weights(lm) -> list[torch.Tensor]:
     """The weights one call of ``lm`` streams, as recspec computes them: each group of sibling
-    projections (:func:`~recspec.models.fused_projections.sibling_groups`) concatenated, every other linear
+    projections (:func:`~recspec.accel.fused.sibling_groups`) concatenated, every other linear
     layer's weight alone; ``[out, in]`` each."""
     groups = sibling_groups(lm)
     grouped = {id(layer) for layers in groups for layer in layers}

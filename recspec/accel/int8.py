@@ -39,7 +39,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from recspec.models.small_rows import KeptWeight, needs_grad, small_row_linear
+from recspec.accel.policy import unfit
+from recspec.accel.small_rows import KeptWeight, needs_grad, small_row_linear
 
 #: The quantized engines whose dynamic linear takes per-row int8 weights on x86 CPUs.
 INT8_ENGINES = ("x86", "fbgemm", "onednn")
@@ -85,16 +86,16 @@ def int8_products_hold(engine: str) -> bool:
 
 
 def int8_serves(device: torch.device | str) -> bool:
-    """Whether a draft on ``device`` computes its int8 products in int8: the CPU, with
-    :func:`int8_engine`."""
-    return torch.device(device).type == "cpu" and int8_engine()
+    """Whether a draft on ``device`` computes its int8 products in int8: accel applies there (the
+    CPU, switched on: :func:`~recspec.accel.policy.unfit`), with :func:`int8_engine`."""
+    return unfit(device) is None and int8_engine()
 
 
 def int8_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`int8_linear` computes ``x @ weight.T`` in int8: float32 on the CPU, an int8
     engine, no gradient asked for, at least two input features."""
     return (x.dtype == torch.float32 and x.shape[-1] > 1 and weight.dtype == torch.float32
-            and not needs_grad(x, weight, bias) and int8_serves(x.device))
+            and not needs_grad(x, weight, bias) and x.device.type == "cpu" and int8_engine())
 
 
 def quantize_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ def quantize_rows(weight: torch.Tensor) -> torch.Tensor:
 
 class Int8Pack(KeptWeight):
     """A weight quantized per row (:func:`quantize_rows`) and packed for the quantized engine's
-    dynamic linear (an opaque object; :class:`~recspec.models.small_rows.KeptWeight`)."""
+    dynamic linear (an opaque object; :class:`~recspec.accel.small_rows.KeptWeight`)."""
 
     def make(self, weight: torch.Tensor) -> torch.ScriptObject:
         return torch.ops.quantized.linear_prepack(quantize_rows(weight), None)

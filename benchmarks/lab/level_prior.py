@@ -1,8 +1,8 @@
-"""`recspec bench level-prior`: how much of the target's second identifier level a head drafts,
+"""`python -m benchmarks.lab level-prior`: how much of the target's second identifier level a head drafts,
 against what the target itself does on average.
 
 Strict verification accepts a level only when the draft's top-N children hold all K beams the
-target keeps (`recspec bench coverage`). Level 2 is where heads fail (BENCHMARKS.md, "Why the
+target keeps (`python -m benchmarks.lab coverage`). Level 2 is where heads fail (BENCHMARKS.md, "Why the
 Beauty heads plateau"). This benchmark takes that level apart. For each test user: the target's
 exact level-1 beams ``x1`` (its K best first tokens, from the prompt), then its exact
 ``p(x2 | x1, user)`` at every one of them (one call over the prompt and ``x1`` per beam), and the

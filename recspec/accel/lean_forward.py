@@ -27,9 +27,9 @@ Anything else (hidden states, training mode, other arguments) goes to the model'
 and so does every call not made through :func:`forward_of` (``generate``, training). Only the
 models :func:`eligible` names get one: transformers' Llama with multi-head attention (as many
 key/value heads as query heads), the default rotary embedding, no biases, SiLU, SDPA attention and
-float32 weights. recspec installs it on every such model it loads that does not stream its
-weights (:func:`~recspec.models.small_rows.streams_weights`: an LLM-sized model's calls are its
-products, which recspec computes by its own kernels).
+float32 weights. accel's policy (:mod:`recspec.accel.policy`) gives it to every such model whose
+products stay transformers' (a model that streams its weights gets recspec's products instead,
+which this forward's own ``F.linear`` calls would bypass).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
+from recspec.accel.packed_attention import PACKED_SDPA
 from recspec.hub import with_cache
-from recspec.models.attention import PACKED_SDPA
 
 #: Bumped whenever how a lean call computes changes: part of every kept timing's key.
 LEAN_FORWARD_VERSION = 1

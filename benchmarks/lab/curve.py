@@ -1,4 +1,4 @@
-"""`recspec bench curve`: the validation curves of training runs side by side, against CPU-minutes.
+"""`python -m benchmarks.lab curve`: the validation curves of training runs side by side, against CPU-minutes.
 
 A run's ``train_log.jsonl`` (:data:`recspec.models.train.LOG_FILE`, one line per evaluation: the
 untrained baseline as epoch 0, then every epoch or partial epoch) records the seconds each epoch

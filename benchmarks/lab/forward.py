@@ -1,6 +1,6 @@
-"""`recspec bench forward`: decoders through transformers' forward and through recspec's lean one.
+"""`python -m benchmarks.lab forward`: decoders through transformers' forward and through recspec's lean one.
 
-One model pair (:mod:`recspec.models.lean_forward`: a small Llama's calls made by one function),
+One model pair (:mod:`recspec.accel.lean_forward`: a small Llama's calls made by one function),
 each decoder run both ways on the same test users, the two arms of every decoder taking turns
 batch by batch with the others in a balanced order (:func:`~recspec.turns.take_turns`), the median
 of ``repeats`` runs per batch size. Reported per decoder: ms per user both ways, the speed-up, and
@@ -21,7 +21,7 @@ import torch
 from recspec.bench.compare import ROOT_NAMES, split_root, unknown_decoders
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.errors import RecspecError
-from recspec.models.lean_forward import drop_lean_forward, use_lean_forward
+from recspec.accel.lean_forward import drop_lean_forward, use_lean_forward
 from recspec.recommend import DECODERS, DecodeOptions, Decoded, Recommender, check_decoder
 from recspec.turns import take_turns, user_batches
 

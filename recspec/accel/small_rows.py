@@ -1,6 +1,6 @@
 """Linear layers over a few rows on the CPU: matrix products chosen by the number of rows.
 
-**recspec's kernel, 1..128 rows** (:mod:`recspec.models.row_kernel`, products version 6): where it
+**recspec's kernel, 1..128 rows** (:mod:`recspec.accel.kernel`, products version 6): where it
 builds (x86-64 with AVX2, a C++ compiler), every float32 product over 1 to 128 rows without a
 gradient runs it over the weight kept in panels (:class:`RowPanels`, a second copy of the weight,
 made at its first call). It streams the weight once, in order, at the memory's speed: SmolLM2's
@@ -43,12 +43,14 @@ else.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recspec.accel.kernel import available, unsupported
 from recspec.errors import RecspecError
-from recspec.models.row_kernel import available, unsupported
 
 MAX_SMALL_ROWS = 128
 
@@ -68,8 +70,8 @@ PACK_ROWS = 16
 #: so a change to how calls are computed has them measured again: 2 made products row-major and one
 #: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN; 4 computes
 #: 3..128 rows with oneDNN over packed weights; 5 fuses sibling projections
-#: (:mod:`recspec.models.fused_projections`); 6 computes 1..128 rows with recspec's kernel where it
-#: is built (:mod:`recspec.models.row_kernel`).
+#: (:mod:`recspec.accel.fused`); 6 computes 1..128 rows with recspec's kernel where it
+#: is built (:mod:`recspec.accel.kernel`).
 PRODUCTS_VERSION = 6
 
 
@@ -184,7 +186,7 @@ class OneDnnPack(KeptWeight):
 
 class RowPanels(KeptWeight):
     """A weight's copy in panels of 16 output columns for recspec's kernel
-    (:mod:`recspec.models.row_kernel`; as large as the weight, padded to 16 columns). Made only
+    (:mod:`recspec.accel.kernel`; as large as the weight, padded to 16 columns). Made only
     where the kernel is built (:func:`new_pack` chooses); elsewhere it says why."""
 
     def __init__(self) -> None:
@@ -203,9 +205,23 @@ class RowPanels(KeptWeight):
 
 def new_pack(kernel: bool = True) -> KeptWeight:
     """The copy a small-row forward keeps of its weight: panels for recspec's kernel with
-    ``kernel`` where it is built (:func:`~recspec.models.row_kernel.available`), else oneDNN's
+    ``kernel`` where it is built (:func:`~recspec.accel.kernel.available`), else oneDNN's
     packed weight."""
     return RowPanels() if kernel and available() else OneDnnPack()
+
+
+#: The copies kept by small-row forwards, by kind and the weight memory they copy (weakly: a copy
+#: lives as long as a forward uses it).
+_KEPT: weakref.WeakValueDictionary[tuple, KeptWeight] = weakref.WeakValueDictionary()
+
+
+def shared_pack(weight: torch.Tensor, kernel: bool = True) -> KeptWeight:
+    """The copy a small-row forward over ``weight`` keeps (:func:`new_pack`), shared by every
+    forward over the same memory: a draft's logits over its target's whole output layer keep no
+    second copy of it."""
+    pack = new_pack(kernel)
+    key = (type(pack), weight.device, weight.data_ptr(), tuple(weight.shape), weight.stride())
+    return _KEPT.setdefault(key, pack)
 
 
 def kernel_computes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -247,7 +263,7 @@ class SmallRowForward:
 
     def __init__(self, layer: nn.Linear, pad: bool, onednn: bool, pack: bool, kernel: bool = True) -> None:
         self.layer, self.pad, self.onednn = layer, pad, onednn
-        self.pack = new_pack(kernel) if pack else None
+        self.pack = shared_pack(layer.weight, kernel) if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return small_row_linear(x, self.layer.weight, self.layer.bias, self.pad, self.onednn, self.pack)
@@ -263,20 +279,6 @@ def pads_rows(model: nn.Module) -> bool:
                                  and not (module.forward.onednn and has_onednn(module.weight.dtype))
                                  and not isinstance(module.forward.pack, RowPanels)
                                  and module.weight.device.type == "cpu" for module in linears)
-
-
-#: Linear weights above this size (twice this project's CPU's 32 MB last-level cache) are read
-#: from memory on every call: the calls the small-row products pay for.
-STREAMED_BYTES = 64 * 2**20
-
-
-def streams_weights(model: nn.Module) -> bool:
-    """Whether ``model``'s linear weights exceed :data:`STREAMED_BYTES` (an LLM-sized model: each
-    call streams them). Smaller models' calls are bound by per-operator overhead, where
-    transformers' own products are as fast or faster (BENCHMARKS.md "Row-major products": a
-    ``target-small`` decoded 0.85-0.95x as fast with version 3's products)."""
-    return sum(module.weight.numel() * module.weight.element_size() for module in model.modules()
-               if isinstance(module, nn.Linear)) > STREAMED_BYTES
 
 
 def use_small_row_products(model: nn.Module, pad: bool = True, onednn: bool = True, pack: bool = True,

@@ -1,4 +1,4 @@
-"""`recspec bench decode`: hf vs beam vs tree-beam on trained targets, side by side in one run.
+"""`python -m benchmarks.lab decode`: hf vs beam vs tree-beam on trained targets, side by side in one run.
 
 For each trained target (a `recspec train` folder), batch size B and K, the first ``users`` test
 users are cut into batches of B; one *run* decodes all of them with one decoder, and the
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from recspec.bench.compare import same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, target_label, write_results
 from recspec.decoding import TopK
 from recspec.decoding.prefix import shared_columns
@@ -75,12 +76,6 @@ def time_side_by_side(calls: dict[str, Callable[[list[torch.Tensor]], Any]], bat
     for timing in timings.values():
         timing["median_s"] = statistics.median(timing["runs_s"])
     return timings
-
-
-def same_up_to_ties(result: TopK, reference: TopK, atol: float = 1e-4) -> bool:
-    """Same items with the same scores per user; the order may differ only among tied scores."""
-    items_match = torch.equal(result.items.sort(dim=1).values, reference.items.sort(dim=1).values)
-    return bool(items_match and torch.allclose(result.scores, reference.scores, atol=atol))
 
 
 def _memory_worker(target: str, cells: list[tuple[int, int, str]], users: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""`recspec bench spec`: speculative beam search (AtSpeed) against the target's own decoders.
+"""`python -m benchmarks.lab spec`: speculative beam search (AtSpeed) against the target's own decoders.
 
 For each (target, draft) pair and K, on the first ``users`` test users decoded one at a time
 (batch 1: latency, where speculative decoding pays on a CPU), every decoder runs over all users
@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from recspec.bench.decode import same_up_to_ties
+from recspec.bench.compare import same_up_to_ties
 from recspec.bench.report import markdown_table, reuse_freed_memory, target_label, write_results
+from recspec.bench.sampling import time_per_user
 from recspec.decoding.rounds import SpecStats
 from recspec.eval.metrics import recall_ndcg
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
-from recspec.turns import take_turns
 
 
 def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
@@ -58,19 +57,6 @@ def _decoders(recommender: Recommender, k: int, draft_beams: Sequence[int],
                      "spec-relaxed": call("spec-relaxed", draft, plain),
                      "ceiling": call("spec-strict", target, DecodeOptions(draft_beams=k))})
     return decoders
-
-
-def time_per_user(decoders: dict[str, Callable[[list], Decoded]], prompts: list[torch.Tensor],
-                   repeats: int, warmup: bool = True) -> tuple[dict[str, list[float]], dict[str, list[Decoded]]]:
-    """:func:`~recspec.turns.take_turns` user by user (one call per user): per decoder the
-    total seconds of each run and the last run's outputs. The ceiling counts only its verification
-    phase (see the module doc)."""
-    def charge(name: str, decoded: Decoded, seconds: float) -> float:
-        if name == "ceiling":
-            return float(decoded.stats.verify_s.sum() + decoded.stats.overhead_s.sum())
-        return seconds
-
-    return take_turns(decoders, [[prompt] for prompt in prompts], repeats, warmup, charge)
 
 
 def _speed_rows(target: str, k: int, runs: dict[str, list[float]],

@@ -1,4 +1,4 @@
-"""`recspec bench prefix`: prefix caching, on and off, side by side in one run.
+"""`python -m benchmarks.lab prefix`: prefix caching, on and off, side by side in one run.
 
 For a trained target (and optionally its draft), each batch size B and K, the first ``users`` test
 users are cut into batches of B; every decoder runs twice, once with the template's fixed prefix
@@ -8,7 +8,7 @@ Decoders: the prefill alone (what every decoder pays once per batch), ``beam``, 
 with a draft, ``spec-strict`` at N = ``draft_beams``. Reported: median ms per user over ``repeats``
 runs, the speed-up of the cached variant, and whether both variants returned the same items for
 every user. The prefix's share of the prompt tokens is stated with them. Then, at batch 1, the
-speculative ceiling of `recspec bench spec` against ``tree-beam`` in both variants: what prefix
+speculative ceiling of `python -m benchmarks.lab spec` against ``tree-beam`` in both variants: what prefix
 caching does to the most any draft could gain.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from recspec.bench.decode import batches_of, prefill_call, time_side_by_side
+from benchmarks.lab.decode import batches_of, prefill_call, time_side_by_side
 from recspec.bench.report import machine, markdown_table, reuse_freed_memory, write_results
-from recspec.bench.spec import time_per_user
+from recspec.bench.sampling import time_per_user
 from recspec.decoding import TopK
 from recspec.decoding.prefix import MIN_SHARED, prefix_unshared, shared_columns
 from recspec.errors import RecspecError
@@ -54,7 +54,7 @@ def _unshared(call: Callable[[list[torch.Tensor]], Any]) -> Callable[[list[torch
 
 
 def ceiling_rows(recommender: Recommender, prompts: list[torch.Tensor], k: int, repeats: int) -> list[dict[str, Any]]:
-    """Batch 1, both variants: ``tree-beam`` and the speculative ceiling of `recspec bench spec`
+    """Batch 1, both variants: ``tree-beam`` and the speculative ceiling of `python -m benchmarks.lab spec`
     (the target as its own draft at N = K, its verification phase alone: one call over the prompt
     and the target's beams), per user, median of ``repeats`` runs taking turns."""
     model, pad, trie = recommender.model, recommender.encoder.pad_id, recommender.trie
@@ -127,7 +127,7 @@ def run(out: Path, target: Path, draft: Path | None = None, ks: Sequence[int] = 
                        [[r["batch"], r["k"], r["decoder"], f"{r['cached_ms_per_user']:.1f}",
                          f"{r['whole_ms_per_user']:.1f}", f"{r['speedup']:.2f}x",
                          "" if r["same_items"] is None else r["same_items"]] for r in rows]),
-        "Speculative ceiling at batch 1 (as `recspec bench spec`: the target as its own draft at N = K, its "
+        "Speculative ceiling at batch 1 (as `python -m benchmarks.lab spec`: the target as its own draft at N = K, its "
         "verification phase alone, i.e. one call over the prompt and the target's beams) against `tree-beam`, "
         "with the prefix stored and with every prompt fed whole:",
         markdown_table(["prompt", "K", "tree-beam ms/user", "ceiling ms/user", "ceiling vs tree-beam"],

@@ -1,4 +1,4 @@
-"""`recspec bench cost`: the draft's cost per call relative to its target's, c (atspeed.txt §4.1).
+"""`python -m benchmarks.lab cost`: the draft's cost per call relative to its target's, c (atspeed.txt §4.1).
 
 Speculative decoding pays only while drafting is cheap: a round costs ``gamma`` draft calls plus
 one target call, so the speed-up is bounded by the accepted steps over ``1 + gamma * c``. For

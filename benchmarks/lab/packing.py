@@ -1,4 +1,4 @@
-"""`recspec bench pack`: training throughput of one-example and packed batches, side by side.
+"""`python -m benchmarks.lab pack`: training throughput of one-example and packed batches, side by side.
 
 Each *mode* is a pack size and a batch size (``10x16``: packs of up to 10 examples, 16 packs a
 step). Every mode trains its own copy of the same fresh preset model with the trainer's optimizer
@@ -7,7 +7,7 @@ modes take turns (:func:`~recspec.turns.turn_order`) after a warm-up of two step
 and the median of ``repeats`` runs is reported as training examples per second, real tokens per
 second and the ratio to the first mode. The ceiling of a mode is the ratio of tokens per example
 (the speed-up if a packed token cost what a one-example token costs). Whether packed training
-learns as well is a separate question, answered by training runs (`recspec bench curve`).
+learns as well is a separate question, answered by training runs (`python -m benchmarks.lab curve`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""Two source trees of recspec side by side: `recspec bench compare` run under each in turn.
+
+A change that must keep speed level is measured against the code before it on the same models,
+in one run: ``python benchmarks/before_after.py --before /path/to/old/checkout --target T
+--draft D``. Each round runs `recspec bench compare` under the old tree, then under this one
+(``PYTHONPATH`` picks the tree, the interpreter is this one), the rounds alternate so that drift
+of the machine falls on both alike, and the result gives each decoder's median users/s under
+each tree and their ratio (after / before), with whether every round returned the same items as
+the first decoder. Writes ``NAME.json`` and ``NAME.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from recspec.bench.report import markdown_table, write_results
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def compare(tree: Path, args: argparse.Namespace, out: Path, name: str) -> list[dict]:
+    """The rows of one `recspec bench compare` run under ``tree``."""
+    command = [sys.executable, "-c", "from recspec.cli import main; main()", "bench", "compare",
+               "--target", args.target, "--k", str(args.k), "--batch-size", str(args.batch_size),
+               "--users", str(args.users), "--repeats", str(args.repeats), "--out", str(out), "--name", name,
+               *(["--draft", args.draft] if args.draft else []),
+               *(part for decoder in args.decoder for part in ("--decoder", decoder))]
+    subprocess.run(command, check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
+                                             "OMP_NUM_THREADS": str(args.threads), "HOME": str(Path.home())})
+    return json.loads((out / f"{name}.json").read_text())["rows"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, required=True, help="The old source tree (a checkout).")
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft")
+    parser.add_argument("--decoder", action="append", default=[])
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results")
+    parser.add_argument("--name", default="before-after")
+    args = parser.parse_args()
+    trees = {"before": args.before.resolve(), "after": HERE}
+    rates: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    same: dict[str, bool] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_ in range(args.rounds):
+            for label, tree in trees.items():
+                for row in compare(tree, args, Path(scratch), f"{label}-{round_}"):
+                    rates[label].setdefault(row["decoder"], []).append(row["users_per_s"])
+                    same[row["decoder"]] = same.get(row["decoder"], True) and row["same_items"]
+    rows = [{"decoder": decoder, "before_users_per_s": statistics.median(rates["before"][decoder]),
+             "after_users_per_s": statistics.median(rates["after"][decoder]),
+             "ratio": statistics.median(rates["after"][decoder]) / statistics.median(rates["before"][decoder]),
+             "same_items": same[decoder], "runs_before": rates["before"][decoder], "runs_after": rates["after"][decoder]}
+            for decoder in rates["after"]]
+    table = markdown_table(["decoder", "before (users/s)", "after (users/s)", "after / before", "same items"],
+                           [[r["decoder"], f"{r['before_users_per_s']:.1f}", f"{r['after_users_per_s']:.1f}",
+                             f"{r['ratio']:.3f}x", r["same_items"]] for r in rows])
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "name")}
+    settings["before"] = str(settings["before"])
+    markdown = (f"# {args.name}\n\n`recspec bench compare` under two source trees, alternating, {args.rounds} rounds "
+                f"of {args.repeats} timed runs; medians of the rounds. Ceiling: each decoder's own speed under the old "
+                f"tree (a ratio of 1.0 is level).\n\n{table}\n")
+    json_path, md_path = write_results(args.out, args.name, {"settings": settings, "rows": rows}, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
