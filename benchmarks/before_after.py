@@ -65,7 +65,8 @@ def main() -> None:
              "ratio": statistics.median(rates["after"][decoder]) / statistics.median(rates["before"][decoder]),
              "same_items": same[decoder], "runs_before": rates["before"][decoder], "runs_after": rates["after"][decoder]}
             for decoder in rates["after"]]
-    table = markdown_table(["decoder", "before (users/s)", "after (users/s)", "after / before", "same items"],
+    headers = ["decoder", "before (users/s)", "after (users/s)", "after / before", "items of the first decoder"]
+    table = markdown_table(headers,
                            [[r["decoder"], f"{r['before_users_per_s']:.1f}", f"{r['after_users_per_s']:.1f}",
                              f"{r['ratio']:.3f}x", r["same_items"]] for r in rows])
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "name")}

@@ -9,7 +9,7 @@ the transformers drop-in. The API is imported on first use, so ``import recspec`
 
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["DecodeOptions", "Engine", "KnowledgeConfig", "RecspecModel", "generate_knowledge", "load", "recommend_users"]
 
 

@@ -26,7 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 #: The longest test files, longest first (per-file durations of `make test` on a 2-core CPU: about
 #: 360 s down to 60 s each); they start first, the other files fill in after them.
-LONGEST_FIRST = ("test_cluster", "test_exactness_movielens", "test_serve_ray", "test_text_head",
+LONGEST_FIRST = ("test_cluster", "test_exactness_movielens", "test_serve_ray", "test_core_install", "test_text_head",
                  "test_exactness_beauty", "test_tree_sample", "test_serve", "test_llm_preset", "test_knowledge_decode",
                  "test_text_head_chain")
 
