@@ -50,7 +50,7 @@ from recspec.importer import PeerSpec, load_peer
 from recspec.knowledge.job import (JobSummary, KnowledgeConfig, KnowledgeTask, local_runner, run_job,
                                    set_threads)
 from recspec.knowledge.store import read_rows
-from recspec.recommend import DecodeOptions, RecommendJob, Recommender, check_decoder, write_recs
+from recspec.recommend import AUTO, TREE_BEAM, DecodeOptions, RecommendJob, Recommender, check_decoder, write_recs
 from recspec.serve.schemas import RecommendRequest
 from recspec.serve.service import Answer, BadRequest, Query, RecommendService
 
@@ -127,7 +127,7 @@ def _shown(value: Any) -> str:
     return text if value is None else f"{type(value).__name__} {text}"
 
 
-def load(target: str | Path, draft: str | Path | None = None, decoder: str = "auto", device: str = "auto",
+def load(target: str | Path, draft: str | Path | None = None, decoder: str = AUTO, device: str = "auto",
          threads: int | None = None, draft_beams: int = 40) -> RecspecModel:
     """Load ``target`` (a model folder of ``recspec train`` or ``recspec import``) and ``draft``
     for :meth:`RecspecModel.recommend`, from the folders alone (no data set is read, so a folder
@@ -173,7 +173,7 @@ class RecommendReport:
         return lines
 
 
-def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: str = "tree-beam",
+def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: str = TREE_BEAM,
                     draft: str | None = None, options: DecodeOptions = DecodeOptions(), dataset: str | None = None,
                     format: str | None = None, part: str = "test", users: int | None = None, batch_size: int = 16,
                     device: str = "auto", overwrite: bool = False, peer: PeerSpec | None = None,

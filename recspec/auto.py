@@ -26,16 +26,16 @@ from recspec.calibration import (Memory, acceptance_tables, call_cost, decoding_
                                  median_prompt_length)
 from recspec.decoding.tree_plan import CostPlanner
 from recspec.itemids.trie import ItemTrie
-from recspec.recommend import DecodeOptions, Recommender
+from recspec.recommend import SPEC_STRICT, TREE_BEAM, DecodeOptions, Recommender
 from recspec.turns import take_turns, user_batches
 
 #: Widths tried per drafted level, as multiples of K.
 WIDTH_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
 #: How auto names the plain loop with the first level scored in the prompt's call, and what it says
 #: when it chooses each contender.
-ROOT_LABEL = "tree-beam+root"
-CHOSEN = {ROOT_LABEL: "tree-beam with the first identifier level scored in the prompt's call",
-          "spec-strict": "spec-strict with cost-sized trees"}
+ROOT_LABEL = f"{TREE_BEAM}+root"
+CHOSEN = {ROOT_LABEL: f"{TREE_BEAM} with the first identifier level scored in the prompt's call",
+          SPEC_STRICT: f"{SPEC_STRICT} with cost-sized trees"}
 #: Validation users of the timed check of a predicted win, the margin it must show, and its runs.
 PROBE_USERS = 32
 PROBE_MARGIN = 0.03
@@ -87,14 +87,14 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
     target = call_cost(recommender.model, folder, prompt_len, records=records)
     levels, rows = recommender.trie.depth, batch_size
     tree_beam = target.call_s(rows * prompt_len) + (levels - 1) * target.call_s(rows * k)
-    predicted = {"tree-beam": 1e3 * tree_beam / rows}
+    predicted = {TREE_BEAM: 1e3 * tree_beam / rows}
     contenders: dict[str, tuple[str, DecodeOptions]] = {}
     if levels >= 2:  # the first level scored in the prompt's call: one call fewer, F - K more nodes
         fanout = len(recommender.trie.first_tokens())
         root = target.call_s(rows * (prompt_len + fanout)) + (levels - 2) * target.call_s(rows * k)
         predicted[ROOT_LABEL] = 1e3 * root / rows
         if root < (1.0 - margin) * tree_beam:
-            contenders[ROOT_LABEL] = ("tree-beam", DecodeOptions(expand_root=True))
+            contenders[ROOT_LABEL] = (TREE_BEAM, DecodeOptions(expand_root=True))
     detail = ", ".join(f"{name} {ms:.1f}" for name, ms in predicted.items()) + f" ms/user predicted at batch {rows}"
     if recommender.draft is None:
         detail = f"no draft loaded; {detail}"
@@ -104,23 +104,23 @@ def choose(recommender: Recommender, k: int, batch_size: int, margin: float = 0.
         first_draft, later_draft, draft_prefill, head_first = draft_costs(recommender, prompt_len, records=records)
         planner = CostPlanner(first, later, target, first_draft, later_draft, k, prompt_len, choices, rows)
         spec = expected_seconds(planner, levels, head_first, draft_prefill.call_s(rows * prompt_len))
-        predicted["spec-strict"] = 1e3 * spec / rows
+        predicted[SPEC_STRICT] = 1e3 * spec / rows
         plan = planner.plan(not head_first, levels if not head_first else levels - 1)
-        detail += (f"; spec-strict {predicted['spec-strict']:.1f} ms/user (first drafted round: widths "
+        detail += (f"; {SPEC_STRICT} {predicted[SPEC_STRICT]:.1f} ms/user (first drafted round: widths "
                    f"{list(plan.widths) or 'none'}, {plan.steps:.2f} levels expected per call)")
         if spec < (1.0 - margin) * tree_beam:
-            contenders["spec-strict"] = ("spec-strict", DecodeOptions(planner=planner))
+            contenders[SPEC_STRICT] = (SPEC_STRICT, DecodeOptions(planner=planner))
     if not contenders:
-        return Choice("tree-beam", DecodeOptions(), predicted,
-                      f"auto: tree-beam ({detail}; another decoder must be predicted {margin:.0%} faster)")
-    measured = probe(recommender, k, rows, {"tree-beam": ("tree-beam", DecodeOptions()), **contenders}, records)
+        return Choice(TREE_BEAM, DecodeOptions(), predicted,
+                      f"auto: {TREE_BEAM} ({detail}; another decoder must be predicted {margin:.0%} faster)")
+    measured = probe(recommender, k, rows, {TREE_BEAM: (TREE_BEAM, DecodeOptions()), **contenders}, records)
     detail += f"; measured on {PROBE_USERS} validation users: " + ", ".join(
         f"{name} {ms:.1f}" for name, ms in measured.items()) + " ms/user"
     best = min(contenders, key=lambda name: measured[name])
-    if measured[best] < (1.0 - PROBE_MARGIN) * measured["tree-beam"]:
+    if measured[best] < (1.0 - PROBE_MARGIN) * measured[TREE_BEAM]:
         decoder, options = contenders[best]
         return Choice(decoder, options, predicted, f"auto: {CHOSEN[best]} ({detail})")
-    return Choice("tree-beam", DecodeOptions(), predicted, f"auto: tree-beam ({detail})")
+    return Choice(TREE_BEAM, DecodeOptions(), predicted, f"auto: {TREE_BEAM} ({detail})")
 
 
 def width_choices(trie: ItemTrie, k: int) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from recspec.accel import call_shape, timing_key as accel_timing_key
+from recspec.accel import call_shape, timing_key
 from recspec.decoding.cost import CallCost, measure_cost_model, measure_head_cost
 from recspec.decoding.draft_sources import HybridPair
 from recspec.decoding.draft_tree import Level
@@ -58,11 +58,11 @@ def _digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def timing_key(device: torch.device | str) -> dict[str, Any]:
+def measurement_key(device: torch.device | str) -> dict[str, Any]:
     """What any timing on this machine depends on besides the models: the device, torch's thread
     count, and what accel does on the device (:func:`~recspec.accel.timing_key`: the versions of its
     speed-ups, whether recspec's small-row kernel computes the products)."""
-    return {"device": str(device), "threads": torch.get_num_threads(), **accel_timing_key(device)}
+    return {"device": str(device), "threads": torch.get_num_threads(), **timing_key(device)}
 
 
 def median_prompt_length(recommender) -> int:
@@ -118,7 +118,7 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
     model_dir = Path(model_dir)
     device = next(model.parameters()).device
     padded = call_shape(model).padded
-    key = {"weights_sha256": weights_fingerprint(model_dir), **timing_key(device), "prompt_len": int(prompt_len),
+    key = {"weights_sha256": weights_fingerprint(model_dir), **measurement_key(device), "prompt_len": int(prompt_len),
            "padded_rows": padded}
     value = kept_record(calibration_path(model_dir, device), key,
                         lambda: replace(measure_cost_model(model, prompt_len, repeats), padded=padded).to_json(),
@@ -205,9 +205,9 @@ def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, 
 
 def decoding_key(recommender) -> dict[str, Any]:
     """What a timing of the loaded models depends on: the target's and the draft's weights and
-    :func:`timing_key`."""
+    :func:`measurement_key`."""
     return {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender),
-            **timing_key(next(recommender.model.parameters()).device)}
+            **measurement_key(next(recommender.model.parameters()).device)}
 
 
 def draft_identity(folders: Sequence[Path], named: str | None = None) -> dict[str, str]:
@@ -249,7 +249,7 @@ def head_cost(head: HeadDraft, folder: Path, repeats: int = 10, remeasure: bool 
               records: Memory | None = None) -> CallCost:
     """One drafting step of ``head`` (saved in ``folder``) on its device, kept beside it (or in
     ``records``: :func:`kept_record`)."""
-    key = {"head_sha256": weights_fingerprint(folder, HEAD_WEIGHTS), **timing_key(head.device)}
+    key = {"head_sha256": weights_fingerprint(folder, HEAD_WEIGHTS), **measurement_key(head.device)}
     value = kept_record(calibration_path(folder, head.device), key,
                         lambda: measure_head_cost(head, repeats).to_json(), remeasure, records)
     return CallCost.from_json(value)

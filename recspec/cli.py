@@ -81,17 +81,43 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="Dataset format when it cannot be detected: recbole, grouplens, atspeed, amazon-json, csv.")]
 KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at least this many interactions.")]
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
-DraftOpt = Annotated[Optional[str], typer.Option(help="Draft model folder (the spec- decoders, dsbd), a draft "
-                                                 "head (`align train --head`), MODEL+HEAD: the model drafts the "
-                                                 "first round, the head the rest, a target prior (`align prior`), "
-                                                 "items: an item-transition prior fitted on the training data, or "
-                                                 "root: the unfitted target prior, level 1 fed with the prompt; "
-                                                 "no model call for the last three (the spec- decoders).")]
+
+
+def _draft_kind(value: Optional[str]) -> Optional[str]:
+    """``--draft`` as given; a folder without its kind (``model:``, ``head:``, ``prior:``) is
+    still read, its kind inferred from its files, with one line saying how to write it."""
+    if value is not None and not value.startswith("-"):
+        from recspec.recommend import draft_spelling
+
+        spelled = draft_spelling(value)
+        if spelled is not None:
+            typer.echo(f"warning: --draft without a kind is deprecated (kept for one release); write --draft "
+                       f"{spelled}", err=True)
+    return value
+
+
+def _renamed(old: str, new: str, given, value):
+    """``given`` (the value of the renamed option ``old``, None when not passed) in place of
+    ``value`` of ``new``, with one line saying what replaced it (kept for one release)."""
+    if given is None:
+        return value
+    typer.echo(f"warning: {old} is renamed {new} (the old name is kept for one release)", err=True)
+    return given
+
+
+MethodAlias = Annotated[Optional[str], typer.Option("--method", hidden=True, help="Renamed --decoder.")]
+DraftOpt = Annotated[Optional[str], typer.Option(callback=_draft_kind, help=(
+    "The draft, by kind: model:PATH (a draft model: the spec- decoders, dsbd), head:PATH (`align train --head`), "
+    "model:PATH+head:PATH (the model drafts the first round, the head the rest), prior:PATH (`align prior`), "
+    "items (an item-transition prior fitted on the training data) or root (the unfitted target prior, level 1 "
+    "fed with the prompt); no model call for the last three (the spec- decoders)."))]
 DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict, spec-beam-sample).")]
 GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, "
                                                     "spec-beam-sample, dsbd).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
+ThresholdOpt = Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")]
+OneCacheOpt = Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto: CUDA where present, else the CPU.")]
 ResultsOpt = Annotated[Path, typer.Option(help="Results folder.")]
 ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without extension).")]
@@ -383,7 +409,7 @@ def align_data(
 ) -> None:
     """For every training prompt: the target's top-K sequences (or the target-mixed top-K) and its
     log-probs of the valid tokens at their prefixes and at the ground truth's (sharded, resumable)."""
-    from recspec.align.data import DataConfig, generate
+    from recspec.align.data import DataConfig, generate_alignment_data as generate
 
     from recspec.fileio import check_writable_dir
 
@@ -556,8 +582,8 @@ def recommend_command(
     draft_width: Annotated[Optional[int], typer.Option(help="dsbd: W_S, draft beams per layer (default 2K).")] = None,
     min_width: Annotated[Optional[int], typer.Option(help="dsbd: W_min, the fixed width without --threshold "
                                                           "(default K).")] = None,
-    threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
-    one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
+    threshold: ThresholdOpt = None,
+    one_cache: OneCacheOpt = False,
     expand_root: Annotated[bool, typer.Option(help="tree-beam, beam-sample: feed the first identifier level whole "
                                                    "with the prompt (one target call fewer, the same results; pays "
                                                    "at small batches over a narrow first level).")] = False,
@@ -689,7 +715,8 @@ def serve_command(
 @app.command("generate")
 def generate_command(
     out: Annotated[Path, typer.Option(help="Output JSON lines: prompt, text, tokens (and log-likelihood).")],
-    method: Annotated[str, typer.Option(help="sample, spec-sample, topk-imp, beam-sample or dsbd.")] = "sample",
+    decoder: Annotated[str, typer.Option(help="sample, spec-sample, topk-imp, beam-sample or dsbd.")] = "sample",
+    method: MethodAlias = None,
     target: Annotated[str, typer.Option(help="Target causal LM: asset name or HF folder (with a chat "
                                              "template).")] = "smollm2",
     draft: Annotated[Optional[str], typer.Option(help="Draft causal LM with the target's tokenizer, or a text "
@@ -717,8 +744,8 @@ def generate_command(
                                             "--threshold).")] = 2,
     draft_width: Annotated[Optional[int], typer.Option(help="dsbd: W_S, draft beams per layer (default: --beams, "
                                                             "the fastest with a text head on a CPU).")] = None,
-    threshold: Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")] = None,
-    one_cache: Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")] = False,
+    threshold: ThresholdOpt = None,
+    one_cache: OneCacheOpt = False,
     tree: Annotated[bool, typer.Option(help="sample / spec-sample in the tree loop, one prompt at a time and one "
                                             "uniform per text position: spec-sample verifies a text head's draft "
                                             "trees by the target's own draw at every node (exact), and for a seed "
@@ -731,7 +758,7 @@ def generate_command(
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
-    from recspec.decoding.text import DRAFTED, TextOptions, check_request, default_gamma, generate, log_likelihood
+    from recspec.decoding.text import TextOptions, check_request, default_gamma, generate, log_likelihood
     from recspec.decoding.warp import Warp
     from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
@@ -739,6 +766,7 @@ def generate_command(
     from recspec.models.hf import load_causal_lm
     from recspec.models.layer_draft import text_draft_model
 
+    method = _renamed("--method", "--decoder", method, decoder)
     gamma = default_gamma(method) if gamma is None else gamma
     options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
                           draft_stop=draft_stop, lenience=lenience, candidates=candidates, beams=beams,
@@ -746,14 +774,14 @@ def generate_command(
     check_output_file(out, overwrite)
     _positive(count=count, batch_size=batch_size)
     device = _device(device)
-    check_request(method, options, has_draft=True)
+    spec = check_request(method, options, has_draft=True)
     if tree:
         _check_tree_request(method, draft, batch_size, draft_stop)
     messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target, device=device)
     draft_model = None
-    if method in DRAFTED:
+    if spec.drafted:
         draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target))
     prompts = chat_prompts(tokenizer, messages)
     with _on_interrupt(f"nothing was written to {out} (it is written once every prompt is done)"):
@@ -785,14 +813,15 @@ def generate_command(
 
 def _check_tree_request(method: str, draft: str | None, batch_size: int, draft_stop: float | None) -> None:
     """Refuse ``--tree`` settings the tree loop cannot serve, before any work."""
+    from recspec.decoding.text import SAMPLE as TEXT_SAMPLE, SPEC_SAMPLE
     from recspec.models.head import is_head_dir
     from recspec.models.text_head import TEXT_HEAD
 
-    if method not in ("sample", "spec-sample"):
-        raise RecspecError(f"--tree decodes sample or spec-sample, not {method}")
+    if method not in (TEXT_SAMPLE, SPEC_SAMPLE):
+        raise RecspecError(f"--tree decodes {TEXT_SAMPLE} or {SPEC_SAMPLE}, not {method}")
     if draft_stop is not None:
         raise RecspecError("--draft-stop sizes chains; --tree sizes its trees from the cost model: drop one")
-    if method == "spec-sample" and (draft is None or not is_head_dir(draft, TEXT_HEAD)):
+    if method == SPEC_SAMPLE and (draft is None or not is_head_dir(draft, TEXT_HEAD)):
         raise RecspecError("spec-sample --tree drafts with a text head: pass --draft HEAD (`recspec distill --head`)")
     if batch_size != 1:
         raise RecspecError("--tree decodes one prompt at a time; leave --batch-size at 1")
@@ -891,7 +920,7 @@ def _layer_list(spec: str | None) -> tuple[int, ...] | None:
 @app.command("calibrate")
 def calibrate_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
-    draft: Annotated[Optional[str], typer.Option(help="Its draft: a model folder, a head, or MODEL+HEAD.")] = None,
+    draft: DraftOpt = None,
     k: Annotated[list[int], typer.Option(help="Also count the draft's acceptance per round level and width "
                                               "at this K (repeatable), as --decoder auto does.")] = [],
     remeasure: Annotated[bool, typer.Option(help="Measure again even where a matching record is kept.")] = False,
@@ -970,8 +999,7 @@ positive = _positive
 @bench_app.command("compare")
 def bench_compare(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
-    draft: Annotated[Optional[Path], typer.Option(help="Its draft (a model, a head, or MODEL+HEAD), for the "
-                                                       "speculative decoders and auto.")] = None,
+    draft: DraftOpt = None,
     decoder: Annotated[list[str], typer.Option(help="Decoders side by side (repeatable; the first is the reference "
                                                     "of the speed-ups; NAME+root: tree-beam or beam-sample "
                                                     "with --expand-root).")] = ["beam", "tree-beam", "tree-beam+root",
@@ -988,7 +1016,7 @@ def bench_compare(
 ) -> None:
     """Decoders side by side on one model pair: users/s, speed-up and identical items (what `make
     demo` prints)."""
-    from recspec.bench.compare import run
+    from recspec.bench.compare import run_compare as run
 
     _positive(users=users, repeats=repeats, k=k, batch_size=batch_size, draft_beams=draft_beams)
     typer.echo(run(results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma))
@@ -997,7 +1025,7 @@ def bench_compare(
 @bench_app.command("serve")
 def bench_serve(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
-    draft: Annotated[Optional[Path], typer.Option(help="Its draft (for spec-strict and auto).")] = None,
+    draft: DraftOpt = None,
     decoder: Annotated[list[str], typer.Option(help="Decoders served (repeatable).")] = ["tree-beam", "spec-strict",
                                                                                        "auto"],
     concurrency: Annotated[list[int], typer.Option(help="Concurrent clients (repeatable).")] = [1, 4, 16, 64],
@@ -1013,7 +1041,7 @@ def bench_serve(
 ) -> None:
     """`recspec serve` under load: requests/s and p50/p95/p99 latency per decoder, batching on and
     off, at several concurrencies, and an open-loop run at twice the sustainable rate."""
-    from recspec.bench.serve import run
+    from recspec.bench.serve import run_serve as run
     from recspec.recommend import check_decoder
 
     _positive(k=k, users=users, requests=requests, repeats=repeats, max_batch=max_batch, concurrency=min(concurrency))
@@ -1035,7 +1063,7 @@ def bench_dropin(
 ) -> None:
     """transformers generate with custom_generate=recspec.hf.trie_beam_search against the same
     generate constrained by prefix_allowed_tokens_fn: time per K and batch, answers checked, ceiling."""
-    from recspec.bench.dropin import run
+    from recspec.bench.dropin import run_dropin as run
 
     _positive(users=users, repeats=repeats, k=min(k), batch=min(batch))
     typer.echo(run(results_dir(out), target, k, batch, users, repeats, name))
@@ -1083,7 +1111,7 @@ def bench_sampling(
     ratios, acceptance, accepted length, quality, peak memory and the theorems' predicted speed-ups."""
     import torch
 
-    from recspec.bench.sampling import run
+    from recspec.bench.sampling import run_sampling as run
 
     if (rec_target is None) != (rec_draft is None):
         raise RecspecError("give --rec-target and --rec-draft together")
@@ -1101,11 +1129,11 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                       batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
                       head_nodes: int = 15, fixed_tree: bool = False, head_gate: int = 2):
     from recspec.knowledge.head_draft import HeadTreeConfig
-    from recspec.knowledge.job import KnowledgeConfig
+    from recspec.knowledge.job import LASER, KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
     from recspec.knowledge.verify import Verification
 
-    verification = Verification(verify or ("relaxed" if method == "laser" else "greedy"), k, p)
+    verification = Verification(verify or ("relaxed" if method == LASER else "greedy"), k, p)
     retrieval = RetrievalConfig(max_nodes=draft_nodes, max_depth=draft_depth, max_suffix=max_suffix)
     return KnowledgeConfig(side=side, part=part, method=method, verification=verification,
                            max_new_tokens=max_new_tokens, grouping=grouping, groups=groups,
@@ -1120,7 +1148,8 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
 def knowledge_generate(
     out: Annotated[Path, typer.Option(help="Knowledge store (SQLite); an existing one is resumed.")],
     side: Annotated[str, typer.Option(help="user (preference profiles) or item (descriptions).")] = "user",
-    method: Annotated[str, typer.Option(help="ar, hf, prompt-lookup, resd or laser.")] = "laser",
+    decoder: Annotated[str, typer.Option(help="ar, hf, prompt-lookup, resd or laser.")] = "laser",
+    method: MethodAlias = None,
     verify: Annotated[Optional[str], typer.Option(help="greedy or relaxed (default: relaxed for laser).")] = None,
     part: Annotated[str, typer.Option(help="new (accelerated) or old (earlier knowledge: the pools).")] = "new",
     pool: Annotated[Optional[Path], typer.Option(help="The old-part store of this side (resd, laser).")] = None,
@@ -1165,6 +1194,7 @@ def knowledge_generate(
     where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     from recspec.api import generate_knowledge
 
+    method = _renamed("--method", "--decoder", method, decoder)
     config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
                                draft, head_width, head_depth, head_nodes, fixed_tree, head_gate)
@@ -1221,8 +1251,8 @@ def bench_knowledge(
 ) -> None:
     """hf, prompt lookup, ReSD, LASER and the text head side by side: tokens/s, speed-ups, AAL, ART,
     ceiling, ablation."""
-    from recspec.bench.knowledge import run
-    from recspec.knowledge.job import set_threads
+    from recspec.bench.knowledge import run_knowledge as run
+    from recspec.knowledge.job import LASER, set_threads
 
     set_threads(threads)
     pools: dict[str, Optional[Path]] = {name_: path for name_, path in (("user", user_pool), ("item", item_pool))
@@ -1234,7 +1264,7 @@ def bench_knowledge(
     if not pools:
         raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`), "
                            "or --side for the variants that need no pool")
-    base = _knowledge_config("user", "new", "laser", "relaxed", k, p, max_new_tokens, "router", groups,
+    base = _knowledge_config("user", "new", LASER, "relaxed", k, p, max_new_tokens, "router", groups,
                              min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024, 1, draft, head_width,
                              head_depth, head_nodes, fixed_tree, head_gate)
     typer.echo(run(results_dir(out), pools, limit, repeats, max_new_tokens, base,

@@ -49,10 +49,11 @@ from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
-from recspec.recommend import DecodeOptions, run_decoder
+from recspec.decoding.registry import ITEMS, decoder as registered
+from recspec.recommend import AUTO, BEAM, SPEC_STRICT, TREE_BEAM, DecodeOptions, run_decoder
 
 #: Decoders the drop-in runs: ``auto`` and the exact ones (the same items as transformers' beam search).
-DROP_IN_DECODERS = ("auto", "tree-beam", "beam", "spec-strict")
+DROP_IN_DECODERS = (AUTO, TREE_BEAM, BEAM, SPEC_STRICT)
 #: How much faster ``spec-strict`` must be timed than ``tree-beam`` for ``auto`` to choose it.
 PROBE_MARGIN = 0.03
 #: Generation settings the drop-in cannot honour (it returns no per-step tensors, and samples nothing).
@@ -162,7 +163,7 @@ class TrieBeamSearch:
         """Top-``k`` of every prompt by the chosen decoder; under ``auto`` with a draft, the first
         call for a (device, K, batch size) decodes its first batch with both candidates, timed
         (:meth:`probe`), and keeps the faster for the rest (the answers are the same either way)."""
-        if self.decoder != "auto":
+        if self.decoder != AUTO:
             return run_decoder(self.decoder, model, self.draft, prompts, trie, k, pad_id, self.options,
                                self.batch_size).topk
         rows = min(len(prompts), self.batch_size or len(prompts))
@@ -171,7 +172,7 @@ class TrieBeamSearch:
             return run_decoder(self.choices[key].decoder, model, self.draft, prompts, trie, k, pad_id,
                                self.options, self.batch_size).topk
         if self.draft is None:
-            self.choices[key] = DropInChoice("tree-beam", {}, "auto: tree-beam (no draft given)")
+            self.choices[key] = DropInChoice(TREE_BEAM, {}, f"auto: {TREE_BEAM} (no draft given)")
             logger.info(self.choices[key].reason)
             return self.decode(model, prompts, trie, k, pad_id)
         first, self.choices[key] = self.probe(model, prompts[:rows], trie, k, pad_id)
@@ -187,22 +188,22 @@ class TrieBeamSearch:
         """Decode ``prompts`` (one batch) by ``tree-beam``, ``spec-strict`` and ``tree-beam`` again
         (its best time counts, so the first call's warm-up does not favour speculation): their top-K
         and the choice, ``spec-strict`` only where it was at least :data:`PROBE_MARGIN` faster."""
-        seconds: dict[str, float] = {"tree-beam": math.inf}
-        for name in ("tree-beam", "spec-strict", "tree-beam"):
+        seconds: dict[str, float] = {TREE_BEAM: math.inf}
+        for name in (TREE_BEAM, SPEC_STRICT, TREE_BEAM):
             started = time.perf_counter()
-            topk = run_decoder(name, model, self.draft if name == "spec-strict" else None, prompts, trie, k, pad_id,
+            topk = run_decoder(name, model, self.draft if name == SPEC_STRICT else None, prompts, trie, k, pad_id,
                                self.options).topk
             seconds[name] = min(seconds.get(name, math.inf), time.perf_counter() - started)
         ms = {name: round(1e3 * value / len(prompts), 3) for name, value in seconds.items()}
-        faster = seconds["spec-strict"] < (1.0 - PROBE_MARGIN) * seconds["tree-beam"]
-        chosen = "spec-strict" if faster else "tree-beam"
-        reason = (f"auto: {chosen} (timed on the first {len(prompts)} prompt(s) at K={k}: tree-beam "
-                  f"{ms['tree-beam']:.1f}, spec-strict {ms['spec-strict']:.1f} ms per prompt; speculation runs only "
+        faster = seconds[SPEC_STRICT] < (1.0 - PROBE_MARGIN) * seconds[TREE_BEAM]
+        chosen = SPEC_STRICT if faster else TREE_BEAM
+        reason = (f"auto: {chosen} (timed on the first {len(prompts)} prompt(s) at K={k}: {TREE_BEAM} "
+                  f"{ms[TREE_BEAM]:.1f}, {SPEC_STRICT} {ms[SPEC_STRICT]:.1f} ms per prompt; speculation runs only "
                   f"when {PROBE_MARGIN:.0%} faster)")
         return topk, DropInChoice(chosen, ms, reason)
 
 
-def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decoder: str = "auto",
+def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decoder: str = AUTO,
                      end_with_eos: bool = False, draft_beams: int = 40, batch_size: int | None = None,
                      draft_tokenizer=None, expand_root: bool = False) -> TrieBeamSearch:
     """A ``custom_generate`` for transformers 5 (module doc). ``decoder``: ``auto`` (default:
@@ -219,12 +220,13 @@ def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decod
     if decoder not in DROP_IN_DECODERS:
         raise RecspecError(f"the drop-in runs auto or the exact decoders {', '.join(DROP_IN_DECODERS[1:])}; "
                            f"got {decoder!r}")
-    if decoder == "spec-strict" and draft is None:
-        raise RecspecError("spec-strict needs a draft")
-    if draft is not None and decoder in ("tree-beam", "beam"):
-        raise RecspecError(f"a draft is used by auto and spec-strict only, not by {decoder}")
-    if expand_root and decoder != "tree-beam":
-        raise RecspecError(f"expand_root is an option of decoder='tree-beam', not of {decoder!r}")
+    drafted = registered(decoder, ITEMS).drafted
+    if drafted and draft is None:
+        raise RecspecError(f"{decoder} needs a draft")
+    if draft is not None and not drafted and decoder != AUTO:
+        raise RecspecError(f"a draft is used by {AUTO} and {SPEC_STRICT} only, not by {decoder}")
+    if expand_root and decoder != TREE_BEAM:
+        raise RecspecError(f"expand_root is an option of decoder={TREE_BEAM!r}, not of {decoder!r}")
     if draft is not None:
         check_vocabulary(draft, trie, "draft")
     if batch_size is not None and batch_size < 1:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from recspec.decoding.item_prior import DECAY, ITEM_DRAFT, SMOOTHING, ItemDraft,
 from recspec.decoding.target_prior import (ROOT_DRAFT, TargetPrior, is_prior_dir, load_prior, read_prior_config,
                                            uniform_prior)
 from recspec.decoding.prefix import share_prefix
+from recspec.decoding.registry import ITEMS, Decoder, check_owned, decoder as registered, names, register
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.beam_search import sampling_beam_search
 from recspec.decoding.beams import distinct_items
@@ -46,16 +47,16 @@ from recspec.models.head import bind_head, head_dir, head_fingerprint, is_head_d
 from recspec.models.run_data import SERVING_FILE, ServingData, recorded_dataset, run_dataset, run_split
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
 
+#: The item decoders' names (registered below, :mod:`recspec.decoding.registry`).
+HF, BEAM, TREE_BEAM, BEAM_SAMPLE, AUTO = "hf", "beam", "tree-beam", "beam-sample", "auto"
+SPEC_STRICT, SPEC_RELAXED, SPEC_BEAM_SAMPLE, DSBD = "spec-strict", "spec-relaxed", "spec-beam-sample", "dsbd"
 #: The exact top-K decoders (trie-constrained beam search), all returning the same items.
-BEAM_DECODERS: dict[str, Callable[..., TopK]] = {"hf": hf_beam_search, "beam": beam_search,
-                                                 "tree-beam": tree_beam_search}
-#: Decoders that need a draft model.
-SPECULATIVE = {"spec-strict": "strict", "spec-relaxed": "relaxed", "spec-beam-sample": "sample"}
-DECODERS = (*BEAM_DECODERS, "beam-sample", *SPECULATIVE, "dsbd", "auto")
-#: Every decoder that needs a draft model.
-DRAFTED = (*SPECULATIVE, "dsbd")
-#: The plain loops that can score the first identifier level in the prompt's call (``expand_root``).
-ROOT_EXPANDING = ("tree-beam", "beam-sample")
+BEAM_DECODERS: dict[str, Callable[..., TopK]] = {HF: hf_beam_search, BEAM: beam_search, TREE_BEAM: tree_beam_search}
+#: The verification of each speculative beam decoder (:class:`~recspec.decoding.speculative_beam.SpecConfig`).
+SPECULATIVE = {SPEC_STRICT: "strict", SPEC_RELAXED: "relaxed", SPEC_BEAM_SAMPLE: "sample"}
+#: The kinds of draft folder ``--draft`` names (``KIND:PATH``): a draft model, a head, a target prior.
+MODEL_KIND, HEAD_KIND, PRIOR_KIND = "model", "head", "prior"
+DRAFT_KINDS = (MODEL_KIND, HEAD_KIND, PRIOR_KIND)
 PROGRESS_CHUNK = 256  # users per progress-bar update of Recommender.recommend
 
 
@@ -81,6 +82,12 @@ class DecodeOptions:
     one_cache: bool = False
     planner: CostPlanner | None = None
     expand_root: bool = False
+    #: Options only some decoders take (field: how the command line spells it).
+    OWNED: ClassVar[dict[str, str]] = {"expand_root": "--expand-root"}
+
+    def check(self, decoder: Decoder) -> None:
+        """Refuse options ``decoder`` does not take (:func:`~recspec.decoding.registry.check_owned`)."""
+        check_owned(self, decoder)
 
     def dsbd(self, k: int) -> DSBDConfig:
         return DSBDConfig(gamma=self.gamma, draft_width=self.draft_width or 2 * k, min_width=self.min_width or k,
@@ -95,7 +102,7 @@ class RecommendJob:
     the evaluation ``part``, its first ``users`` (None: all) and the users decoded together."""
 
     target: Path
-    decoder: str = "tree-beam"
+    decoder: str = TREE_BEAM
     k: int = 10
     draft: str | None = None
     options: DecodeOptions = DecodeOptions()
@@ -108,7 +115,7 @@ class RecommendJob:
     @property
     def draft_dir(self) -> str | None:
         """The draft folders the decoder uses (None for decoders without a draft)."""
-        return self.draft if self.decoder in (*DRAFTED, "auto") else None
+        return self.draft if self.decoder in (*DRAFTED, AUTO) else None
 
     def load(self, device: str = "cpu") -> Recommender:
         return Recommender.load(self.target, load_dataset(self.dataset, self.format) if self.dataset else None,
@@ -153,40 +160,73 @@ def evaluation_part(split: SplitData | ServingData, part: str) -> Examples:
     return split.valid if part == "valid" else split.test
 
 
-def check_decoder(name: str, has_draft: bool = False) -> None:
-    if name not in DECODERS:
-        raise RecspecError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")
-    if name in DRAFTED and not has_draft:
-        raise RecspecError(f"decoder {name} needs a draft model: pass --draft (a folder written by `recspec train` "
-                           f"with the target's item index and tokenizer)")
+def check_decoder(name: str, has_draft: bool = False) -> Decoder:
+    """The item decoder ``name`` (:mod:`recspec.decoding.registry`); an unknown one, or a drafted
+    one without a draft, is an error."""
+    spec = registered(name, ITEMS)
+    spec.check(DecodeOptions(), has_draft)
+    return spec
 
 
 def run_decoder(name: str, target, draft, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pad_id: int,
                 options: DecodeOptions = DecodeOptions(), batch_size: int | None = None) -> Decoded:
     """Top-``k`` items of every prompt by decoder ``name`` (``draft`` for speculative ones;
     ``auto`` chooses from measurements kept beside the model folders: :meth:`Recommender.recommend`)."""
-    check_decoder(name, draft is not None)
-    if name == "auto":
-        raise RecspecError("decoder auto chooses from measurements of the loaded models: use Recommender.recommend")
-    if options.expand_root and name not in ROOT_EXPANDING:
-        raise RecspecError(f"--expand-root is an option of {' and '.join(ROOT_EXPANDING)}, not of {name}")
-    if name == "tree-beam":
-        return Decoded(tree_beam_search(target, prompts, trie, k, pad_id, batch_size, options.expand_root))
-    if name in BEAM_DECODERS:
+    spec = registered(name, ITEMS)
+    spec.check(options, draft is not None)
+    return spec.run(target, draft, prompts, trie, k, pad_id, options, batch_size)
+
+
+def _beam(name: str) -> Callable[..., Decoded]:
+    def run(target, draft, prompts, trie, k, pad_id, options, batch_size) -> Decoded:
         return Decoded(BEAM_DECODERS[name](target, prompts, trie, k, pad_id, batch_size))
-    if name == "beam-sample":
-        topk = sampling_beam_search(target, prompts, trie, k, pad_id, options.temperature, options.seed,
-                                    options.replacement, batch_size, options.expand_root)
-        return Decoded(distinct_items(topk) if options.replacement else topk)
-    if name == "dsbd":
-        topk, stats = dsbd_beam_search(target, draft, prompts, trie, k, pad_id, options.dsbd(k), batch_size)
-        return Decoded(distinct_items(topk), stats)
-    config = SpecConfig(draft_beams=options.draft_beams, gamma=options.gamma, verify=SPECULATIVE[name],
-                        temperature=options.temperature, seed=options.seed, replacement=options.replacement,
-                        planner=options.planner)
-    result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)
-    independent = config.verify != "strict" and options.replacement  # independent draws may repeat an item
-    return Decoded(distinct_items(result.topk) if independent else result.topk, result.stats)
+    return run
+
+
+def _tree_beam(target, draft, prompts, trie, k, pad_id, options, batch_size) -> Decoded:
+    return Decoded(tree_beam_search(target, prompts, trie, k, pad_id, batch_size, options.expand_root))
+
+
+def _beam_sample(target, draft, prompts, trie, k, pad_id, options, batch_size) -> Decoded:
+    topk = sampling_beam_search(target, prompts, trie, k, pad_id, options.temperature, options.seed,
+                                options.replacement, batch_size, options.expand_root)
+    return Decoded(distinct_items(topk) if options.replacement else topk)
+
+
+def _speculative(name: str) -> Callable[..., Decoded]:
+    def run(target, draft, prompts, trie, k, pad_id, options, batch_size) -> Decoded:
+        config = SpecConfig(draft_beams=options.draft_beams, gamma=options.gamma, verify=SPECULATIVE[name],
+                            temperature=options.temperature, seed=options.seed, replacement=options.replacement,
+                            planner=options.planner)
+        result = speculative_beam_search(target, draft, prompts, trie, k, pad_id, config, batch_size)
+        independent = config.verify != "strict" and options.replacement  # independent draws may repeat an item
+        return Decoded(distinct_items(result.topk) if independent else result.topk, result.stats)
+    return run
+
+
+def _dsbd(target, draft, prompts, trie, k, pad_id, options, batch_size) -> Decoded:
+    topk, stats = dsbd_beam_search(target, draft, prompts, trie, k, pad_id, options.dsbd(k), batch_size)
+    return Decoded(distinct_items(topk), stats)
+
+
+def _auto(target, draft, prompts, trie, k, pad_id, options, batch_size) -> Decoded:
+    raise RecspecError("decoder auto chooses from measurements of the loaded models: use Recommender.recommend")
+
+
+register(HF, ITEMS, _beam(HF), DecodeOptions, exact=True)
+register(BEAM, ITEMS, _beam(BEAM), DecodeOptions, exact=True)
+register(TREE_BEAM, ITEMS, _tree_beam, DecodeOptions, exact=True, takes=("expand_root",))
+register(BEAM_SAMPLE, ITEMS, _beam_sample, DecodeOptions, takes=("expand_root",))
+register(SPEC_STRICT, ITEMS, _speculative(SPEC_STRICT), DecodeOptions, drafted=True, exact=True)
+register(SPEC_RELAXED, ITEMS, _speculative(SPEC_RELAXED), DecodeOptions, drafted=True)
+register(SPEC_BEAM_SAMPLE, ITEMS, _speculative(SPEC_BEAM_SAMPLE), DecodeOptions, drafted=True)
+register(DSBD, ITEMS, _dsbd, DecodeOptions, drafted=True)
+register(AUTO, ITEMS, _auto, DecodeOptions, exact=True)
+#: Every item decoder; those that need a draft; the plain loops that can score the first identifier
+#: level in the prompt's call (``expand_root``).
+DECODERS = names(ITEMS)
+DRAFTED = names(ITEMS, drafted=True)
+ROOT_EXPANDING = tuple(name for name in DECODERS if "expand_root" in registered(name, ITEMS).takes)
 
 
 @dataclass
@@ -328,12 +368,12 @@ class Recommender:
             return first_users(evaluation_part(self.saved, part), users)
         return trained_examples(users_of(self.dataset), self.info, part, users)
 
-    def recommend(self, examples: Examples, k: int, decoder: str = "tree-beam", batch_size: int | None = 16,
+    def recommend(self, examples: Examples, k: int, decoder: str = TREE_BEAM, batch_size: int | None = 16,
                   options: DecodeOptions = DecodeOptions(), progress: bool = False) -> Decoded:
         """Top-``k`` items (index rows) of every example by ``decoder``; with ``progress``, the users
         go through in chunks of whole batches (:func:`user_chunks`) under a progress bar, chunk ``i``
         of a sampling decoder seeded with ``seed + i`` (so chunks draw independent streams)."""
-        if decoder == "auto":  # the fastest exact decoder for this pair, K and batch size
+        if decoder == AUTO:  # the fastest exact decoder for this pair, K and batch size
             from recspec.auto import choose
 
             if self.folder is None:
@@ -437,10 +477,11 @@ def check_drafts(draft_dir: str | Path | Sequence[str | Path] | None) -> tuple[l
     """The draft models and heads of ``draft_dir`` (:func:`draft_folders`): at most one of each,
     each folder readable; a target prior (:mod:`recspec.decoding.target_prior`) comes alone, in the
     heads' place (it is tied to its target's folder as a head is)."""
-    folders = draft_folders(draft_dir)
-    priors = [path for path in folders if is_prior_dir(path)]
-    heads = [path for path in folders if is_head_dir(path)]
-    models = [path for path in folders if not is_head_dir(path) and not is_prior_dir(path)]
+    kinds = draft_kinds(draft_dir)
+    folders = [path for _, path in kinds]
+    priors = [path for kind, path in kinds if kind == PRIOR_KIND]
+    heads = [path for kind, path in kinds if kind == HEAD_KIND]
+    models = [path for kind, path in kinds if kind == MODEL_KIND]
     if priors and len(folders) > 1:
         raise RecspecError("a target prior (`recspec align prior`) drafts alone; give --draft that folder only")
     if len(heads) > 1 or len(models) > 1:
@@ -464,12 +505,40 @@ def check_k(k: int | None, index: ItemIndex, source: str | Path) -> None:
 
 def draft_folders(draft_dir: str | Path | Sequence[str | Path] | None) -> list[Path]:
     """The folders of a ``--draft`` value: one folder, two joined by ``+`` (a draft model for the
-    first round and a head for the rest), or a sequence of folders."""
+    first round and a head for the rest), or a sequence of folders; each may carry its kind
+    (:func:`draft_kinds`)."""
+    return [path for _, path in draft_kinds(draft_dir)]
+
+
+def draft_kinds(draft_dir: str | Path | Sequence[str | Path] | None, infer: bool = True
+                ) -> list[tuple[str | None, Path]]:
+    """(kind, folder) of each part of a ``--draft`` value: ``model:PATH``, ``head:PATH`` or
+    ``prior:PATH`` (:data:`DRAFT_KINDS`), ``model:PATH+head:PATH``; a part without a kind has
+    the one its folder's files say (:func:`inferred_kind`; None unless ``infer``)."""
     if draft_dir is None:
         return []
-    if isinstance(draft_dir, (str, Path)):
-        return [Path(part) for part in str(draft_dir).split("+")]
-    return [Path(part) for part in draft_dir]
+    parts = str(draft_dir).split("+") if isinstance(draft_dir, (str, Path)) else [str(part) for part in draft_dir]
+    out: list[tuple[str | None, Path]] = []
+    for part in parts:
+        kind, sep, path = part.partition(":")
+        if sep and kind in DRAFT_KINDS:
+            out.append((kind, Path(path)))
+        else:
+            out.append((inferred_kind(Path(part)) if infer else None, Path(part)))
+    return out
+
+
+def inferred_kind(path: Path) -> str:
+    """The draft kind of a folder given without one: a target prior, a head, else a draft model."""
+    return PRIOR_KIND if is_prior_dir(path) else HEAD_KIND if is_head_dir(path) else MODEL_KIND
+
+
+def draft_spelling(draft_dir: str | Path | Sequence[str | Path] | None) -> str | None:
+    """The ``--draft`` value with every part's kind written out (None: it names one already, or
+    names a draft of :func:`named_draft`)."""
+    if draft_dir is None or named_draft(draft_dir) or all(kind for kind, _ in draft_kinds(draft_dir, infer=False)):
+        return None
+    return "+".join(f"{kind}:{path}" for kind, path in draft_kinds(draft_dir))
 
 
 def check_finite_scores(topk: TopK, user_ids: Sequence[str]) -> None:

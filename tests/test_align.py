@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recspec.align import losses
-from recspec.align.data import DataConfig, generate
+from recspec.align.data import DataConfig, generate_alignment_data as generate
 from recspec.align.task import METHODS, AlignmentTask
 from recspec.align.train import align_fit
 from recspec.errors import RecspecError

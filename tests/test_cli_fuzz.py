@@ -133,7 +133,7 @@ def tiny_lm(smollm2_dir: Path, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_fuzz_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
     options = st.tuples(
-        _option("method", ["sample", "spec-sample", "topk-imp", "beam-sample", "dsbd", "x"]),
+        _option("decoder", ["sample", "spec-sample", "topk-imp", "beam-sample", "dsbd", "x"]),
         _option("draft-layers", ["0", "0-1", "1", "5", "x"]), _option("draft", [str(tiny_lm), str(scratch / "no")]),
         _option("max-new-tokens", [-1, 0, 1, 3]), _option("temperature", NUMBERS),
         _option("top-k", [-1, 0, 1, 5]), _option("top-p", ["nan", "0", "0.5", "1", "1.5"]),
@@ -164,10 +164,10 @@ def test_fuzz_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
 @pytest.mark.slow
 def test_fuzz_knowledge_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
     pool = scratch / "old-users.db"  # earlier knowledge: the pool of the drafting methods
-    assert _run(["knowledge", "generate", "--model", str(tiny_lm), "--part", "old", "--method", "ar", "--limit", "4",
+    assert _run(["knowledge", "generate", "--model", str(tiny_lm), "--part", "old", "--decoder", "ar", "--limit", "4",
                  "--max-new-tokens", "8", "--out", str(pool)])[0] == 0
     options = st.tuples(
-        _option("method", ["ar", "hf", "prompt-lookup", "resd", "laser", "x"]), _option("part", ["old", "new", "x"]),
+        _option("decoder", ["ar", "hf", "prompt-lookup", "resd", "laser", "x"]), _option("part", ["old", "new", "x"]),
         _option("side", ["user", "item", "x"]), _option("verify", ["greedy", "relaxed", "x"]),
         _option("k", [-1, 0, 2]), _option("p", NUMBERS), _option("max-new-tokens", [-1, 0, 2]),
         _option("draft-nodes", [0, 16, 65]), _option("draft-depth", [0, 4, 13]), _option("max-suffix", [0, 2]),
@@ -185,8 +185,8 @@ def test_fuzz_knowledge_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
                 *[arg for part in parts for arg in part]]
         if "--max-new-tokens" not in argv:
             argv += ["--max-new-tokens", "2"]
-        if "--method" not in argv:
-            argv += ["--method", "ar"]
+        if "--decoder" not in argv:
+            argv += ["--decoder", "ar"]
         codes.append(_check(argv, out, store=True))
 
     run()

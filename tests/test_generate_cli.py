@@ -16,14 +16,14 @@ from tests.test_cli import recspec
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--method", "spec-sample", "--gamma", "0"], "gamma must be a positive integer"),
-    (["--method", "sample", "--temperature", "0"], "temperature must be a positive number"),
-    (["--method", "sample", "--top-p", "1.5"], r"top-p must lie in (0, 1]"),
-    (["--method", "dsbd", "--beams", "3", "--draft-width", "2"], "draft width W_S=2 is below W_min=3"),
-    (["--method", "dsbd", "--threshold", "1.5"], "threshold t must lie in [0, 1]"),
-    (["--method", "dsbd", "--max-new-tokens", "2"], "gamma=2 is outside [1, 1]"),  # dsbd's own default gamma
-    (["--method", "dsbd", "--max-new-tokens", "2", "--gamma", "3"], "gamma=3 is outside [1, 1]"),
-    (["--method", "nucleus"], "unknown method"),
+    (["--decoder", "spec-sample", "--gamma", "0"], "gamma must be a positive integer"),
+    (["--decoder", "sample", "--temperature", "0"], "temperature must be a positive number"),
+    (["--decoder", "sample", "--top-p", "1.5"], r"top-p must lie in (0, 1]"),
+    (["--decoder", "dsbd", "--beams", "3", "--draft-width", "2"], "draft width W_S=2 is below W_min=3"),
+    (["--decoder", "dsbd", "--threshold", "1.5"], "threshold t must lie in [0, 1]"),
+    (["--decoder", "dsbd", "--max-new-tokens", "2"], "gamma=2 is outside [1, 1]"),  # dsbd's own default gamma
+    (["--decoder", "dsbd", "--max-new-tokens", "2", "--gamma", "3"], "gamma=3 is outside [1, 1]"),
+    (["--decoder", "nucleus"], "unknown decoder"),
 ])
 def test_generate_bad_input(tmp_path: Path, extra: list[str], message: str) -> None:
     result = recspec("generate", "--target", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "o.jsonl"),
@@ -51,9 +51,17 @@ def test_layer_draft_shares_the_targets_weights() -> None:
 @pytest.mark.slow
 def test_generate_profiles_with_smollm2(smollm2_dir: Path, ml100k, tmp_path: Path) -> None:
     out = tmp_path / "profiles.jsonl"
-    result = recspec("generate", "--method", "spec-sample", "--draft-layers", "0-1,29", "--count", "2",
+    result = recspec("generate", "--decoder", "spec-sample", "--draft-layers", "0-1,29", "--count", "2",
                      "--max-new-tokens", "6", "--score", "--out", str(out))
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all(1 <= row["tokens"] <= 6 and row["log_likelihood"] < 0 for row in rows)
     assert "the movies the user watched most recently" in rows[0]["prompt"] and "accepted" in result.stdout
+
+
+def test_method_is_a_deprecated_alias_of_decoder(tmp_path: Path) -> None:
+    """`--method` (renamed `--decoder`) still works for one release, with one line saying so."""
+    result = recspec("generate", "--target", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "o.jsonl"),
+                     "--method", "nucleus")
+    assert result.returncode == 2 and "unknown decoder 'nucleus'" in result.stderr, result.stderr
+    assert "warning: --method is renamed --decoder" in result.stderr

@@ -174,7 +174,7 @@ def test_align_a_draft_for_the_imported_target(imported: dict[str, Path], tmp_pa
     """`recspec align` on the imported folder: alignment data from its own outputs, and a fresh
     draft-tiny trained on them over the target's own tokenizer and prompt, which spec-strict
     takes as the draft (and returns the target's own top-K)."""
-    from recspec.align.data import DataConfig, generate
+    from recspec.align.data import DataConfig, generate_alignment_data as generate
     from recspec.align.train import align_fit
     from recspec.models.train import TrainConfig
     from recspec.recommend import DecodeOptions

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.lab.ctr import ctr_samples, downstream_check, train_and_evaluate
 from recspec.errors import RecspecError
-from recspec.knowledge.decode import Generation
+from recspec.decoding.text_rounds import Generation
 from recspec.knowledge.prompts import PROMPT_VERSION
 from recspec.knowledge.store import KnowledgeStore
 from recspec.knowledge.stream import stream_split

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from recspec.errors import RecspecError
-from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate, speculative_generate
+from recspec.decoding.text_rounds import generate_texts, speculative_generate
+from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
 from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import RetrievalConfig
 from recspec.knowledge.stream import stream_split
@@ -121,6 +122,24 @@ def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nod
     assert sum(map(len, outputs)) / calls > 1.3
 
 
+def test_laser_greedy_in_a_batch_writes_each_prompts_own_text(lm, prompts, greedy) -> None:
+    """Four prompts of different lengths (left-padded) decoded together by LASER's greedy drafting
+    in the text round loop write exactly the texts, target calls and drafts of each prompt decoded
+    alone: every row drafts, verifies and keeps its own path."""
+    model, _, eos = lm
+    config = RetrievalConfig()
+    pool = TokenTrie(config.window)
+    pool.add_all(greedy[4:])
+    drafter = RetrievalDrafter(pool, config)
+    chosen = [*prompts[:3], prompts[10]]
+    assert len({len(prompt) for prompt in chosen}) > 1
+    alone = [speculative_generate(model, prompt, MAX_NEW, eos, drafter) for prompt in chosen]
+    batched = generate_texts(model, chosen, MAX_NEW, eos, [drafter.session(prompt) for prompt in chosen])
+    assert [g.tokens for g in batched] == [g.tokens for g in alone]
+    assert [(g.calls, g.drafted) for g in batched] == [(g.calls, g.drafted) for g in alone]
+    assert sum(g.accepted for g in batched) > 0
+
+
 def test_the_cache_goes_under_the_keyword_the_installed_model_takes(lm, prompts, greedy) -> None:
     """transformers 5.24 renames forward's ``past_key_values`` to ``cache`` and drops the old name
     in 5.40, after which a model handed the old one would decode without its cache and say nothing.
@@ -147,7 +166,7 @@ def test_relaxed_tokens_satisfy_eq8_or_are_greedy(lm, prompts, greedy) -> None:
         pool = TokenTrie(config.window)
         pool.add_all(g for j, g in enumerate(greedy) if j != i)
         drafter = RetrievalDrafter(pool, config)
-        relaxed = speculative_generate(model, prompt, MAX_NEW, eos, drafter, verification)
+        relaxed = speculative_generate(model, prompt, MAX_NEW, eos, drafter, verification.rule)
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([prompt + relaxed.tokens])).logits[0, len(prompt) - 1:-1]
         probs = torch.softmax(logits.float(), dim=-1)

@@ -1,5 +1,5 @@
-"""A text draft head in the knowledge job: `--method ar --draft HEAD` (greedy speculative
-decoding drafted by the head) and hybrid trees with retrieval (`--method laser|resd --draft
+"""A text draft head in the knowledge job: `--decoder ar --draft HEAD` (greedy speculative
+decoding drafted by the head) and hybrid trees with retrieval (`--decoder laser|resd --draft
 HEAD`) on the real SmolLM2 and MovieLens; greedy texts equal plain greedy decoding token for
 token, relaxed stores record the head; the tree union; bad input refused in one line."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from recspec.bench.knowledge import run as bench_knowledge
+from recspec.bench.knowledge import run_knowledge as bench_knowledge
 from recspec.cli import main
 from recspec.errors import RecspecError
+from recspec.decoding.text_rounds import DraftTree
 from recspec.knowledge.head_draft import HeadTreeConfig, merge_trees
 from recspec.knowledge.job import KnowledgeConfig, run_job
-from recspec.knowledge.retrieval import DraftTree
 from recspec.knowledge.store import read_rows, read_settings
 from recspec.knowledge.verify import Verification
 from recspec.models.head import save_head
@@ -115,7 +115,7 @@ def test_relaxed_hybrid_records_the_head_and_bad_input_is_refused(task, old_stor
         HeadTreeConfig(gate=0)
     out = tmp_path / "cli.db"
     with pytest.raises(SystemExit) as exit_info:
-        main(["knowledge", "generate", "--out", str(out), "--side", "item", "--part", "old", "--method", "hf",
+        main(["knowledge", "generate", "--out", str(out), "--side", "item", "--part", "old", "--decoder", "hf",
               "--verify", "greedy", "--draft", str(head), "--limit", "1"])
     assert exit_info.value.code == 2 and "does not draft with one" in capsys.readouterr().err
     assert not out.exists()

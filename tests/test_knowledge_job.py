@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import typer.testing
 
-from recspec.bench.knowledge import run as bench_knowledge
+from recspec.bench.knowledge import run_knowledge as bench_knowledge
 from recspec.cli import app, main
 from recspec.errors import RecspecError
 from recspec.knowledge.job import KnowledgeConfig, KnowledgeTask, run_job
@@ -162,7 +162,7 @@ def test_cli_show_and_one_line_errors(old_store, tmp_path, monkeypatch, capsys) 
     for args, message in (
         (["--k", "0"], "error: relaxed verification needs k >= 1 (an integer), got 0"),
         (["--p", "1"], "error: relaxed verification needs p in [0, 1), got 1.0"),
-        (["--method", "beam"], "error: unknown method 'beam'; choose one of ar, hf, prompt-lookup, resd, laser"),
+        (["--decoder", "beam"], "error: unknown decoder 'beam'; choose one of ar, hf, prompt-lookup, resd, laser"),
     ):
         status, _, err = recspec(monkeypatch, capsys, "knowledge", "generate", "--out", str(tmp_path / "x.db"), *args)
         assert (status, err.splitlines()) == (2, [message])

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
-from recspec.knowledge.verify import Verification, accepted_path, greedy_accept, relaxed_accept
+from recspec.decoding.acceptance import accepted_path, greedy_accept, relaxed_accept
+from recspec.knowledge.verify import Verification
 
 
 def logits_of(rows: list[list[float]]) -> torch.Tensor:

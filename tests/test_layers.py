@@ -27,13 +27,13 @@ BENCH_USERS = ("recspec.cli",)
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
 #: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
 DECODING = (
-    ("warp", "categorical", "support", "cache", "tree", "space", "beams", "cost", "tree_plan"),
+    ("registry", "warp", "categorical", "support", "cache", "tree", "space", "beams", "cost", "tree_plan"),
     ("prompts", "prefix"),
     ("scorer",),
     ("beam_search", "hf_reference", "chain", "draft_tree"),
-    ("frontier", "acceptance", "chain_drafts"),
+    ("frontier", "acceptance", "chain_drafts", "drafting"),
     ("drafters", "draft_sources", "item_prior", "target_prior"),
-    ("rounds",),
+    ("rounds", "text_rounds"),
     ("verifiers",),
     ("speculative_beam", "dsbd"),
     ("text",),
@@ -123,3 +123,20 @@ def test_only_the_command_line_imports_the_benchmarks() -> None:
              if (name == "recspec.bench" or name.startswith("recspec.bench.")) and not module.startswith("recspec.bench")
              and module not in BENCH_USERS]
     assert not users, users
+
+
+#: Public top-level names defined in more than one module on purpose: true re-exports only (none).
+SAME_NAME_ALLOWED: frozenset[str] = frozenset()
+
+
+def test_one_name_per_idea() -> None:
+    """No two public top-level classes or functions under recspec/ share a name (issue 66: one
+    name per idea); a name imported from another module is a re-export, not a definition."""
+    defined: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            public = not node.name.startswith("_") if hasattr(node, "name") else False
+            if public and isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in defined.items() if len(paths) > 1 and name not in SAME_NAME_ALLOWED}
+    assert not shared, shared

@@ -112,7 +112,7 @@ def test_a_short_prompt_target_and_its_aligned_draft(ml100k, movielens_index, tm
     """`fit(short_prompt=True)` records the short prompt with the model; resuming the run with the
     other prompt is refused; a `draft-llm` aligned to that target takes the target's prompt, and
     strict speculation with it returns tree-beam's items."""
-    from recspec.align.data import DataConfig, generate
+    from recspec.align.data import DataConfig, generate_alignment_data as generate
     from recspec.align.train import align_fit
     from recspec.recommend import DecodeOptions
 

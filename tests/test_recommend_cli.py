@@ -186,3 +186,21 @@ def test_errors(small_data: tuple[Path, Path], tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"user": "u1", "items": ["i1"]}\n{oops\n')
     result = recspec("eval", "--recs", str(tmp_path / "bad.jsonl"), "--dataset", str(data), "--split", "loo")
     assert result.returncode == 2 and "bad.jsonl:2: malformed JSON" in result.stderr
+
+
+def test_draft_kinds(tmp_path: Path) -> None:
+    """`--draft KIND:PATH` names the kind of each folder; a bare folder is read as before (its kind
+    inferred from its files) with one line saying how to write it (kept for one release)."""
+    from recspec.recommend import draft_kinds, draft_spelling
+
+    assert draft_kinds("model:a+head:b") == [("model", Path("a")), ("head", Path("b"))]
+    assert draft_kinds("prior:p") == [("prior", Path("p"))]
+    assert draft_kinds(tmp_path / "m") == [("model", tmp_path / "m")]  # no prior or head files: a draft model
+    assert draft_spelling("model:a+head:b") is None and draft_spelling("items") is None
+    assert draft_spelling("a") == "model:a"
+    missing = tmp_path / "no-draft"
+    for draft, warned in ((str(missing), True), (f"model:{missing}", False)):
+        result = recspec("recommend", "--target", str(tmp_path / "no-target"), "--draft", draft, "--out",
+                         str(tmp_path / "x.jsonl"))
+        assert result.returncode == 2, result.stderr
+        assert ("warning: --draft without a kind is deprecated" in result.stderr) == warned, result.stderr

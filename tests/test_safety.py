@@ -214,7 +214,7 @@ def test_damaged_model_folders_are_named(trained, tmp_path: Path) -> None:
     draft = _copy(trained["draft"], tmp_path / "draft")
     (draft / "best" / "config.json").write_text("{")
     _one_error_line(_recommend(trained["target"], tmp_path / "d.jsonl", "--decoder", "spec-strict", "--draft",
-                               str(draft), "--draft-beams", "8"), "draft/best/config.json: damaged")
+                               f"model:{draft}", "--draft-beams", "8"), "draft/best/config.json: damaged")
 
 
 def test_non_finite_weights_and_scores_are_never_written(trained, tmp_path: Path) -> None:
@@ -300,21 +300,22 @@ def test_written_files_follow_the_umask(tmp_path: Path) -> None:
 ])
 def test_bad_recommend_options_are_one_line(trained, tmp_path: Path, extra: list[str], needle: str) -> None:
     if extra[:2] == ["--decoder", "dsbd"]:
-        extra = [*extra, "--draft", str(trained["draft"])]
+        extra = [*extra, "--draft", f"model:{trained['draft']}"]
     _one_error_line(_recommend(trained["target"], tmp_path / "r.jsonl", *extra), needle)
     assert not (tmp_path / "r.jsonl").exists()
 
 
 def test_relaxed_at_infinite_temperature_is_refused_not_short(trained, tmp_path: Path) -> None:
     _one_error_line(_recommend(trained["target"], tmp_path / "r.jsonl", "--decoder", "spec-relaxed", "--draft",
-                               str(trained["draft"]), "--temperature", "inf"), "temperature must be a positive number")
+                               f"model:{trained['draft']}", "--temperature", "inf"),
+                    "temperature must be a positive number")
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--temperature", "inf"], "temperature must be a positive number"),
     (["--top-p", "nan"], "top-p must lie in (0, 1]"),
-    (["--method", "spec-sample", "--lenience", "nan"], "lenience must lie in (0, 1]"),
-    (["--method", "dsbd", "--threshold", "inf"], "threshold t must lie in [0, 1]"),
+    (["--decoder", "spec-sample", "--lenience", "nan"], "lenience must lie in (0, 1]"),
+    (["--decoder", "dsbd", "--threshold", "inf"], "threshold t must lie in [0, 1]"),
     (["--count", "0"], "--count must be at least 1"),
     (["--device", "cuda"], "cuda"),
 ])

@@ -222,7 +222,7 @@ class Untouchable:
     ("dsbd", TextOptions(gamma=0), "gamma must be a positive integer"),
     ("topk-imp", TextOptions(candidates=0), "top-K candidates must be positive"),
     ("spec-sample", TextOptions(max_new_tokens=1), "max_new_tokens must be an integer of at least 2"),
-    ("nucleus", TextOptions(), "unknown method"),
+    ("nucleus", TextOptions(), "unknown decoder"),
 ])
 def test_bad_settings_fail_before_any_work(method: str, options: TextOptions, message: str) -> None:
     model = Untouchable(VOCAB)

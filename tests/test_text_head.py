@@ -22,12 +22,13 @@ from recspec.decoding.scorer import score_tree_features
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
 from recspec.fileio import record_checksums, write_json_atomic
-from recspec.knowledge.decode import RetrievalDrafter, eos_ids, speculative_generate
+from recspec.decoding.text_rounds import DraftTree, speculative_generate
+from recspec.knowledge.decode import RetrievalDrafter, eos_ids
 from recspec.decoding.cost import CallCost
 from recspec.knowledge.head_draft import (HeadDrafter, HeadSession, HeadTreeConfig, HybridDrafter, node_budget,
                                           select)
 from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
-from recspec.knowledge.retrieval import DraftTree, RetrievalConfig
+from recspec.knowledge.retrieval import RetrievalConfig
 from recspec.knowledge.stream import stream_split
 from recspec.models.head import load_head, save_head
 from recspec.accel.fused import FusedProjections

@@ -417,11 +417,11 @@ def test_generate_cli_and_bench_sampling_take_a_head_folder(smollm2_dir, tmp_pat
     common = ["generate", "--out", str(out), "--target", str(target_dir), "--draft", str(tmp_path / "head"),
               "--count", "1", "--max-new-tokens", "4"]
     with pytest.raises(SystemExit) as exit_info:
-        main(common + ["--method", "spec-sample"])
+        main(common + ["--decoder", "spec-sample"])
     assert exit_info.value.code == 0 and "with spec-sample" in capsys.readouterr().out
     assert json.loads(out.read_text())["tokens"] >= 1
     with pytest.raises(SystemExit) as exit_info:
-        main(common + ["--method", "dsbd", "--gamma", "2", "--overwrite"])
+        main(common + ["--decoder", "dsbd", "--gamma", "2", "--overwrite"])
     assert exit_info.value.code == 0 and "with dsbd" in capsys.readouterr().out
     from recspec.bench.sampling import MOST_DRAFTED, TEXT_METHODS, bench_text, decode_ms_per_token, text_methods
 

@@ -16,11 +16,12 @@ import torch
 
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
-from recspec.knowledge.decode import speculative_generate
+from recspec.decoding.acceptance import SampledAcceptance, chosen_accept
+from recspec.decoding.text_rounds import generate_texts, speculative_generate
 from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig
 from recspec.knowledge.job import KnowledgeConfig
 from recspec.knowledge.sampled import sample_texts
-from recspec.knowledge.verify import Verification, chosen_accept
+from recspec.knowledge.verify import Verification
 from recspec.models.text_head import TextHeadDraft, new_text_head
 from tests.test_cli import recspec
 from tests.test_speculative import goodness_of_fit
@@ -72,20 +73,21 @@ def test_the_target_draws_each_node_at_its_positions_uniform() -> None:
     is accepted when its token is its parent's choice."""
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.6, 0.2, 0.2]]]))  # [1, 3, 3]
     uniforms = torch.tensor([[0.55, 0.15, 0.95]], dtype=torch.float64)
-    sample = Verification("sample")
+    verification = Verification("sample")
+    sample = verification.rule
     assert sample.choices(logits, uniforms).tolist() == [[1, 1, 2]]
-    assert Verification("greedy").choices(logits).tolist() == [[0, 2, 0]]
+    assert Verification("greedy").rule.choices(logits, None).tolist() == [[0, 2, 0]]
     tokens, parents = torch.tensor([[7, 1, 2]]), torch.tensor([[-1, 0, 1]])
     choices = sample.choices(logits, uniforms)
     assert chosen_accept(tokens, parents, choices).tolist() == [[True, True, False]]
     assert sample.accept(tokens, parents, logits, choices).tolist() == [[True, True, False]]
-    assert "T=1" in sample.describe()
+    assert "T=1" in verification.describe()
     with pytest.raises(ValueError, match="uniforms"):
-        sample.choices(logits)
+        sample.choices(logits, None)
     with pytest.raises(RecspecError, match="temperature"):
         Verification("sample", warp=Warp(0.0))
     with pytest.raises(RecspecError, match="knowledge jobs verify greedy or relaxed"):
-        KnowledgeConfig(method="ar", verification=sample)
+        KnowledgeConfig(method="ar", verification=verification)
 
 
 def test_sampling_with_a_head_on_smollm2_is_plain_sampling(lm, ml100k) -> None:
@@ -102,6 +104,21 @@ def test_sampling_with_a_head_on_smollm2_is_plain_sampling(lm, ml100k) -> None:
         assert sum(g.drafted for g in tree) > 0
 
 
+def test_tree_sampling_in_a_batch_draws_each_prompts_own_text(lm, ml100k) -> None:
+    """Four prompts sampled together over a head's trees in the text round loop (left-padded, each
+    row its own uniforms, drawn row after row) draw exactly the texts of the prompts decoded one
+    after another from the same generator."""
+    model, tokenizer, eos = lm
+    prompts = greedy_prompts(tokenizer, ml100k)
+    head = TextHeadDraft(new_text_head(model, torch.arange(4096), seed=3).eval(), model)
+    drafter = HeadDrafter(head, HeadTreeConfig(width=3, depth=4, nodes=10))
+    alone = sample_texts(model, prompts, MAX_NEW, eos, Warp(1.0), seed=5, drafter=drafter)
+    batched = generate_texts(model, prompts, MAX_NEW, eos, [drafter.session(prompt) for prompt in prompts],
+                             SampledAcceptance(Warp(1.0)), torch.Generator().manual_seed(5))
+    assert [g.tokens for g in batched] == [g.tokens for g in alone]
+    assert [(g.calls, g.drafted) for g in batched] == [(g.calls, g.drafted) for g in alone]
+
+
 def test_branches_that_are_right_are_accepted_whole(lm, ml100k) -> None:
     """Drafts that hold the text plain sampling draws (each level with a wrong sibling beside it)
     are accepted several tokens per call, and the text is still plain sampling's: every node
@@ -114,7 +131,7 @@ def test_branches_that_are_right_are_accepted_whole(lm, ml100k) -> None:
 
     generator = torch.Generator().manual_seed(9)
     drafter = OracleDrafter(bound, prompt=prompt, reference=reference, right_second=True)
-    generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter, Verification("sample", warp=warp),
+    generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter, Verification("sample", warp=warp).rule,
                                       generator)
     assert generation.tokens == reference and generation.calls <= MAX_NEW // 3
 
@@ -134,16 +151,16 @@ def test_generate_tree_cli_writes_plain_samplings_texts(smollm2_dir, tmp_path: P
     outs = {}
     for method, extra in (("sample", []), ("spec-sample", ["--draft", str(tmp_path / "head")])):
         outs[method] = tmp_path / f"{method}.jsonl"
-        done = recspec(*common, "--method", method, "--out", str(outs[method]), *extra)
+        done = recspec(*common, "--decoder", method, "--out", str(outs[method]), *extra)
         assert done.returncode == 0, done.stderr
         assert "tokens per target call" in done.stdout and f"with {method}" in done.stdout
     rows = {method: [json.loads(line) for line in out.read_text().splitlines()] for method, out in outs.items()}
     assert [row["text"] for row in rows["spec-sample"]] == [row["text"] for row in rows["sample"]]
     assert len(rows["sample"]) == 2 and all(1 <= row["tokens"] <= 8 for row in rows["sample"])
-    for extra, message in ((["--method", "dsbd"], "--tree decodes sample or spec-sample"),
-                           (["--method", "spec-sample"], "pass --draft HEAD"),
-                           (["--method", "spec-sample", "--draft-stop", "0.3"], "--draft-stop sizes chains"),
-                           (["--method", "sample", "--batch-size", "2"], "one prompt at a time")):
+    for extra, message in ((["--decoder", "dsbd"], "--tree decodes sample or spec-sample"),
+                           (["--decoder", "spec-sample"], "pass --draft HEAD"),
+                           (["--decoder", "spec-sample", "--draft-stop", "0.3"], "--draft-stop sizes chains"),
+                           (["--decoder", "sample", "--batch-size", "2"], "one prompt at a time")):
         refused = recspec(*common, *extra, "--out", str(tmp_path / "refused.jsonl"))
         assert refused.returncode != 0 and message in refused.stderr
         assert not (tmp_path / "refused.jsonl").exists()

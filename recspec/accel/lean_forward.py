@@ -182,8 +182,8 @@ class LeanLlama:
         for index, layer in enumerate(inner.layers):
             attention, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, self.eps)
-            q = rotate(F.linear(h, attention.q_proj.weight).view(shape).transpose(1, 2), cos, sin)
-            k = rotate(F.linear(h, attention.k_proj.weight).view(shape).transpose(1, 2), cos, sin)
+            q = rotate_rolled(F.linear(h, attention.q_proj.weight).view(shape).transpose(1, 2), cos, sin)
+            k = rotate_rolled(F.linear(h, attention.k_proj.weight).view(shape).transpose(1, 2), cos, sin)
             v = F.linear(h, attention.v_proj.weight).view(shape).transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, index)
@@ -196,7 +196,7 @@ class LeanLlama:
         return F.linear(x, self.model.lm_head.weight)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def rotate_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of ``x`` ``[B, H, N, D]`` as transformers' ``apply_rotary_pos_emb``
     computes it, ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2, x1]``, in two
     operations fewer: ``x cos + roll(x) [-sin1, sin2]`` (``roll(x) = [x2, x1]``; ``-x2 sin1`` and

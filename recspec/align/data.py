@@ -252,7 +252,7 @@ def manifest_dataset(manifest: dict[str, Any], index: ItemIndex) -> Dataset:
                         "only_indexed_items": manifest.get("only_indexed_items")}, index)
 
 
-def generate(target_dir: Path, out_dir: Path, config: DataConfig = DataConfig(), device: str = "cpu",
+def generate_alignment_data(target_dir: Path, out_dir: Path, config: DataConfig = DataConfig(), device: str = "cpu",
              progress: bool = True, mix_draft: Path | None = None) -> dict[str, Any]:
     """Write (or complete) the alignment data of a trained target into ``out_dir``; the manifest.
     ``mix_draft``: the draft of the target-mixed sequences (needed exactly when

@@ -160,7 +160,7 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     from tqdm.auto import tqdm
 
     from recspec.data import load_dataset
-    from recspec.decoding.text import TextOptions, generate
+    from recspec.decoding.text import SAMPLE, TextOptions, generate
     from recspec.knowledge.prompts import chat_ids, random_prompt_texts
 
     dataset = load_dataset("ml-100k")
@@ -179,7 +179,7 @@ def sample_corpus(target, tokenizer, path: Path, prompts: int, max_new_tokens: i
     for start in range(len(done), len(ids), chunk_size):
         chunk = ids[start:start + chunk_size]
         options = TextOptions(max_new_tokens=max_new_tokens, seed=seed * 100003 + start)
-        out = generate("sample", target, None, [torch.tensor(p) for p in chunk], options,
+        out = generate(SAMPLE, target, None, [torch.tensor(p) for p in chunk], options,
                        tokenizer.pad_token_id, tokenizer.eos_token_id)
         rows = [{"prompt": p, "response": r} for p, r in zip(chunk, out.tokens)]
         with open(path, "a") as handle:

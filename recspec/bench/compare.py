@@ -29,15 +29,17 @@ from recspec.auto import choose
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.decoding import TopK
 from recspec.errors import RecspecError
-from recspec.recommend import DECODERS, ROOT_EXPANDING, DecodeOptions, Decoded, Recommender
+from recspec.decoding.registry import ITEMS, names
+from recspec.recommend import (AUTO, BEAM, DECODERS, ROOT_EXPANDING, SPEC_STRICT, TREE_BEAM, DecodeOptions, Decoded,
+                               Recommender)
 from recspec.turns import take_turns, user_batches
 
 #: What `make demo` compares: plain beam search first (every speed-up's reference).
-DEMO_DECODERS = ("beam", "tree-beam", "tree-beam+root", "spec-strict", "auto")
-#: Exact decoders: their items must equal the reference's.
-EXACT = ("hf", "beam", "tree-beam", "spec-strict", "auto")
 #: A decoder named with this suffix (``tree-beam+root``) runs with ``expand_root``.
 ROOT_SUFFIX = "+root"
+DEMO_DECODERS = (BEAM, TREE_BEAM, TREE_BEAM + ROOT_SUFFIX, SPEC_STRICT, AUTO)
+#: Exact decoders: their items must equal the reference's.
+EXACT = names(ITEMS, exact=True)
 #: How the ``NAME+root`` decoders are named in messages.
 ROOT_NAMES = " / ".join(name + ROOT_SUFFIX for name in ROOT_EXPANDING)
 
@@ -66,9 +68,9 @@ def same_up_to_ties(result: TopK, reference: TopK, atol: float = 1e-4) -> bool:
     return bool(items_match and torch.allclose(result.scores, reference.scores, atol=atol))
 
 
-def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = DEMO_DECODERS, k: int = 10,
-        batch_size: int = 1, users: int = 200, repeats: int = 3, name: str = "compare", draft_beams: int | None = None,
-        gamma: int | None = None) -> str:
+def run_compare(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = DEMO_DECODERS, k: int = 10,
+                batch_size: int = 1, users: int = 200, repeats: int = 3, name: str = "compare",
+                draft_beams: int | None = None, gamma: int | None = None) -> str:
     """Compare ``decoders`` (the first is the reference) on the first ``users`` test users of
     ``target`` (with ``draft`` for the speculative ones and ``auto``); write ``{name}.json`` /
     ``.md`` into ``out`` and return the Markdown."""
@@ -84,10 +86,10 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
     options = {decoder: DecodeOptions(draft_beams=draft_beams or 2 * k, gamma=gamma,
                                       expand_root=split_root(decoder)[1]) for decoder in decoders}
     reason = ""
-    if "auto" in options:
+    if AUTO in options:
         choice = choose(recommender, k, batch_size)
-        reason, options["auto"] = choice.reason, choice.options
-    named = {decoder: choice.decoder if decoder == "auto" else split_root(decoder)[0] for decoder in decoders}
+        reason, options[AUTO] = choice.reason, choice.options
+    named = {decoder: choice.decoder if decoder == AUTO else split_root(decoder)[0] for decoder in decoders}
     runs = {decoder: (lambda part, d=decoder: recommender.recommend(part, k, named[d], batch_size, options[d]))
             for decoder in decoders}
     seconds, batches = take_turns(runs, user_batches(examples, batch_size), repeats)
@@ -99,8 +101,8 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = D
              "same_items": same_up_to_ties(outputs[decoder].topk, outputs[reference].topk)
              if named[decoder] in EXACT and named[reference] in EXACT else None}
             for decoder in decoders]
-    fastest = min((row for row in rows if row["decoder"] != "auto"), key=lambda row: median[row["decoder"]])
-    label = f"{recommender.dataset.name}: {Path(target).name}" + (f" + {Path(draft).name}" if draft else "")
+    fastest = min((row for row in rows if row["decoder"] != AUTO), key=lambda row: median[row["decoder"]])
+    label = f"{recommender.dataset.name}: {Path(target).name}" + (f" + {Path(str(draft)).name}" if draft else "")
     lines = [f"# Decoders side by side ({label})",
              f"{len(examples)} test users, K = {k}, batch {batch_size}, median of {repeats} timed runs (decoders take "
              f"turns batch by batch); speed-up over {reference}; same items: {reference}'s items and scores. torch threads: "

@@ -32,8 +32,8 @@ from recspec.hf import trie_beam_search
 from recspec.recommend import Recommender
 
 
-def run(out: Path, target: Path, ks: Sequence[int] = (5, 10, 20), batches: Sequence[int] = (1, 16),
-        users: int = 64, repeats: int = 3, name: str = "dropin") -> str:
+def run_dropin(out: Path, target: Path, ks: Sequence[int] = (5, 10, 20), batches: Sequence[int] = (1, 16),
+               users: int = 64, repeats: int = 3, name: str = "dropin") -> str:
     """Measure every (K, batch) cell; write ``name.json`` / ``name.md``; return the Markdown."""
     recommender = Recommender.load(target)
     model, tokenizer, trie = recommender.model, recommender.tokenizer, recommender.trie

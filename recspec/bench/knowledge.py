@@ -46,29 +46,30 @@ from recspec.bench.report import markdown_table, reuse_freed_memory, timed, writ
 from recspec.decoding.scorer import score_tree
 from recspec.decoding.cache import gather_positions
 from recspec.decoding.tree import ancestor_matrix
-from recspec.knowledge.decode import Generation
+from recspec.decoding.text_rounds import Generation
 from recspec.errors import RecspecError
 from recspec.hub import returned_cache
-from recspec.knowledge.job import DRAFTING, KnowledgeConfig, KnowledgeTask, build_pools, make_generator
+from recspec.knowledge.job import (AR, DRAFTING, HF, LASER, PROMPT_LOOKUP, RESD, KnowledgeConfig, KnowledgeTask,
+                                  build_pools, make_generator)
 from recspec.knowledge.verify import Verification
 
 GREEDY, RELAXED = Verification("greedy"), Verification("relaxed")
 # name -> (method, grouping, relaxed?, draft nodes or None for the configured number, with the text head?)
 VARIANTS = {
-    "hf": ("hf", "router", False, None, False), "prompt-lookup": ("prompt-lookup", "router", False, None, False),
-    "ar": ("ar", "router", False, None, False), "resd": ("resd", "global", False, None, False),
-    "rrp": ("laser", "random", False, None, False), "laser-greedy": ("laser", "router", False, None, False),
-    "rv+grp": ("laser", "global", True, None, False), "rv+rrp": ("laser", "random", True, None, False),
-    "laser": ("laser", "router", True, None, False),
-    "laser@8": ("laser", "router", True, 8, False), "laser@32": ("laser", "router", True, 32, False),
-    "laser@64": ("laser", "router", True, 64, False),
-    "head": ("ar", "router", False, None, True), "head-fp32": ("ar", "router", False, None, True),
-    "head-fixed": ("ar", "router", False, None, True),
-    "head-unpruned": ("ar", "router", False, None, True),
-    "laser-greedy+head": ("laser", "router", False, None, True),
-    "laser+head": ("laser", "router", True, None, True),
-    "laser-greedy+head-gated": ("laser", "router", False, None, True),
-    "laser+head-gated": ("laser", "router", True, None, True),
+    "hf": (HF, "router", False, None, False), "prompt-lookup": (PROMPT_LOOKUP, "router", False, None, False),
+    "ar": (AR, "router", False, None, False), "resd": (RESD, "global", False, None, False),
+    "rrp": (LASER, "random", False, None, False), "laser-greedy": (LASER, "router", False, None, False),
+    "rv+grp": (LASER, "global", True, None, False), "rv+rrp": (LASER, "random", True, None, False),
+    "laser": (LASER, "router", True, None, False),
+    "laser@8": (LASER, "router", True, 8, False), "laser@32": (LASER, "router", True, 32, False),
+    "laser@64": (LASER, "router", True, 64, False),
+    "head": (AR, "router", False, None, True), "head-fp32": (AR, "router", False, None, True),
+    "head-fixed": (AR, "router", False, None, True),
+    "head-unpruned": (AR, "router", False, None, True),
+    "laser-greedy+head": (LASER, "router", False, None, True),
+    "laser+head": (LASER, "router", True, None, True),
+    "laser-greedy+head-gated": (LASER, "router", False, None, True),
+    "laser+head-gated": (LASER, "router", True, None, True),
 }
 #: Variants drafted by the text head (need ``--draft``).
 HEAD_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant[4])
@@ -129,7 +130,7 @@ def bench_side(task: KnowledgeTask, base: KnowledgeConfig, pool: Path | None, li
                variants: Sequence[str]) -> dict[str, Any]:
     """Rows for one side: every variant on the first ``limit`` new-part entities (``pool``: the
     side's old-part store, for the variants that draft from pools)."""
-    texts = task.pool_texts(replace(base, method="resd", verification=GREEDY), pool) if pool is not None else None
+    texts = task.pool_texts(replace(base, method=RESD, verification=GREEDY), pool) if pool is not None else None
     entities = [int(e) for e in task.entities(base.side, "new", limit)]
     prompts = {e: task.prompt(base, e) for e in entities}
     generators, build_s, pool_sizes = {}, {}, {}
@@ -202,9 +203,9 @@ def call_costs(model, prompt: Sequence[int], repeats: int = 5) -> dict[str, floa
     return costs
 
 
-def run(out: Path, pools: dict[str, Path | None], limit: int = 8, repeats: int = 3, max_new_tokens: int = 128,
-        base: KnowledgeConfig | None = None, variants: Sequence[str] | None = None, model: str = "smollm2",
-        dataset: str = "ml-100k", name: str = "knowledge") -> str:
+def run_knowledge(out: Path, pools: dict[str, Path | None], limit: int = 8, repeats: int = 3, max_new_tokens: int = 128,
+                  base: KnowledgeConfig | None = None, variants: Sequence[str] | None = None, model: str = "smollm2",
+                  dataset: str = "ml-100k", name: str = "knowledge") -> str:
     """Benchmark each side of ``pools`` (side -> its old-part store, or None where no variant
     drafts from pools) with ``variants`` (default: every one the head and pools given allow);
     write ``name.json`` / ``name.md`` into ``out``; return the Markdown."""

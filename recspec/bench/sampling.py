@@ -46,7 +46,8 @@ from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_ca
 from recspec.decoding.cache import drop_tail
 from recspec.decoding.cost import median_seconds
 from recspec.decoding.rounds import SpecStats
-from recspec.decoding.text import Generated, TextOptions, generate, log_likelihood
+from recspec.decoding.text import (BEAM_SAMPLE, DSBD, SAMPLE, SPEC_SAMPLE, TOPK_IMP, Generated, TextOptions, generate,
+                                   log_likelihood)
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
@@ -56,27 +57,28 @@ from recspec.hub import load_tokenizer, resolve_model_dir, with_cache
 from recspec.models.hf import load_causal_lm
 from recspec.models.layer_draft import text_draft_model
 from recspec.models.text_head import TextHeadDraft, layer_features
+from recspec.recommend import BEAM_SAMPLE as ITEM_BEAM_SAMPLE, DSBD as ITEM_DSBD, SPEC_RELAXED
 from recspec.recommend import DecodeOptions, Decoded, Recommender, item_rows, run_decoder
 from recspec.turns import take_turns
 
 #: label -> (method, option overrides, baseline label of the same output distribution)
 TEXT_METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
-    "sample": ("sample", {}, "sample"),
-    "spec-sample": ("spec-sample", {}, "sample"),
-    "spec-sample-dynamic": ("spec-sample", {"gamma": "most", "draft_stop": "stop"}, "sample"),
-    "topk-imp": ("topk-imp", {}, "sample"),
-    "beam-sample": ("beam-sample", {}, "beam-sample"),
-    "dsbd": ("dsbd", {}, "beam-sample"),
-    "dsbd-dynamic": ("dsbd", {"threshold": "t", "beams": 1}, "beam-sample"),
-    "dsbd-one-cache": ("dsbd", {"one_cache": True}, "beam-sample"),
-    "sample-tree": ("sample", {}, "sample"),
-    "spec-sample-tree": ("spec-sample", {}, "sample"),
+    "sample": (SAMPLE, {}, "sample"),
+    "spec-sample": (SPEC_SAMPLE, {}, "sample"),
+    "spec-sample-dynamic": (SPEC_SAMPLE, {"gamma": "most", "draft_stop": "stop"}, "sample"),
+    "topk-imp": (TOPK_IMP, {}, "sample"),
+    "beam-sample": (BEAM_SAMPLE, {}, "beam-sample"),
+    "dsbd": (DSBD, {}, "beam-sample"),
+    "dsbd-dynamic": (DSBD, {"threshold": "t", "beams": 1}, "beam-sample"),
+    "dsbd-one-cache": (DSBD, {"one_cache": True}, "beam-sample"),
+    "sample-tree": (SAMPLE, {}, "sample"),
+    "spec-sample-tree": (SPEC_SAMPLE, {}, "sample"),
 }
 #: Rows run only when asked for (``--method``): the head's rows drafted by the same head in float32,
 #: side by side with its int8 products (:mod:`recspec.accel.int8`).
 FLOAT32_HEAD: dict[str, tuple[str, dict[str, Any], str]] = {
-    "spec-sample-fp32": ("spec-sample", {}, "sample"),
-    "dsbd-one-cache-fp32": ("dsbd", {"one_cache": True}, "beam-sample"),
+    "spec-sample-fp32": (SPEC_SAMPLE, {}, "sample"),
+    "dsbd-one-cache-fp32": (DSBD, {"one_cache": True}, "beam-sample"),
 }
 #: Labels run in the tree loop (:mod:`recspec.knowledge.sampled`: one uniform per text position;
 #: ``spec-sample-tree`` verifies a text head's trees by the target's draw at every node).
@@ -108,7 +110,7 @@ def _options(base: TextOptions, overrides: dict[str, Any], named: dict[str, Any]
                             for key, value in overrides.items()})
 
 
-def call_cost(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20) -> tuple[float, float, float]:
+def chain_costs(target, draft, prompt: torch.Tensor, gamma: int, repeats: int = 20) -> tuple[float, float, float]:
     """Median seconds of one call after the prompt's cache: the target over one token and over
     ``gamma + 1`` tokens (a chain's verifying call), and the draft over one token (a draft model,
     or a text head's step and draft distribution): the ``T``, the verifying call and the ``c T``
@@ -167,7 +169,7 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
     row: dict[str, Any] = {"accept_share": total["accepted_steps"] / max(total["drafted_steps"], 1e-9),
                            "accepted_per_round": total["accepted_steps"] / max(total["rounds"], 1e-9),
                            "target_calls": total["target_calls"]}
-    if method == "dsbd":
+    if method == DSBD:
         beta = total["beta_sum"] / max(total["verified_layers"], 1e-9)
         alpha = min(1.0 if options.threshold is None else options.threshold, beta)
         row.update(alpha=alpha, steps_per_round=total["steps"] / max(total["rounds"], 1e-9),
@@ -177,7 +179,7 @@ def _acceptance(method: str, stats: SpecStats | None, options: TextOptions, cost
     else:
         alpha = total["alpha_sum"] / max(total["tried"], 1e-9)
         row.update(alpha=alpha, tokens_per_target_call=total["tokens"] / max(total["target_calls"], 1e-9))
-        if method == "spec-sample" and options.draft_stop is None:  # Theorem 3.8 takes a fixed gamma
+        if method == SPEC_SAMPLE and options.draft_stop is None:  # Theorem 3.8 takes a fixed gamma
             row["predicted_speedup"] = expected_speedup(alpha, gamma, cost, verify_ratio)
         if options.draft_stop is not None:
             row["drafted_per_round"] = total["drafted_steps"] / max(total["rounds"], 1e-9)
@@ -189,7 +191,7 @@ def text_call(label: str, method: str, options: TextOptions, model, draft, pad: 
     """One row's decoder over a list of prompts: :func:`~recspec.decoding.text.generate`, or the
     tree loop for :data:`TREE_LABELS` (``drafter``: the head's, for ``spec-sample-tree``)."""
     if label in TREE_LABELS:
-        trees = drafter if method == "spec-sample" else None
+        trees = drafter if method == SPEC_SAMPLE else None
         return lambda prompts: generate_tree(model, prompts, options, eos, trees)
     return lambda prompts: generate(method, model, draft, prompts, options, pad, eos)
 
@@ -221,9 +223,9 @@ def _memory_worker(target: str, draft_spec: str | None, layers: str, prompt: lis
 def _draft_probe(model, draft, ids: list[torch.Tensor], probe: TextOptions, pad: int, eos: int,
                  costs: tuple[float, float, float] | None = None) -> dict[str, Any]:
     """Acceptance, cost ratio and predicted speed-up of ``draft`` (spec-sample on 3 prompts);
-    ``costs``: its :func:`call_cost` on ``ids[0]`` at ``probe.gamma`` where already measured."""
-    seconds, verify_seconds, draft_seconds = costs or call_cost(model, draft, ids[0], probe.gamma)
-    stats = generate("spec-sample", model, draft, ids[:3], probe, pad, eos).stats
+    ``costs``: its :func:`chain_costs` on ``ids[0]`` at ``probe.gamma`` where already measured."""
+    seconds, verify_seconds, draft_seconds = costs or chain_costs(model, draft, ids[0], probe.gamma)
+    stats = generate(SPEC_SAMPLE, model, draft, ids[:3], probe, pad, eos).stats
     alpha = float(stats.alpha_sum.sum() / stats.tried.sum())
     return {"alpha": alpha, "c": draft_seconds / seconds, "target_ms": 1e3 * seconds,
             "predicted_speedup": expected_speedup(alpha, probe.gamma, draft_seconds / seconds,
@@ -311,7 +313,7 @@ def bench_text(target: str, draft_layers: str, candidate_layers: Sequence[str], 
     drafts = [{"layers": layers, **_draft_probe(model, text_draft_model(model, None, layers), ids, probe, pad, eos)}
               for layers in candidate_layers]
     draft, fp32, row_draft = row_drafts(model, target, draft_spec, draft_layers, list(table), "sample" in table)
-    costs = call_cost(model, draft, ids[0], base.gamma)  # probe.gamma is base.gamma
+    costs = chain_costs(model, draft, ids[0], base.gamma)  # probe.gamma is base.gamma
     if draft_spec is not None:
         drafts.append({"layers": f"distilled: {draft_spec}", **_draft_probe(model, draft, ids, probe, pad, eos, costs)})
     target_s, verify_s, draft_s = costs
@@ -388,11 +390,12 @@ def bench_recommend(target: Path, draft: Path, ks: Sequence[int], users: int, qu
     prompts = recommender.encoder.prompts(recommender.examples("test", users))
     rows = []
     for k in ks:
-        settings = {"beam-sample": ("beam-sample", DecodeOptions(temperature=temperature, replacement=True)),
-                    "spec-relaxed": ("spec-relaxed", DecodeOptions(temperature=temperature, replacement=True)),
-                    "dsbd": ("dsbd", DecodeOptions(temperature=temperature)),
-                    "dsbd-dynamic": ("dsbd", DecodeOptions(temperature=temperature, threshold=threshold, min_width=1)),
-                    "dsbd-one-cache": ("dsbd", DecodeOptions(temperature=temperature, one_cache=True))}
+        settings = {"beam-sample": (ITEM_BEAM_SAMPLE, DecodeOptions(temperature=temperature, replacement=True)),
+                    "spec-relaxed": (SPEC_RELAXED, DecodeOptions(temperature=temperature, replacement=True)),
+                    "dsbd": (ITEM_DSBD, DecodeOptions(temperature=temperature)),
+                    "dsbd-dynamic": (ITEM_DSBD, DecodeOptions(temperature=temperature, threshold=threshold,
+                                                              min_width=1)),
+                    "dsbd-one-cache": (ITEM_DSBD, DecodeOptions(temperature=temperature, one_cache=True))}
         calls = {label: (lambda batch, n=name, o=opts: run_decoder(n, recommender.model, recommender.draft, batch,
                                                                    recommender.trie, k, recommender.encoder.pad_id, o))
                  for label, (name, opts) in settings.items()}
@@ -411,13 +414,13 @@ def bench_recommend(target: Path, draft: Path, ks: Sequence[int], users: int, qu
     return rows
 
 
-def run(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_spec: str | None = None,
-        candidate_layers: Sequence[str] = ("0-1,29", "0-3,29", "0-5,29", "0-9,29", "0-5,28-29"), prompts: int = 6,
-        max_new_tokens: int = 48, repeats: int = 3, gamma: int = 4, beams: int = 2, draft_width: int = 4,
-        threshold: float = 0.7, temperature: float = 1.0, candidates: int = 10, rec_target: Path | None = None,
-        rec_draft: Path | None = None, ks: Sequence[int] = (10,), users: int = 32, quality_users: int = 500,
-        text: bool = True, name: str = "sampling", methods: Sequence[str] | None = None,
-        draft_stop: float = DRAFT_STOP, most: int = MOST_DRAFTED) -> str:
+def run_sampling(out: Path, target: str = "smollm2", draft_layers: str = "0-5,29", draft_spec: str | None = None,
+                 candidate_layers: Sequence[str] = ("0-1,29", "0-3,29", "0-5,29", "0-9,29", "0-5,28-29"),
+                 prompts: int = 6, max_new_tokens: int = 48, repeats: int = 3, gamma: int = 4, beams: int = 2,
+                 draft_width: int = 4, threshold: float = 0.7, temperature: float = 1.0, candidates: int = 10,
+                 rec_target: Path | None = None, rec_draft: Path | None = None, ks: Sequence[int] = (10,),
+                 users: int = 32, quality_users: int = 500, text: bool = True, name: str = "sampling",
+                 methods: Sequence[str] | None = None, draft_stop: float = DRAFT_STOP, most: int = MOST_DRAFTED) -> str:
     """Run the benchmark; write ``{name}.json`` / ``{name}.md``; return the Markdown."""
     reuse_freed_memory()
     base = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature), gamma=gamma, candidates=candidates,

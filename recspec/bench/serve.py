@@ -42,7 +42,7 @@ import numpy as np
 
 from recspec.bench.report import markdown_table, new_figure, save_figure, write_results
 from recspec.errors import RecspecError
-from recspec.recommend import Recommender
+from recspec.recommend import TREE_BEAM, Recommender
 from recspec.ready import wait_until_ready
 
 READY_SECONDS = 300  # model loading and auto's first measurements
@@ -197,9 +197,9 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], concurrency: Sequence[int], k: int,
-        users: int, requests: int, repeats: int, max_batch: int, max_seconds: float, name: str,
-        device: str = "cpu") -> str:
+def run_serve(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], concurrency: Sequence[int], k: int,
+              users: int, requests: int, repeats: int, max_batch: int, max_seconds: float, name: str,
+              device: str = "cpu") -> str:
     """Measure every decoder x batching x concurrency (module doc) with the server's models on
     ``device``; write ``name``.json/.md/.png."""
     client_cores, server_cores = _cores()
@@ -209,7 +209,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], co
     torch.set_num_threads(len(client_cores))
     recommender = Recommender.load(target, device=device)  # the expected answers, on the server's device
     examples = recommender.examples("test", users)
-    decoded = recommender.recommend(examples, k, "tree-beam", 16)
+    decoded = recommender.recommend(examples, k, TREE_BEAM, 16)
     keys = recommender.index.item_keys
     item_ids = recommender.dataset.item_ids
     bodies = [{"history": [item_ids[i] for i in examples.history_of(row)], "k": k} for row in range(len(examples))]
@@ -221,7 +221,7 @@ def run(out: Path, target: Path, draft: Path | None, decoders: Sequence[str], co
         for batching, size in (("on", max_batch), ("off", 1)):
             args = ["--target", str(target), "--decoder", decoder, "--max-batch", str(size), "--threads",
                     str(len(server_cores)), "--device", device]
-            if draft is not None and decoder != "tree-beam":
+            if draft is not None and decoder != TREE_BEAM:
                 args += ["--draft", str(draft)]
             with running_server(args, server_cores) as (url, _):
                 load = Load(url, bodies, expected)

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from recspec.cluster.runtime import Workers, check_address, connect, map_on_workers, ray_errors
+from recspec.decoding.text_rounds import Generation
 from recspec.errors import RecspecError
-from recspec.knowledge.decode import Generation
 from recspec.knowledge.job import DRAFTING, Batches, KnowledgeConfig, KnowledgeTask, Runner, make_generator
 from recspec.knowledge.pools import PoolSet
 

@@ -30,7 +30,7 @@ from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
-from recspec.recommend import (RecommendJob, check_folders, named_draft, recs_text, trained_examples, user_chunks,
+from recspec.recommend import (AUTO, RecommendJob, check_folders, named_draft, recs_text, trained_examples, user_chunks,
                                users_dataset)
 
 
@@ -61,7 +61,7 @@ class ShardWorker:
         self.examples = self.recommender.examples(job.part, job.users)
         self.chunks = user_chunks(len(self.examples), job.batch_size)
         self.decoder, self.options = job.decoder, job.options
-        if job.decoder == "auto":  # once per worker, as the single-process path does once per job
+        if job.decoder == AUTO:  # once per worker, as the single-process path does once per job
             from recspec.auto import choose
 
             choice = choose(self.recommender, job.k, job.batch_size)

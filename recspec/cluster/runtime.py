@@ -82,7 +82,7 @@ class Engine:
             require_extra("ray", "--engine ray")
 
 
-def probe(address: str) -> None:
+def probe_address(address: str) -> None:
     """Refuse a ``HOST:PORT`` that does not accept a TCP connection within :data:`PROBE_S`."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -98,7 +98,7 @@ def probe(address: str) -> None:
 def check_address(address: str | None) -> None:
     """Refuse at once an ``address`` that is neither ``auto`` nor a ``HOST:PORT`` that answers."""
     if address not in (None, "auto"):
-        probe(address)
+        probe_address(address)
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, workers: Workers | None = None) -> None:

@@ -11,6 +11,10 @@ the target's own sampling step in place of its beam-search step (see
 lines 13-31) is :func:`verify_layer`, with the residual chain (Eq. 4), the distribution of the number of
 acceptances (Eq. 2-3) and the dynamic width (Eq. 5-7) it rests on.
 
+**Trees of text tokens.** :class:`TreeAcceptance`: the target's own token at every node and which
+drafted nodes pass (greedy, LASER's relaxed rule, exact sampling by inverse transform; the reasons
+are in :mod:`recspec.knowledge.verify`), and :func:`accepted_path`, the deepest fully accepted path.
+
 **Chains of tokens.** Speculative sampling (speculative_decoding.txt Alg. 1, sections 3.1-3.5,
 A.1, A.5): the verification of a drafted chain, :func:`verify_chain`, one vectorised function
 over a batch.
@@ -39,11 +43,12 @@ probability; bonus tokens are exact draws from ``p``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from recspec.decoding.beams import Beams, candidates, draw
-from recspec.decoding.categorical import categorical, or_uniform
+from recspec.decoding.categorical import categorical, inverse_transform, or_uniform
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
@@ -355,3 +360,116 @@ def expected_speedup(alpha: float, gamma: int, cost: float, verify_ratio: float 
     theorem takes as 1 (a call's cost independent of the tokens fed; on this project's CPU a
     4-token call of SmolLM2 costs 1.4 one-token calls): the denominator becomes ``gamma c + ratio``."""
     return expected_tokens_per_call(alpha, gamma) / (gamma * cost + verify_ratio)
+
+
+class TreeAcceptance(Protocol):
+    """The acceptance rule of a text token tree scored by the target (the text round loop,
+    :func:`~recspec.decoding.text_rounds.speculative_generate`): pure, vectorised over ``B`` rows of
+    ``N`` nodes (node 0 the root, the last committed token; ``parents`` int64 ``[B, N]``, ``-1`` at
+    the root, else a smaller index; ``logits`` ``[B, N, V]`` the target's after each node).
+
+    ``draws``: whether :meth:`choices` needs one uniform per node (its text position's);
+    :meth:`choices`: int64 ``[B, N]``, the target's own token after each node; :meth:`accept`: bool
+    ``[B, N]``, which nodes pass the rule given their parent's distribution and the target's
+    choices there (the root always passes). A node counts only with its whole root path
+    (:func:`accepted_path`). Implementations: :class:`GreedyAcceptance`, :class:`RelaxedAcceptance`
+    (LASER's Eq. 4 and Eq. 8) and :class:`SampledAcceptance` (exact sampling over a tree)."""
+
+    draws: bool
+
+    def choices(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor: ...
+
+    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+               choices: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class GreedyAcceptance:
+    """A node passes when its token is the target's argmax at its parent (``torch.argmax``: the
+    first maximal id, greedy ``generate``'s tie rule): the text is the greedy decoding's."""
+
+    draws = False
+
+    def choices(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+               choices: torch.Tensor) -> torch.Tensor:
+        return chosen_accept(tokens, parents, choices)
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance(GreedyAcceptance):
+    """:func:`relaxed_accept` with ``top_k`` and ``min_prob``; the target's own token is its argmax."""
+
+    top_k: int = 2
+    min_prob: float = 0.1
+
+    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+               choices: torch.Tensor) -> torch.Tensor:
+        return relaxed_accept(tokens, parents, logits, self.top_k, self.min_prob)
+
+
+@dataclass(frozen=True)
+class SampledAcceptance:
+    """A node passes when its token is the target's own draw at its parent: the inverse transform
+    of the parent's distribution warped by ``warp`` at the uniform of the text position the token
+    fills (``uniforms`` float64 ``[B, N]`` in ``[0, 1)``)."""
+
+    warp: Warp = Warp()
+    draws = True
+
+    def choices(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+        if uniforms is None:
+            raise ValueError("sampling verification needs the uniforms of the nodes' text positions")
+        weights = self.warp(logits).exp()  # [B, N, V]
+        return inverse_transform(weights.flatten(0, 1), uniforms.reshape(-1, 1)).view(uniforms.shape)
+
+    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+               choices: torch.Tensor) -> torch.Tensor:
+        return chosen_accept(tokens, parents, choices)
+
+
+def _at_parents(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """``values[b, parents[b, n]]`` for per-node ``values [B, N]`` (the root gets its own)."""
+    return values.gather(1, parents.clamp_min(0))
+
+
+def chosen_accept(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, N]``: ``tokens[b, n] == choices[b, parents[b, n]]`` (the target's own token at the
+    parent, int64 ``[B, N]``); root True."""
+    return (tokens == _at_parents(choices, parents)) | (parents < 0)
+
+
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, N]``: ``tokens[b, n] == argmax logits[b, parents[b, n]]`` (LASER's Eq. 4); root True."""
+    return chosen_accept(tokens, parents, logits.argmax(dim=-1))
+
+
+def relaxed_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, top_k: int,
+                   min_prob: float) -> torch.Tensor:
+    """bool ``[B, N]``: LASER's Eq. 8 as a relaxation of greedy (:mod:`recspec.knowledge.verify`):
+    ``tokens[b, n]`` is the greedy token of ``q = softmax(logits[b, parent])``, or it is in the top
+    ``top_k`` of ``q`` (probability >= the ``top_k``-th largest) with ``q(token) > min_prob``; root
+    True."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [B, N, V]
+    kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[..., -1]  # [B, N]
+    parent = parents.clamp_min(0)
+    token_prob = probs.flatten(1).gather(1, parent * probs.shape[-1] + tokens)  # [B, N]: q_parent(token)
+    ok = (token_prob >= kth.gather(1, parent)) & (token_prob > min_prob)
+    return ok | greedy_accept(tokens, parents, logits)
+
+
+def accepted_path(accept: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deepest node whose root path is all accepted: ``(last [B], path [B, N])`` from ``accept``
+    bool ``[B, N]`` and ``ancestors`` bool ``[B, N, N]``
+    (:func:`~recspec.decoding.tree.ancestor_matrix`).
+
+    ``path[b, n]`` is True for the nodes on that path (root included), so ``path.sum(1) - 1``
+    draft tokens were accepted. Among equally deep candidates the smallest node index wins.
+    """
+    alive = ~(ancestors & ~accept[:, None, :]).any(dim=-1)  # [B, N]: every ancestor accepted
+    depth = ancestors.sum(dim=-1)  # [B, N], 1 for the root
+    last = torch.where(alive, depth, 0).argmax(dim=1)  # first maximum
+    path = ancestors.gather(1, last[:, None, None].expand(-1, 1, ancestors.shape[2]))[:, 0]
+    return last, path

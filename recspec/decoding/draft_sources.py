@@ -1,7 +1,8 @@
 """What gives a round's drafter its log-probabilities: a draft model with a KV cache of its own
 (:class:`ModelDraft`), or a feature-level head over the target's hidden states
 (:class:`FeatureDraft`, :mod:`recspec.models.head`). The round loop
-(:func:`~recspec.decoding.rounds.run_rounds`) talks to either through the same four calls:
+(:func:`~recspec.decoding.rounds.run_rounds`) talks to either through the same calls
+(:class:`~recspec.decoding.drafting.DraftSource`; ``feed_last`` and ``scored`` default to nothing):
 
 * ``start(prompts)``: before the first round; the draft's log-probs at the root ``[B, 1, V]``,
   or None when the first round drafts nothing (a head: level 1 then comes exactly from the
@@ -52,6 +53,7 @@ from transformers import DynamicCache
 
 from recspec.decoding.beams import Beams
 from recspec.decoding.draft_tree import Level, fed_block, feed
+from recspec.decoding.drafting import DraftSource
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ItemDraft, ItemPriorDraft
 from recspec.decoding.prompts import Prompts
@@ -63,7 +65,7 @@ from recspec.models.text_head import TextHeadDraft
 
 
 @dataclass
-class ModelDraft:
+class ModelDraft(DraftSource):
     """A draft causal LM over the target's vocabulary; its cache mirrors the target's."""
 
     model: object
@@ -85,13 +87,9 @@ class ModelDraft:
     def feed_last(self, levels: list[Level]) -> None:
         feed(self.model, self.cache, levels[-1:])
 
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
-               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor | None:
-        return None
-
 
 @dataclass
-class FeatureDraft:
+class FeatureDraft(DraftSource):
     """A draft head (:class:`~recspec.models.head.HeadDraft`): level 0's nodes take the target's
     feature at their parent (``front.draft_state``), deeper levels the head's own guess at theirs.
     A head that attends also reads the target's features at the prompt's tokens, kept from the
@@ -117,9 +115,6 @@ class FeatureDraft:
         self.guessed = [*self.guessed[:j], feature]
         return self.head.log_probs(feature)
 
-    def feed_last(self, levels: list[Level]) -> None:
-        return None
-
     def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
         if prompts is not None and self.head.attends:  # the first round: the prompt's columns come first
@@ -128,7 +123,7 @@ class FeatureDraft:
 
 
 @dataclass
-class HybridDraft:
+class HybridDraft(DraftSource):
     """A draft model for the first round, a head for the rest: the first round keeps the prompt
     and every drafted level in one target call (the head has no target feature to start from
     yet), and from then on the head drafts from the features that call returned. The model's
@@ -149,16 +144,13 @@ class HybridDraft:
         self.model.cache = None
         return self.head.log_probs(levels, front)
 
-    def feed_last(self, levels: list[Level]) -> None:
-        return None
-
     def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
         return self.head.scored(levels, features, prompts, front, beams, parent_at)
 
 
 @dataclass
-class TextTreeDraft:
+class TextTreeDraft(DraftSource):
     """A text head drafting tree levels over free text (see the module doc): ``cache`` (one layer,
     laid out as the target's), and this round's drafted inputs' keys and values and guesses."""
 
@@ -199,9 +191,6 @@ class TextTreeDraft:
         self.values.append(values)
         self.guessed.append(guessed)
         return self.head.vocabulary_log_probs(guessed)
-
-    def feed_last(self, levels: list[Level]) -> None:
-        return None
 
     def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:

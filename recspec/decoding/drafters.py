@@ -1,5 +1,5 @@
 """Drafters: each proposes one level of a round's token tree from the level before it and the
-draft model's log-probabilities at its nodes (the :class:`~recspec.decoding.rounds.Drafter`
+draft model's log-probabilities at its nodes (the :class:`~recspec.decoding.rounds.LevelDrafter`
 interface; :func:`~recspec.decoding.rounds.draft_levels` feeds the draft and stacks the levels).
 
 * :class:`TopNDrafter`: the top ``N`` children (strict verification, atspeed.txt Eq. 1), ranked

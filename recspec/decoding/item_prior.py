@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from recspec.decoding.beams import Beams
 from recspec.decoding.draft_tree import Level
+from recspec.decoding.drafting import DraftSource
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.prompts import Prompts
 from recspec.errors import RecspecError
@@ -200,9 +200,9 @@ class ItemDraft:
 
 
 @dataclass
-class ItemPriorDraft:
+class ItemPriorDraft(DraftSource):
     """The round loop's draft source for an :class:`ItemDraft`
-    (:class:`~recspec.decoding.rounds.DraftSource`): no cache, no features; the item weights of
+    (:class:`~recspec.decoding.drafting.DraftSource`): no cache, no features; the item weights of
     the batch's users are computed once, from their prompts, at :meth:`start`."""
 
     draft: ItemDraft
@@ -220,10 +220,3 @@ class ItemPriorDraft:
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
         return child_log_probs(self.draft.trie, self.mass, levels[-1].nodes, front.users)
-
-    def feed_last(self, levels: list[Level]) -> None:
-        return None
-
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
-               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor | None:
-        return None

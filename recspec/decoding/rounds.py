@@ -4,7 +4,7 @@ relaxed, DSBD), :func:`run_chain` for the chain decoders (speculative sampling, 
 The tree loop is ``draft -> score (one target call) -> verify -> advance / compact``, over two
 small parts:
 
-* a :class:`Drafter` proposes one level of the round's token tree from the level before it and
+* a :class:`LevelDrafter` proposes one level of the round's token tree from the level before it and
   the draft model's log-probabilities there (top-N, sampled, beam-sampled; later a draft head);
 * a :class:`Verifier` turns the scored tree into the new beams, how far each user got and what
   was accepted (strict top-K, relaxed sampling, DSBD's layer verification), says which users are
@@ -35,6 +35,7 @@ from recspec.decoding.chain import Chain
 from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_sources import draft_source
 from recspec.decoding.draft_tree import Level, fed_block
+from recspec.decoding.drafting import DraftSource
 from recspec.decoding.frontier import (Frontier, advance, level_zero, root_frontier, select_users,
                                        settle_frontier)
 from recspec.decoding.prompts import Prompts
@@ -165,7 +166,7 @@ class RoundOutcome:
     counters: dict[str, torch.Tensor]
 
 
-class Drafter(Protocol):
+class LevelDrafter(Protocol):
     """Says how many levels a round drafts and how wide (``widths``: given whether it is the first
     round, the levels left and the round's default count ``drafted``), and proposes the round's
     level ``j`` of ``width`` nodes from level ``j - 1`` (``parent``) and the draft's log-probs at
@@ -195,25 +196,6 @@ class ChainDrafting(Protocol):
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
-class DraftSource(Protocol):
-    """Gives the drafter its log-probabilities (see :mod:`recspec.decoding.draft_sources`)."""
-
-    wants_features: bool
-    feature_layers: tuple[int, ...]  # the target's layers read beside its top feature (layer_features)
-
-    @property
-    def caches(self) -> tuple: ...
-
-    def start(self, prompts: Prompts) -> torch.Tensor | None: ...
-
-    def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor: ...
-
-    def feed_last(self, levels: list[Level]) -> None: ...
-
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
-               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor | None: ...
-
-
 class Verifier(Protocol):
     """Verifies the scored tree (``log_p``, float32 ``[B, M, V]``: the target's log-probs at every
     fed node, levels in order), says which users are done, and which beams go on."""
@@ -226,7 +208,7 @@ class Verifier(Protocol):
 
 
 @dataclass(frozen=True)
-class RoundPlan:
+class RoundShape:
     """What a round drafts: the width of each drafted level, and whether the draft is also fed the
     last level (``feed_last``) so that its cache holds what the target's will."""
 
@@ -241,8 +223,9 @@ class RoundPlan:
         return drafted - (first and root_drafted and drafted > 0) + (self.feed_last and draft_cached)
 
 
-def plan_round(drafter: Drafter, first: bool, root_drafted: bool, remaining: int, gamma: int | None) -> RoundPlan:
-    """The round's :class:`RoundPlan` with ``remaining`` steps left to the shallowest user: by
+def shape_round(drafter: LevelDrafter, first: bool, root_drafted: bool, remaining: int, gamma: int | None
+                ) -> RoundShape:
+    """The round's :class:`RoundShape` with ``remaining`` steps left to the shallowest user: by
     default ``gamma`` levels (None: all but the last remaining step, which the target computes
     from the level before whatever the draft guesses), none in a first round whose draft did not
     draft the root (a head's: the target's prefill gives level 1); the drafter sets the widths."""
@@ -250,11 +233,11 @@ def plan_round(drafter: Drafter, first: bool, root_drafted: bool, remaining: int
     widths = drafter.widths(first, remaining, default) if default else ()
     # a bonus step can leave sequences incomplete: the draft then takes the last level too (not in
     # a first round that drafts nothing: the draft's prefill already holds the root)
-    return RoundPlan(widths, len(widths) < remaining - 1 and (len(widths) > 0 or not first))
+    return RoundShape(widths, len(widths) < remaining - 1 and (len(widths) > 0 or not first))
 
 
 def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | None, front: Frontier,
-                 drafter: Drafter, widths: tuple[int, ...], feed_last: bool) -> list[Level]:
+                 drafter: LevelDrafter, widths: tuple[int, ...], feed_last: bool) -> list[Level]:
     """Levels ``0 .. len(widths)`` of this round's tree, level ``j`` of ``widths[j - 1]`` nodes.
     The draft source gives the log-probs at each level it drafts from (level 0 not in the first
     round: ``root_log_q`` ``[B, 1, V]`` are its prefill's) and, if ``feed_last``, takes the last
@@ -289,7 +272,7 @@ def score_levels(target, start: OpenCache, levels: list[Level], prompts: Prompts
     return next_log_probs(forward_visible(target, start.cache, *block, keep_last=keep)), None
 
 
-def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: Drafter, verifier: Verifier,
+def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: LevelDrafter, verifier: Verifier,
                stats: SpecStats, finish: Callable[[torch.Tensor, Frontier], None]) -> None:
     """Speculative rounds for one batch until every user is finished (see the module doc).
 
@@ -313,7 +296,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     compacted = prompts.input_ids.shape[1]  # the cache width past which positions may be dead
     first = True
     while True:
-        plan = plan_round(drafter, first, root_drafted, space.depth - int(front.depth.min()), gamma)
+        plan = shape_round(drafter, first, root_drafted, space.depth - int(front.depth.min()), gamma)
         users = front.users.cpu()
         own_drafted = drafted_per_row(front.depth, space.depth, len(plan.widths))
         mark = clock.now()

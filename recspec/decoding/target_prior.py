@@ -44,6 +44,7 @@ import torch
 from recspec.decoding.beam_search import TreeCache, beam_decode
 from recspec.decoding.beams import Beams, select_top_k
 from recspec.decoding.draft_tree import Level
+from recspec.decoding.drafting import DraftSource
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import child_log_probs, same_trie
 from recspec.decoding.prompts import Prompts, decode_in_batches
@@ -147,9 +148,9 @@ class TargetPrior:
 
 
 @dataclass
-class TargetPriorDraft:
+class TargetPriorDraft(DraftSource):
     """The round loop's draft source for a :class:`TargetPrior`
-    (:class:`~recspec.decoding.rounds.DraftSource`): no cache, no features; the first round drafts
+    (:class:`~recspec.decoding.drafting.DraftSource`): no cache, no features; the first round drafts
     from the root (``start``: the prior's level-1 distribution, the same for every user)."""
 
     prior: TargetPrior
@@ -163,13 +164,6 @@ class TargetPriorDraft:
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
         return self.prior.log_q(levels[-1].nodes)
-
-    def feed_last(self, levels: list[Level]) -> None:
-        return None
-
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
-               beams: Beams, parent_at: torch.Tensor) -> torch.Tensor | None:
-        return None
 
 
 def save_prior(path: Path, weights: torch.Tensor, fingerprint: dict[str, str], info: dict[str, Any]) -> None:

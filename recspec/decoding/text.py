@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -38,6 +39,7 @@ from recspec.decoding.beams import Beams, sample_step
 from recspec.decoding.chain_drafts import chain_draft
 from recspec.decoding.drafters import ChainDrafter
 from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
+from recspec.decoding.registry import TEXT, Decoder, check_owned, decoder as registered, names, register
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, left_pad, prompt_batches
 from recspec.decoding.rounds import ChainStats, SpecStats, run_chain
 from recspec.decoding.scorer import next_log_probs, prefill
@@ -47,13 +49,12 @@ from recspec.errors import RecspecError
 from recspec.hub import keep_logits_at
 from recspec.models.text_head import TextHeadDraft
 
-METHODS = ("sample", "spec-sample", "topk-imp", "beam-sample", "dsbd")
-#: Methods that need a draft model.
-DRAFTED = ("spec-sample", "topk-imp", "dsbd")
+#: The text decoders' names (registered below, :mod:`recspec.decoding.registry`).
+SAMPLE, SPEC_SAMPLE, TOPK_IMP, BEAM_SAMPLE, DSBD = "sample", "spec-sample", "topk-imp", "beam-sample", "dsbd"
 #: ``gamma`` where a method's fastest differs from :class:`TextOptions`' default (measured with
 #: the H100 text head on this project's CPU: DSBD's third drafted layer is accepted 0.29 of the
 #: time given the second, BENCHMARKS.md "DSBD: tail-only compaction and two drafted layers").
-DEFAULT_GAMMA = {"dsbd": 2}
+DEFAULT_GAMMA = {DSBD: 2}
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,21 @@ class TextOptions:
     threshold: float | None = None
     one_cache: bool = False
     seed: int = 0
+    #: Options only some decoders take (field: how the command line spells it).
+    OWNED: ClassVar[dict[str, str]] = {"draft_stop": "--draft-stop"}
+
+    def check(self, decoder: Decoder) -> None:
+        """Raise :class:`RecspecError` for settings that ``decoder`` cannot serve (before any work)."""
+        self.warp.check()
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 2:
+            raise RecspecError(f"max_new_tokens must be an integer of at least 2, got {self.max_new_tokens!r}")
+        if decoder.drafted and (not isinstance(self.gamma, int) or self.gamma < 1):
+            raise RecspecError(f"gamma must be a positive integer (tokens drafted per round), got {self.gamma!r}")
+        check_lenience(self.lenience)
+        check_owned(self, decoder)
+        if self.draft_stop is not None and not 0.0 < self.draft_stop < 1.0:
+            raise RecspecError(f"draft_stop must lie in (0, 1), got {self.draft_stop!r}")
 
     def dsbd(self) -> DSBDConfig:
         draft_width = self.beams if self.draft_width is None else self.draft_width
@@ -102,30 +118,12 @@ def default_gamma(method: str) -> int:
     return DEFAULT_GAMMA.get(method, TextOptions.gamma)
 
 
-def check_request(method: str, options: TextOptions, has_draft: bool) -> None:
-    """Raise :class:`RecspecError` for settings no text decoder can serve (before any work)."""
-    if method not in METHODS:
-        raise RecspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method in DRAFTED and not has_draft:
-        raise RecspecError(f"method {method} needs a draft model: pass --draft or --draft-layers")
-    options.warp.check()
-    if isinstance(options.max_new_tokens, bool) or not isinstance(options.max_new_tokens, int) \
-            or options.max_new_tokens < 2:
-        raise RecspecError(f"max_new_tokens must be an integer of at least 2, got {options.max_new_tokens!r}")
-    if method in DRAFTED and (not isinstance(options.gamma, int) or options.gamma < 1):
-        raise RecspecError(f"gamma must be a positive integer (tokens drafted per round), got {options.gamma!r}")
-    check_lenience(options.lenience)
-    if options.draft_stop is not None:
-        if method != "spec-sample":
-            raise RecspecError(f"a dynamic draft length (draft_stop) is for spec-sample, not {method}")
-        if not 0.0 < options.draft_stop < 1.0:
-            raise RecspecError(f"draft_stop must lie in (0, 1), got {options.draft_stop!r}")
-    if method == "topk-imp" and options.candidates < 1:
-        raise RecspecError(f"the number of top-K candidates must be positive, got {options.candidates!r}")
-    if method in ("beam-sample", "dsbd") and options.beams < 1:
-        raise RecspecError(f"the number of beams must be positive, got {options.beams!r}")
-    if method == "dsbd":
-        options.dsbd().check(options.max_new_tokens - 1)
+def check_request(method: str, options: TextOptions, has_draft: bool) -> Decoder:
+    """The text decoder ``method``; raise :class:`RecspecError` for settings it cannot serve
+    (before any work)."""
+    spec = registered(method, TEXT)
+    spec.check(options, has_draft)
+    return spec
 
 
 def beam_sample(model, prompts: Prompts, space: FreeText, width: int, warp: Warp,
@@ -170,7 +168,7 @@ def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], option
              eos: int | None, batch_size: int | None = None) -> Generated:
     """Generate from every prompt (1-D token ids, at least 3 tokens) with ``method``; ``draft``: a
     draft causal LM, or a text head bound to ``target`` (:class:`~recspec.models.text_head.TextHeadDraft`)."""
-    check_request(method, options, draft is not None)
+    spec = check_request(method, options, draft is not None)
     if draft is not None:
         check_draft(method, target, draft)
     short = [i for i, prompt in enumerate(prompts) if len(prompt) < 3]
@@ -185,23 +183,65 @@ def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], option
     with torch.inference_mode():
         for batch in prompt_batches(prompts, pad_token_id, device, batch_size):
             space = FreeText(vocab, options.max_new_tokens, eos, device)
-            if method in ("sample", "beam-sample"):
-                width = 1 if method == "sample" else options.beams
-                texts += best_texts(*beam_sample(target, batch, space, width, options.warp, generator), eos)
-            elif method == "dsbd":
-                result = dsbd_batch(target, draft, batch, space, options.beams, options.dsbd(), generator, ends=space)
-                texts += best_texts(result.scores, result.tokens, eos)
-                stats.append(result.stats)
-            else:
-                drafter = ChainDrafter(options.warp, options.gamma, generator,
-                                       options.candidates if method == "topk-imp" else None, options.draft_stop)
-                part_stats = ChainStats.zeros(len(batch.lengths))
-                texts += run_chain(target, chain_draft(draft), batch, drafter, options.lenience,
-                                   options.max_new_tokens, eos, part_stats)
+            part_texts, part_stats = spec.run(target, draft, batch, space, options, generator, eos)
+            texts += part_texts
+            if part_stats is not None:
                 stats.append(part_stats)
     seconds = time.perf_counter() - started
-    merged = None if not stats else (DSBDStats if method == "dsbd" else ChainStats).cat(stats)
+    merged = None if not stats else type(stats[0]).cat(stats)
     return Generated(tokens=texts, stats=merged, seconds=seconds)
+
+
+def _beam_sample_texts(width: int | None):
+    def run(target, draft, batch: Prompts, space: FreeText, options: TextOptions, generator: torch.Generator,
+            eos: int | None) -> tuple[list[list[int]], None]:
+        scores, tokens = beam_sample(target, batch, space, options.beams if width is None else width, options.warp,
+                                     generator)
+        return best_texts(scores, tokens, eos), None
+    return run
+
+
+def _dsbd_texts(target, draft, batch: Prompts, space: FreeText, options: TextOptions, generator: torch.Generator,
+                eos: int | None) -> tuple[list[list[int]], DSBDStats]:
+    result = dsbd_batch(target, draft, batch, space, options.beams, options.dsbd(), generator, ends=space)
+    return best_texts(result.scores, result.tokens, eos), result.stats
+
+
+def _chain_texts(importance: bool):
+    def run(target, draft, batch: Prompts, space: FreeText, options: TextOptions, generator: torch.Generator,
+            eos: int | None) -> tuple[list[list[int]], ChainStats]:
+        drafter = ChainDrafter(options.warp, options.gamma, generator, options.candidates if importance else None,
+                               options.draft_stop)
+        stats = ChainStats.zeros(len(batch.lengths))
+        texts = run_chain(target, chain_draft(draft), batch, drafter, options.lenience, options.max_new_tokens, eos,
+                          stats)
+        return texts, stats
+    return run
+
+
+def _check_candidates(options: TextOptions) -> None:
+    if options.candidates < 1:
+        raise RecspecError(f"the number of top-K candidates must be positive, got {options.candidates!r}")
+
+
+def _check_beams(options: TextOptions) -> None:
+    if options.beams < 1:
+        raise RecspecError(f"the number of beams must be positive, got {options.beams!r}")
+
+
+def _check_dsbd(options: TextOptions) -> None:
+    _check_beams(options)
+    options.dsbd().check(options.max_new_tokens - 1)
+
+
+register(SAMPLE, TEXT, _beam_sample_texts(1), TextOptions, exact=True)
+register(SPEC_SAMPLE, TEXT, _chain_texts(False), TextOptions, drafted=True, exact=True, takes=("draft_stop",))
+register(TOPK_IMP, TEXT, _chain_texts(True), TextOptions, drafted=True, validate=_check_candidates)
+register(BEAM_SAMPLE, TEXT, _beam_sample_texts(None), TextOptions, exact=True, validate=_check_beams)
+register(DSBD, TEXT, _dsbd_texts, TextOptions, drafted=True, exact=True, validate=_check_dsbd)
+#: Every text decoder, and those that need a draft model.
+METHODS = names(TEXT)
+DRAFTED = names(TEXT, drafted=True)
 
 
 def log_likelihood(model, prompts: Sequence[torch.Tensor], outputs: Sequence[Sequence[int]], pad_token_id: int,

@@ -1,5 +1,5 @@
 """Drafting text with a feature-level head (:mod:`recspec.models.text_head`): EAGLE-2's dynamic
-draft trees for :func:`~recspec.knowledge.decode.speculative_generate`.
+draft trees for the text round loop (:mod:`recspec.decoding.text_rounds`).
 
 A request's :class:`HeadSession` keeps the head's KV cache over the inputs ``(f_t, x_{t+1})`` whose
 features are the target's own: the prompt's and every accepted token's, never a draft's. After
@@ -58,9 +58,9 @@ import torch
 
 from recspec.calibration import call_cost
 from recspec.decoding.cost import CallCost, median_seconds
+from recspec.decoding.text_rounds import DraftTree, TextSession
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import DraftSession, RetrievalDrafter
-from recspec.knowledge.retrieval import DraftTree
 from recspec.models.text_head import TextHeadDraft
 
 
@@ -184,9 +184,11 @@ def expansion_floor(collected: torch.Tensor, nodes: int, cost: CallCost | None) 
     return floor
 
 
-class HeadSession:
+class HeadSession(TextSession):
     """One request's head state: its KV cache over ``length`` inputs (positions ``0 .. length - 1``)
     and the target's features handed over since the last proposal."""
+
+    wants_features = True
 
     def __init__(self, head: TextHeadDraft, config: HeadTreeConfig, cost: CallCost | None = None) -> None:
         self.head, self.config, self.cost = head, config, cost
@@ -318,10 +320,12 @@ class HybridDrafter:
         return HybridSession(self.retrieval.session(prompt), self.head.session(prompt))
 
 
-class HybridSession:
+class HybridSession(TextSession):
     """A request's retrieval session and head session side by side: the head observes the
     target's features; retrieval proposes, and the head too unless the head's ``gate`` says the
     retrieved tree is deep enough; the trees are merged."""
+
+    wants_features = True
 
     def __init__(self, retrieval: DraftSession, head: HeadSession) -> None:
         self.retrieval, self.head = retrieval, head

@@ -4,12 +4,12 @@
 target model and tokenizer); :class:`KnowledgeConfig` names what determines the texts (side,
 part, method, verification, token budget, pools); :func:`make_generator` turns both into a
 function from a batch of entities (one, except for batched ``hf``) to their
-:class:`~recspec.knowledge.decode.Generation`; :func:`run_job` runs it over the entities still
+:class:`~recspec.decoding.text_rounds.Generation`; :func:`run_job` runs it over the entities still
 missing from a store.
 
 Methods:
 
-* ``ar``: recspec's plain greedy loop (:func:`~recspec.knowledge.decode.speculative_generate`
+* ``ar``: recspec's plain greedy loop (:func:`~recspec.decoding.text_rounds.speculative_generate`
   without drafts); with ``draft`` (a text head, ``recspec distill --head``) greedy speculative
   decoding drafted by the head's trees (:mod:`recspec.knowledge.head_draft`), the same text;
 * ``hf``: transformers ``generate``, greedy; with ``batch_size`` > 1 a left-padded batch of
@@ -45,9 +45,10 @@ from tqdm.auto import tqdm
 from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.data import load_dataset
 from recspec.decoding.cost import CallCost
+from recspec.decoding.registry import KNOWLEDGE, Decoder, decoder as registered, names, register
+from recspec.decoding.text_rounds import Generation, speculative_generate
 from recspec.errors import RecspecError
-from recspec.knowledge.decode import (Generation, RetrievalDrafter, eos_ids, hf_generate,
-                                      speculative_generate)
+from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
 from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, sized_round_cost
 from recspec.knowledge.pools import PoolSet
 from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
@@ -62,10 +63,10 @@ from recspec.models.head import HEAD_WEIGHTS, head_dir
 from recspec.models.hf import load_causal_lm
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
 
-METHODS = ("ar", "hf", "prompt-lookup", "resd", "laser")
-DRAFTING = ("resd", "laser")
+#: The knowledge decoders' names (registered below, :mod:`recspec.decoding.registry`).
+AR, HF, PROMPT_LOOKUP, RESD, LASER = "ar", "hf", "prompt-lookup", "resd", "laser"
 #: Methods a text head drafts for: greedy speculative decoding (``ar``), and beside retrieval.
-HEAD_METHODS = ("ar", "resd", "laser")
+HEAD_METHODS = (AR, RESD, LASER)
 # Settings a pool store must share with the job that drafts from it (same token ids, prompt wording,
 # entities and streaming split).
 POOL_KEYS = ("model", "prompt_version", "dataset", "split", "side")
@@ -77,7 +78,7 @@ class KnowledgeConfig:
 
     side: str = "user"
     part: str = "new"
-    method: str = "laser"
+    method: str = LASER
     verification: Verification = field(default_factory=lambda: Verification("relaxed"))
     max_new_tokens: int = 128
     grouping: str = "router"
@@ -94,14 +95,13 @@ class KnowledgeConfig:
 
     def __post_init__(self) -> None:
         check_side_part(self.side, self.part)
-        if self.method not in METHODS:
-            raise RecspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        registered(self.method, KNOWLEDGE)
         if self.verification.kind == "sample":
             raise RecspecError("knowledge jobs verify greedy or relaxed; sampled text with a head's trees is "
-                               "`recspec generate --method spec-sample --tree`")
-        if self.verification.kind == "relaxed" and self.method != "laser":
+                               "`recspec generate --decoder spec-sample --tree`")
+        if self.verification.kind == "relaxed" and self.method != LASER:
             raise RecspecError(f"relaxed verification is LASER's; method {self.method} verifies greedily "
-                               f"(use --method laser or --verify greedy)")
+                               f"(use --decoder laser or --verify greedy)")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RecspecError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
         r = self.retrieval
@@ -116,13 +116,16 @@ class KnowledgeConfig:
         if self.draft is not None and self.method not in HEAD_METHODS:
             raise RecspecError(f"--draft (a text head, `recspec distill --head`) drafts for methods "
                                f"{', '.join(HEAD_METHODS)}; method {self.method} does not draft with one")
-        if self.batch_size > 1 and self.method != "hf":
+        if self.batch_size > 1 and self.method != HF:
             raise RecspecError(f"--batch-size batches transformers generate (method hf), for bulk knowledge such as "
                                f"the old-part pools; method {self.method} decodes one request at a time")
 
+    def check(self, decoder: Decoder) -> None:
+        """Nothing more: a knowledge config is checked whole when made (:meth:`__post_init__`)."""
+
     @property
     def pool_grouping(self) -> str:
-        return "global" if self.method == "resd" else self.grouping
+        return "global" if self.method == RESD else self.grouping
 
     def settings(self) -> dict[str, Any]:
         """The method-specific part of a store's settings. Pools and draft limits are recorded only
@@ -136,7 +139,7 @@ class KnowledgeConfig:
                 settings["head_tree"] = self.head_tree.shape()
             if self.pool_grouping != "global":
                 settings["pools"].update(groups=self.groups, min_interactions=self.min_interactions)
-        if self.method == "prompt-lookup":
+        if self.method == PROMPT_LOOKUP:
             settings["prompt_lookup_tokens"] = self.prompt_lookup_tokens
         if self.batch_size > 1:  # padding may change a near-tie, so batched texts are kept apart
             settings["batch_size"] = self.batch_size
@@ -273,13 +276,25 @@ def build_pools(task: KnowledgeTask, config: KnowledgeConfig, pool_texts: dict[i
 def make_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None) -> Generator:
     """A :data:`Generator` for ``config.method`` drafting from ``pools`` (:func:`build_pools`;
     ``hf`` decodes its batch in one ``generate`` call, every other method one request at a time)."""
-    model, budget, eos = task.model, config.max_new_tokens, task.eos
     head = task.head_drafter(config) if config.draft is not None else None
-    if config.method == "ar":
-        return lambda entities, prompts: [speculative_generate(model, p, budget, eos, head) for p in prompts]
-    if config.method in ("hf", "prompt-lookup"):
-        lookup = config.prompt_lookup_tokens if config.method == "prompt-lookup" else None
-        return lambda entities, prompts: hf_generate(model, prompts, budget, eos, lookup)
+    return registered(config.method, KNOWLEDGE).run(task, config, pools, head)
+
+
+def _ar_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
+                  head: HeadDrafter | None) -> Generator:
+    model, budget, eos = task.model, config.max_new_tokens, task.eos
+    return lambda entities, prompts: [speculative_generate(model, p, budget, eos, head) for p in prompts]
+
+
+def _hf_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
+                  head: HeadDrafter | None) -> Generator:
+    lookup = config.prompt_lookup_tokens if config.method == PROMPT_LOOKUP else None
+    return lambda entities, prompts: hf_generate(task.model, prompts, config.max_new_tokens, task.eos, lookup)
+
+
+def _retrieval_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
+                         head: HeadDrafter | None) -> Generator:
+    model, budget, eos = task.model, config.max_new_tokens, task.eos
     if pools is None:
         raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
 
@@ -288,10 +303,21 @@ def make_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet 
         return retrieval if head is None else HybridDrafter(retrieval, head)
 
     def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
-        return [speculative_generate(model, prompt, budget, eos, drafter(entity), config.verification)
+        return [speculative_generate(model, prompt, budget, eos, drafter(entity), config.verification.rule)
                 for entity, prompt in zip(entities, prompts)]
 
     return generate
+
+
+# exact: the target's greedy text (``laser`` verifies LASER's relaxed rule); drafted: from the pools
+register(AR, KNOWLEDGE, _ar_generator, KnowledgeConfig, exact=True)
+register(HF, KNOWLEDGE, _hf_generator, KnowledgeConfig, exact=True)
+register(PROMPT_LOOKUP, KNOWLEDGE, _hf_generator, KnowledgeConfig, exact=True)
+register(RESD, KNOWLEDGE, _retrieval_generator, KnowledgeConfig, drafted=True, exact=True)
+register(LASER, KNOWLEDGE, _retrieval_generator, KnowledgeConfig, drafted=True)
+#: Every knowledge decoder, and those that draft from pools of earlier knowledge.
+METHODS = names(KNOWLEDGE)
+DRAFTING = names(KNOWLEDGE, drafted=True)
 
 
 def local_runner(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,

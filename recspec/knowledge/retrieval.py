@@ -10,7 +10,7 @@ the next shorter suffix and adds that suffix's continuations (merging equal path
 token (laser.txt section 3.3, following Lookahead: long suffixes first for relevance, shorter ones
 to fill the tree).
 
-The result is a :class:`DraftTree` in best-first order (parents before children), which the
+The result is a :class:`~recspec.decoding.text_rounds.DraftTree` in best-first order (parents before children), which the
 decoder turns into a tree-attention forward pass with :mod:`recspec.decoding.tree`.
 """
 
@@ -20,29 +20,11 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from recspec.decoding.text_rounds import DraftTree
 from recspec.knowledge.trie import TokenTrie
 
 MAX_NODES = 64
 MAX_DEPTH = 12
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """``N`` draft nodes: ``tokens[i]`` and ``parents[i]`` in ``[-1, i)`` (``-1``: continues the
-    current text directly); best-first order, so every parent precedes its children."""
-
-    tokens: list[int]
-    parents: list[int]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def longest_branch(self) -> int:
-        """Depth of the deepest node (0 for an empty draft)."""
-        depth = [0] * len(self.parents)
-        for i, parent in enumerate(self.parents):
-            depth[i] = 1 + (depth[parent] if parent >= 0 else 0)
-        return max(depth, default=0)
 
 
 @dataclass(frozen=True)

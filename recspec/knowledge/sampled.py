@@ -1,10 +1,10 @@
 """Exact speculative sampling over a text head's draft trees (``recspec generate --method
 spec-sample --tree``).
 
-Each prompt is decoded alone by :func:`~recspec.knowledge.decode.speculative_generate` with the
+Each prompt is decoded alone by :func:`~recspec.decoding.text_rounds.speculative_generate` with the
 head's EAGLE-2 trees (:class:`~recspec.knowledge.head_draft.HeadDrafter`, each round's tree sized
 by the measured cost model, :func:`tree_drafter`) and sampling verification
-(:mod:`recspec.knowledge.verify`: the target's own draw at every node, from one uniform per text
+(:class:`~recspec.decoding.acceptance.SampledAcceptance`: the target's own draw at every node, from one uniform per text
 position). A level is accepted with the target's probability of the drafted siblings (not
 Leviathan's ``sum min(p, q)`` of one drafted token), a round can accept a whole branch, and the
 texts are draws from the target's warped distribution; for a seed they are the texts of plain
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from recspec.decoding.acceptance import SampledAcceptance
 from recspec.decoding.text import Generated, TextOptions
+from recspec.decoding.text_rounds import Generation, speculative_generate
 from recspec.decoding.warp import Warp
-from recspec.knowledge.decode import Generation, speculative_generate
 from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, sized_round_cost
-from recspec.knowledge.verify import Verification
 from recspec.models.text_head import TextHeadDraft
 
 
@@ -41,8 +41,8 @@ def sample_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, e
     """A text after each prompt (token ids) drawn from ``model``'s distribution warped by ``warp``,
     speculatively with ``drafter``'s trees (None: plain sampling, one token per call)."""
     generator = torch.Generator().manual_seed(seed)
-    verification = Verification("sample", warp=warp)
-    return [speculative_generate(model, prompt, max_new_tokens, eos, drafter, verification, generator)
+    acceptance = SampledAcceptance(warp)
+    return [speculative_generate(model, prompt, max_new_tokens, eos, drafter, acceptance, generator)
             for prompt in prompts]
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from recspec.assets import MANIFEST
+from recspec.decoding.text_rounds import Generation
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_path
-from recspec.knowledge.decode import Generation
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

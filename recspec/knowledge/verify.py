@@ -1,4 +1,6 @@
-"""Verifiers for a token tree scored by the target: pure functions, tensors in, tensors out.
+"""How knowledge generation verifies a drafted token tree: :class:`Verification`, the command's and
+the store's choice among the tree acceptance rules of :mod:`recspec.decoding.acceptance`
+(:class:`~recspec.decoding.acceptance.TreeAcceptance`: pure functions, tensors in, tensors out).
 
 Shapes, for ``B`` rows of ``N`` tree nodes over a vocabulary of ``V``:
 
@@ -44,7 +46,7 @@ decoding). Along the accepted path, the token at position ``t`` is ``F^-1(u_t)``
 warped distribution after the text before it: exactly what plain ancestral sampling by inverse
 transform with the same uniforms emits at ``t``, whatever the tree. The text is therefore a draw
 from the target's warped distribution (the ``u_t`` are independent), and for a given seed the
-same text as plain sampling (:func:`~recspec.knowledge.decode.speculative_generate` without a
+same text as plain sampling (:func:`~recspec.decoding.text_rounds.speculative_generate` without a
 drafter), up to the rounding of a tree call against a one-token call, as for greedy. A node whose
 siblings are ``c_1 .. c_m`` is accepted with probability ``p(c_i)``, so a level is accepted with
 ``sum_i p(c_i)``: the point-mass case of Leviathan's test applied to the siblings in turn
@@ -57,9 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from recspec.decoding.categorical import inverse_transform
+from recspec.decoding.acceptance import GreedyAcceptance, RelaxedAcceptance, SampledAcceptance, TreeAcceptance
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 
@@ -69,7 +69,8 @@ VERIFIERS = ("greedy", "relaxed", "sample")
 @dataclass(frozen=True)
 class Verification:
     """How draft tokens are accepted: ``kind`` greedy, relaxed (with ``top_k`` and ``min_prob``)
-    or sample (from the target's distribution warped by ``warp``)."""
+    or sample (from the target's distribution warped by ``warp``); :attr:`rule` is the acceptance
+    rule the text round loop applies."""
 
     kind: str = "greedy"
     top_k: int = 2
@@ -86,24 +87,12 @@ class Verification:
         if self.kind == "sample":
             self.warp.check()
 
-    def choices(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
-        """int64 ``[B, N]``: the target's own token after each node, its argmax (greedy, relaxed), or
-        (sample) the inverse transform of its warped distribution at ``uniforms`` (float64
-        ``[B, N]`` in ``[0, 1)``, each node's text position's)."""
-        if self.kind != "sample":
-            return logits.argmax(dim=-1)
-        if uniforms is None:
-            raise ValueError("sampling verification needs the uniforms of the nodes' text positions")
-        weights = self.warp(logits).exp()  # [B, N, V]
-        return inverse_transform(weights.flatten(0, 1), uniforms.reshape(-1, 1)).view(uniforms.shape)
-
-    def accept(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
-               choices: torch.Tensor) -> torch.Tensor:
-        """bool ``[B, N]``: which nodes pass this rule given their parent's distribution and the
-        target's :meth:`choices` (the root always passes)."""
+    @property
+    def rule(self) -> TreeAcceptance:
+        """The tree acceptance rule of this ``kind``."""
         if self.kind == "relaxed":
-            return relaxed_accept(tokens, parents, logits, self.top_k, self.min_prob)
-        return chosen_accept(tokens, parents, choices)
+            return RelaxedAcceptance(self.top_k, self.min_prob)
+        return SampledAcceptance(self.warp) if self.kind == "sample" else GreedyAcceptance()
 
     def describe(self) -> str:
         # the rule is spelled out, so a store of the literal Eq. 8 (before the argmax was always kept)
@@ -113,45 +102,3 @@ class Verification:
             return f"sample (T={warp.temperature:g}, top-k {warp.top_k}, top-p {warp.top_p})"
         return ("greedy" if self.kind == "greedy"
                 else f"relaxed (the argmax, or top-{self.top_k} with p > {self.min_prob:g})")
-
-
-def _at_parents(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """``values[b, parents[b, n]]`` for per-node ``values [B, N]`` (the root gets its own)."""
-    return values.gather(1, parents.clamp_min(0))
-
-
-def chosen_accept(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, N]``: ``tokens[b, n] == choices[b, parents[b, n]]`` (the target's own token at the
-    parent, int64 ``[B, N]``); root True."""
-    return (tokens == _at_parents(choices, parents)) | (parents < 0)
-
-
-def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, N]``: ``tokens[b, n] == argmax logits[b, parents[b, n]]`` (Eq. 4); root True."""
-    return chosen_accept(tokens, parents, logits.argmax(dim=-1))
-
-
-def relaxed_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, top_k: int,
-                   min_prob: float) -> torch.Tensor:
-    """bool ``[B, N]``: Eq. 8 as a relaxation of greedy (module docstring): ``tokens[b, n]`` is
-    the greedy token of ``q = softmax(logits[b, parent])``, or it is in the top ``top_k`` of ``q``
-    (probability >= the ``top_k``-th largest) with ``q(token) > min_prob``; root True."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [B, N, V]
-    kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[..., -1]  # [B, N]
-    parent = parents.clamp_min(0)
-    token_prob = probs.flatten(1).gather(1, parent * probs.shape[-1] + tokens)  # [B, N]: q_parent(token)
-    ok = (token_prob >= kth.gather(1, parent)) & (token_prob > min_prob)
-    return ok | greedy_accept(tokens, parents, logits)
-
-
-def accepted_path(accept: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The deepest node whose root path is all accepted: ``(last [B], path [B, N])``.
-
-    ``path[b, n]`` is True for the nodes on that path (root included), so ``path.sum(1) - 1``
-    draft tokens were accepted. Among equally deep candidates the smallest node index wins.
-    """
-    alive = ~(ancestors & ~accept[:, None, :]).any(dim=-1)  # [B, N]: every ancestor accepted
-    depth = ancestors.sum(dim=-1)  # [B, N], 1 for the root
-    last = torch.where(alive, depth, 0).argmax(dim=1)  # first maximum
-    path = ancestors.gather(1, last[:, None, None].expand(-1, 1, ancestors.shape[2]))[:, 0]
-    return last, path

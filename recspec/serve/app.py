@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException
 
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.tokenizer import index_fingerprint
-from recspec.recommend import DecodeOptions, Recommender
+from recspec.recommend import AUTO, DecodeOptions, Recommender
 from recspec.serve.batcher import DynamicBatcher, Overloaded, Pending
 from recspec.serve.metrics import ServiceMetrics
 from recspec.serve.schemas import (DEFAULT_K, ChatChoice, ChatChoiceMessage, ChatCompletionRequest,
@@ -69,7 +69,7 @@ class ServeConfig:
 
     target: Path
     draft: str | None = None
-    decoder: str = "auto"
+    decoder: str = AUTO
     options: DecodeOptions = DecodeOptions()
     device: str = "cpu"
     max_batch: int = 16
@@ -152,7 +152,7 @@ class State:
             "items": service.num_items, "identifier_length": recommender.trie.depth,
             "decoders": service.decoders, "default_decoder": service.decoder, "chat": service.chat,
             "max_history": service.max_history, "device": config.device, "threads": torch.get_num_threads()}
-        if service.decoder == "auto":  # measured before /health says ready, not in the requests
+        if service.decoder == AUTO:  # measured before /health says ready, not in the requests
             for k in config.auto_k:
                 service.check_k(k)
                 service.prepare(k)
@@ -286,7 +286,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def models() -> JSONResponse:
         if state.batcher is None or state.service is None:
             return error_response(503, "loading", "the models are still loading")
-        described = {**state.models, "auto": state.service.auto_choices()}  # auto's choices made so far
+        described = {**state.models, AUTO: state.service.auto_choices()}  # auto's choices made so far
         return JSONResponse({"object": "list", "data": [{"id": state.models["target"], "object": "model",
                                                          **described}]})
 

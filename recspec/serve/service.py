@@ -41,10 +41,12 @@ import torch
 from recspec.auto import Choice, choose
 from recspec.calibration import Memory
 from recspec.data.splits import Examples
+from recspec.decoding.registry import ITEMS, decoder as registered, names
+from recspec.errors import RecspecError
 from recspec.itemids.trie import ItemTrie
 from recspec.models.presets import MAX_POSITIONS
 from recspec.models.tokenizer import identifier_token_ids
-from recspec.recommend import DECODERS, DRAFTED, DecodeOptions, Recommender, run_decoder
+from recspec.recommend import AUTO, DSBD, TREE_BEAM, DecodeOptions, Recommender, run_decoder
 from recspec.serve.schemas import ChatCompletionRequest, RecommendRequest
 
 #: Tries of distinct exclusion sets kept for reuse.
@@ -106,7 +108,7 @@ def fewer_reason(decoder: str, k: int, returned: int) -> str | None:
     the only decoder the service runs that can is ``dsbd`` (module doc)."""
     if returned >= k:
         return None
-    if decoder == "dsbd":
+    if decoder == DSBD:
         return (f"dsbd draws its {k} beams independently, with replacement (DSBD's beam sampling), and "
                 f"{k - returned} of the draws repeated an item, which comes out once; ask a beam decoder "
                 f"(tree-beam, spec-strict) for {k} distinct items")
@@ -122,7 +124,7 @@ class RecommendService:
     and ``options`` for the sampling / speculative decoders; ``max_batch`` sizes ``auto``'s choice;
     ``serving``: never measure inside a request, nor write into the model folders (module doc)."""
 
-    def __init__(self, recommender: Recommender, decoder: str = "auto", options: DecodeOptions = DecodeOptions(),
+    def __init__(self, recommender: Recommender, decoder: str = AUTO, options: DecodeOptions = DecodeOptions(),
                  max_batch: int = 16, serving: bool = False) -> None:
         self.recommender = recommender
         self.options = options
@@ -146,13 +148,15 @@ class RecommendService:
     @property
     def decoders(self) -> list[str]:
         """The decoders the loaded models can run."""
-        return [name for name in DECODERS if name not in DRAFTED or self.recommender.draft is not None]
+        return list(names(ITEMS, drafted=None if self.recommender.draft is not None else False))
 
     def check_decoder(self, name: str | None) -> str:
         name = self.decoder if name is None else name
-        if name not in DECODERS:
-            raise BadRequest(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}", "unknown_decoder")
-        if name in DRAFTED and self.recommender.draft is None:
+        try:
+            spec = registered(name, ITEMS)
+        except RecspecError as err:
+            raise BadRequest(str(err), "unknown_decoder") from None
+        if spec.drafted and self.recommender.draft is None:
             raise BadRequest(f"decoder {name} needs a draft model and the server has none loaded; start it with "
                              f"--draft or ask for one of {', '.join(self.decoders)}", "needs_draft")
         return name
@@ -230,7 +234,7 @@ class RecommendService:
         if not self.serving:
             return self.measure(k, size)
         self.measure_later(k)
-        return Choice("tree-beam", DecodeOptions(), {},
+        return Choice(TREE_BEAM, DecodeOptions(), {},
                       f"auto: tree-beam (no choice measured yet for k={k} at batch {size}; it is made outside "
                       f"the request path)")
 
@@ -291,7 +295,7 @@ class RecommendService:
             raise ValueError("a batch must share one key (k, decoder, exclusions)")
         recommender = self.recommender
         name, options = first.decoder, self.options
-        if name == "auto":
+        if name == AUTO:
             choice = self.choice(first.k, len(queries))
             name, options = choice.decoder, replace(choice.options, seed=self.options.seed)
         started = time.perf_counter()
