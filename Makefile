@@ -4,7 +4,7 @@ VENV := .venv/bin
 DEMO_OUT ?= runs/demo
 DEMO_TRAIN := --dataset ml-100k --ids $(DEMO_OUT)/ml-100k-ids --split loo --epochs 1 --max-train-examples 30000 \
 	--valid-users 128
-DEMO_COMPARE := --target $(DEMO_OUT)/target --draft $(DEMO_OUT)/draft --k 10 --users 200 --repeats 5 --out $(DEMO_OUT)
+DEMO_COMPARE := --target $(DEMO_OUT)/target --draft model:$(DEMO_OUT)/draft --k 10 --users 200 --repeats 5 --out $(DEMO_OUT)
 
 .PHONY: setup setup-test assets demo test test-fast bench
 
@@ -28,7 +28,7 @@ demo: setup assets
 	$(VENV)/recspec train $(DEMO_TRAIN) --preset draft-tiny --out $(DEMO_OUT)/draft
 	$(VENV)/recspec bench compare $(DEMO_COMPARE) --batch-size 1 --name decoders-batch1
 	$(VENV)/recspec bench compare $(DEMO_COMPARE) --batch-size 16 --name decoders-batch16
-	$(VENV)/recspec recommend --target $(DEMO_OUT)/target --draft $(DEMO_OUT)/draft --decoder auto --k 10 \
+	$(VENV)/recspec recommend --target $(DEMO_OUT)/target --draft model:$(DEMO_OUT)/draft --decoder auto --k 10 \
 		--users 200 --batch-size 16 --overwrite --out $(DEMO_OUT)/auto.jsonl
 	$(VENV)/recspec eval --recs $(DEMO_OUT)/auto.jsonl --dataset ml-100k --split loo --k 5 --k 10
 
