@@ -174,5 +174,5 @@ def load_peer(spec: PeerSpec, device: str = "cpu", draft_dir: str | Path | Seque
     models, heads = check_drafts(draft_dir)
     parts = peer_parts(spec)
     check_k(k, parts.encoder.index, spec.index)
-    model = load_safetensors_lm(parts.folder).to(device)
+    model = load_safetensors_lm(parts.folder, device=device)
     return Recommender.from_parts(model, parts.encoder, parts.dataset, parts.info, device, models, heads), parts.notes
