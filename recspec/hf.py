@@ -2,7 +2,7 @@
 
 A generative recommender trained elsewhere (LC-Rec, MiniOneRec style: a causal LM whose tokenizer
 holds the identifier tokens, an index file mapping each item to its tokens) is usually decoded with
-``model.generate(num_beams=K, num_return_sequences=K, prefix_allowed_tokens_fn=...)``. Two ways
+``model.generate(num_beams=K, num_return_sequences=K, prefix_allowed_tokens_fn=...)``. Three ways
 to keep that call:
 
 * :func:`trie_beam_search` returns a callable for transformers 5's ``custom_generate``:
@@ -21,6 +21,16 @@ to keep that call:
   multi-head attention, on the CPU) is called through it by recspec's decoders, bit for bit what
   its own forward computes; ``generate`` itself, and every other model, keep transformers' forward
   (the models are the caller's: :func:`~recspec.accel.accelerate` with ``borrowed``).
+  ``generate``'s arguments and the checkpoint's ``generation_config.json`` hold: the logits
+  processors they make (``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, a
+  caller's ``logits_processor``, ...) apply to the trie-masked scores as transformers applies
+  them, the stopping criteria are asked as transformers asks them, and what cannot be honoured
+  (sampling, group or constrained beam search, ``max_time``, per-step outputs, a criterion that
+  cuts an identifier) is refused in one line (:mod:`recspec.dropin_contract`). Processors and
+  criteria that can act run ``tree-beam`` (or ``beam``) with all of a call's prompts in one batch.
+* :func:`custom_generate_path` is the same decoder as a transformers Hub ``custom_generate``
+  folder: ``model.generate(**inputs, custom_generate=str(custom_generate_path()),
+  trust_remote_code=True, item_index="item_index.json", tokenizer=tokenizer, num_beams=10, ...)``.
 * :class:`TrieConstraint` is a ``LogitsProcessor`` for users who keep transformers' own beam
   search: the trie's allowed tokens as one vectorized mask per step instead of a Python callback
   per beam.
@@ -33,18 +43,24 @@ with it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessor
-from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from recspec.accel import accelerate
+from recspec.decoding.beam_search import PerBeamCache, TreeCache, beam_decode
 from recspec.decoding.beams import TopK
+from recspec.decoding.prompts import decode_in_batches
+from recspec.dropin_contract import (ProcessedSelect, check_items, check_length, mask_outside, needs_checking,
+                                     pad_token_id, refuse_unsupported)
 from recspec.errors import RecspecError
 from recspec.itemids.index import ItemIndex
 from recspec.itemids.trie import ItemTrie
@@ -56,8 +72,6 @@ from recspec.recommend import AUTO, BEAM, SPEC_STRICT, TREE_BEAM, DecodeOptions,
 DROP_IN_DECODERS = (AUTO, TREE_BEAM, BEAM, SPEC_STRICT)
 #: How much faster ``spec-strict`` must be timed than ``tree-beam`` for ``auto`` to choose it.
 PROBE_MARGIN = 0.03
-#: Generation settings the drop-in cannot honour (it returns no per-step tensors, and samples nothing).
-UNSUPPORTED = ("do_sample", "output_logits", "output_attentions", "output_hidden_states")
 logger = logging.getLogger(__name__)
 
 
@@ -94,12 +108,7 @@ class TrieConstraint(LogitsProcessor):
         """``input_ids`` ``[N, prompt + t]``, ``scores`` float ``[N, V]``: the masked scores."""
         if self.trie.device != input_ids.device:
             self.trie = self.trie.to(input_ids.device)
-        trie = self.trie
-        nodes = trie.walk(input_ids[:, self.prompt_length:])
-        allowed = trie.allowed_mask(nodes)
-        if allowed.shape[1] < scores.shape[1]:
-            allowed = torch.nn.functional.pad(allowed, (0, scores.shape[1] - allowed.shape[1]))
-        return scores.masked_fill(~allowed[:, :scores.shape[1]], -torch.inf)
+        return mask_outside(self.trie, self.trie.walk(input_ids[:, self.prompt_length:]), scores)
 
 
 @dataclass(frozen=True)
@@ -123,20 +132,19 @@ class TrieBeamSearch:
         self.tries: dict[torch.device, ItemTrie] = {}
         self.choices: dict[tuple[str, int, int], DropInChoice] = {}
 
-    def __call__(self, model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
-                 generation_config=None, **model_kwargs) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+    def __call__(self, model, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None = None,
+                 stopping_criteria: StoppingCriteriaList | None = None,
+                 generation_config: GenerationConfig | None = None,
+                 **model_kwargs) -> torch.Tensor | GenerateBeamDecoderOnlyOutput | GenerateDecoderOnlyOutput:
         """``input_ids`` ``[B * max(num_beams, num_return_sequences), W]`` as ``generate`` expands
-        them; the best ``num_return_sequences`` items of each prompt, best first."""
+        them; the best ``num_return_sequences`` items of each prompt, best first, as transformers'
+        constrained beam search (greedy search for ``num_beams=1``) returns them, under the
+        call's processors and stopping criteria (:mod:`recspec.dropin_contract`)."""
         config, trie = generation_config, self.trie
-        asked = [name for name in UNSUPPORTED if getattr(config, name, False)]
-        if asked:
-            raise RecspecError(f"trie_beam_search returns items and their scores only; it does not support "
-                               f"{', '.join(asked)}")
+        refuse_unsupported(config)
         k, n = config.num_beams, config.num_return_sequences
         expand, width = max(k, n), input_ids.shape[1]
-        if config.max_length - width < trie.depth:
-            raise RecspecError(f"identifiers take {trie.depth} new tokens; generate allows "
-                               f"{config.max_length - width} (raise max_new_tokens)")
+        check_length(config, width, trie)
         check_vocabulary(model, trie)
         for decoder in (model, self.draft):  # checked once per model; recspec's calls only, never generate's
             if decoder is not None:
@@ -148,16 +156,52 @@ class TrieBeamSearch:
         mask = model_kwargs.get("attention_mask")
         keep = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask[::expand].bool()
         prompts = [row[kept] for row, kept in zip(rows, keep)]  # one per user, left padding dropped
-        pad = config._pad_token_tensor
-        pad_id = int(pad) if pad is not None else int(self.tokenizer.pad_token_id or 0)
-        topk = self.decode(model, prompts, self.tries[device], k, pad_id)
+        pad_id = pad_token_id(config, self.tokenizer)
+        processors = logits_processor if logits_processor is not None else LogitsProcessorList()
+        criteria = stopping_criteria if stopping_criteria is not None and needs_checking(
+            stopping_criteria, config, trie) else None
+        if processors or criteria is not None:
+            topk = self.decode_processed(model, input_ids, prompts, self.tries[device], config, pad_id, processors,
+                                         criteria)
+        else:
+            topk = self.decode(model, prompts, self.tries[device], k, pad_id)
         tokens = topk.tokens[:, :n].reshape(len(prompts) * n, trie.depth)
         sequences = torch.cat((rows.repeat_interleave(n, dim=0), tokens.to(rows.dtype)), dim=1)
         if not config.return_dict_in_generate:
             return sequences
+        if k == 1:  # greedy search's output: no sequence scores
+            return GenerateDecoderOnlyOutput(sequences=sequences)
         scores = topk.scores[:, :n].reshape(-1) / trie.depth ** config.length_penalty
         return GenerateBeamDecoderOnlyOutput(sequences=sequences,
                                              sequences_scores=scores if config.output_scores else None)
+
+    def decode_processed(self, model, input_ids: torch.Tensor, prompts: list[torch.Tensor], trie: ItemTrie,
+                         config: GenerationConfig, pad_id: int, processors: LogitsProcessorList,
+                         criteria: StoppingCriteriaList | None) -> TopK:
+        """Top-``num_beams`` of every prompt under ``generate``'s ``processors`` and ``criteria``
+        (:class:`~recspec.dropin_contract.ProcessedSelect`), by ``tree-beam`` (``beam`` if asked):
+        speculation checks drafts against the model's own log-probs, and all the call's prompts
+        go in one batch, since a processor sees all of ``generate``'s rows (``input_ids``
+        ``[B * K, W]``) at once."""
+        k = config.num_beams
+        names = ", ".join(type(each).__name__ for each in [*processors, *(criteria or [])])
+        if k == 1 and processors:
+            raise RecspecError(f"num_beams=1: greedy search applies the logits processors ({names}) to raw logits, "
+                               f"the drop-in to log-probs as beam search does; use num_beams > 1")
+        if self.decoder == SPEC_STRICT:
+            raise RecspecError(f"decoder={SPEC_STRICT!r} does not apply generate's logits processors or stopping "
+                               f"criteria ({names}); use {TREE_BEAM!r} or {AUTO!r}")
+        if self.batch_size is not None and self.batch_size < len(prompts):
+            raise RecspecError(f"batch_size={self.batch_size} with generate's logits processors or stopping criteria "
+                               f"({names}): they see all {len(prompts)} prompts of a call at once; drop batch_size or "
+                               f"call generate per batch")
+        select = ProcessedSelect(input_ids, processors, criteria,
+                                 keep_scores=bool(config.output_scores and config.return_dict_in_generate))
+        state = partial(PerBeamCache, depth=trie.depth) if self.decoder == BEAM else TreeCache
+        topk = decode_in_batches(partial(beam_decode, state, select=select, root=self.options.expand_root), model,
+                                 prompts, trie, k, pad_id, None)
+        check_items(topk, config.num_return_sequences, processors)
+        return topk
 
     def decode(self, model, prompts: list[torch.Tensor], trie: ItemTrie, k: int, pad_id: int) -> TopK:
         """Top-``k`` of every prompt by the chosen decoder; under ``auto`` with a draft, the first
@@ -233,3 +277,27 @@ def trie_beam_search(index: str | Path | ItemIndex, tokenizer, draft=None, decod
         raise RecspecError(f"batch_size must be at least 1, got {batch_size}")
     return TrieBeamSearch(trie, tokenizer, draft, decoder, DecodeOptions(draft_beams=draft_beams, expand_root=expand_root),
                           batch_size)
+
+
+#: :func:`trie_beam_search`'s options after the index and the tokenizer, which the
+#: ``custom_generate`` folder (:func:`custom_generate_path`) takes as ``generate`` keywords.
+DROP_IN_OPTIONS = tuple(inspect.signature(trie_beam_search).parameters)[2:]
+
+
+def custom_generate_path() -> Path:
+    """The folder to pass as ``generate(custom_generate=..., trust_remote_code=True)``: a
+    transformers Hub ``custom_generate`` repository (``README.md``, ``custom_generate/generate.py``
+    and its ``requirements.txt``) whose ``generate`` builds :func:`trie_beam_search` from the
+    call's ``item_index=`` and ``tokenizer=`` (and :data:`DROP_IN_OPTIONS`) and runs it; copy it
+    to publish it beside a model on the Hub."""
+    return Path(__file__).resolve().parent / "custom_generate_repo"
+
+
+def refuse_streamer(streamer) -> None:
+    """Refuse a ``generate`` streamer, as transformers refuses one with beam search: the drop-in
+    decodes whole items and has no token to stream as it goes. (With the callable,
+    ``generate`` itself consumes the streamer, and puts the prompt, before any
+    ``custom_generate`` callable runs; only the folder sees it.)"""
+    if streamer is not None:
+        raise ValueError("`streamer` cannot be used with recspec's trie beam search, as transformers refuses it with "
+                         "beam search: the items are decoded whole, with no tokens to stream")

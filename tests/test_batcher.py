@@ -97,3 +97,22 @@ def test_a_running_batcher_shortens_the_switch_interval() -> None:
         assert asyncio.run(main()) <= SWITCH_INTERVAL_S < 0.005
     finally:
         sys.setswitchinterval(default)
+
+
+def test_each_batch_is_reported_when_it_starts_and_when_it_is_done() -> None:
+    events: list[tuple[str, float]] = []
+
+    async def main() -> None:
+        batcher = DynamicBatcher(lambda payloads: [events.append(("run", len(payloads))) or p for p in payloads],
+                                 max_batch=4, max_wait_s=0.01, on_batch=lambda size: events.append(("start", size)),
+                                 on_done=lambda seconds: events.append(("done", seconds)))
+        pending = [batcher.submit("k", value) for value in range(6)]
+        batcher.start()
+        await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 5.0)
+        await batcher.stop()
+
+    asyncio.run(main())
+    assert [(name, value) for name, value in events if name != "done"] == [
+        ("start", 4), ("run", 4), ("run", 4), ("run", 4), ("run", 4), ("start", 2), ("run", 2), ("run", 2)]
+    assert [name for name, _ in events if name != "run"] == ["start", "done", "start", "done"]
+    assert all(seconds >= 0 for name, seconds in events if name == "done")

@@ -2,7 +2,8 @@
 transformers' own constrained beam search returns (sequences, order, ``sequences_scores``), and
 :class:`TrieConstraint` constrains transformers' beam search as ``prefix_allowed_tokens_fn``
 does; random models over an index and tokenizer made here, batches of left-padded prompts of
-different lengths, and the ``end_with_eos`` layout; bad input refused in one line."""
+different lengths, the ``end_with_eos`` layout, and ``generate``'s logits processors; bad input
+refused in one line (every setting of ``generate``: tests/test_dropin_contract.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def constrained_generate(model, ids, mask, k: int, n: int, depth: int, **options
                           return_dict_in_generate=True, output_scores=True, **options)
 
 
+def trie_allowed(trie, width: int):
+    """The reference constraint, the LC-Rec way: a ``prefix_allowed_tokens_fn`` giving the trie's
+    children of the suffix generated after ``width`` prompt columns."""
+
+    def allowed(batch_id: int, row: torch.Tensor) -> list[int]:
+        tokens, real = trie.children(trie.walk(row[None, width:]))
+        return tokens[0][real[0]].tolist()
+
+    return allowed
+
+
 def as_topk(out, width: int, users: int, n: int, trie) -> TopK:
     tokens = out.sequences[:, width:]
     return TopK(items=trie.items(trie.walk(tokens)).view(users, n), scores=out.sequences_scores.view(users, n).float(),
@@ -71,13 +83,8 @@ def test_custom_generate_returns_what_constrained_generate_returns(seed, per_lev
     index, tokenizer, model, ids, mask = peer(seed, per_level, items, users=6)
     trie = item_trie(index, tokenizer)
     allowed = TrieConstraint(trie, ids.shape[1])
-
-    def prefix_allowed(batch_id: int, row: torch.Tensor) -> list[int]:  # the LC-Rec way (reference)
-        tokens, real = trie.children(trie.walk(row[None, ids.shape[1]:]))
-        return tokens[0][real[0]].tolist()
-
     reference = constrained_generate(model, ids, mask, k, n, trie.depth, length_penalty=penalty,
-                                     prefix_allowed_tokens_fn=prefix_allowed)
+                                     prefix_allowed_tokens_fn=trie_allowed(trie, ids.shape[1]))
     with_processor = constrained_generate(model, ids, mask, k, n, trie.depth, length_penalty=penalty,
                                           logits_processor=LogitsProcessorList([allowed]))
     ours = constrained_generate(model, ids, mask, k, n, trie.depth, length_penalty=penalty,
@@ -96,6 +103,28 @@ def test_custom_generate_returns_what_constrained_generate_returns(seed, per_lev
                                 custom_generate=trie_beam_search(index, tokenizer, decoder="tree-beam",
                                                                  expand_root=True, batch_size=4))
     assert_same_ranking(as_topk(root, ids.shape[1], len(ids), n, trie), ref)  # the first level in the prompt's call
+
+
+@pytest.mark.parametrize("seed,per_level,items,k", [
+    (3, [3, 10, 10], 250, 8),   # a first level narrower than K: beams filled as transformers fills them
+    (2, [6, 6, 6, 6], 400, 5),
+])
+def test_generates_processors_apply_as_transformers_applies_them(seed, per_level, items, k) -> None:
+    """A repetition penalty, no repeated bigrams and renormalised scores (each changes the
+    answer: the prompts hold identifier tokens) give what constrained ``generate`` gives with
+    them, also under a caller's own ``prefix_allowed_tokens_fn``."""
+    index, tokenizer, model, ids, mask = peer(seed, per_level, items, users=6)
+    trie = item_trie(index, tokenizer)
+    allowed = trie_allowed(trie, ids.shape[1])
+    settings = dict(repetition_penalty=1.5, no_repeat_ngram_size=2, renormalize_logits=True)
+    plain = constrained_generate(model, ids, mask, k, k, trie.depth, prefix_allowed_tokens_fn=allowed)
+    reference = constrained_generate(model, ids, mask, k, k, trie.depth, prefix_allowed_tokens_fn=allowed, **settings)
+    assert not torch.allclose(plain.sequences_scores, reference.sequences_scores)
+    for extra in ({}, dict(prefix_allowed_tokens_fn=allowed)):
+        ours = constrained_generate(model, ids, mask, k, k, trie.depth, **extra, **settings,
+                                    custom_generate=trie_beam_search(index, tokenizer))
+        assert_same_ranking(as_topk(ours, ids.shape[1], len(ids), k, trie),
+                            as_topk(reference, ids.shape[1], len(ids), k, trie))
 
 
 def test_a_multi_head_model_is_called_through_the_lean_forward() -> None:

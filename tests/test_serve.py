@@ -1,7 +1,8 @@
 """`recspec serve` for real: uvicorn in a subprocess on 127.0.0.1 (a free port), httpx as the
 client, models trained here on MovieLens-100K (and, for the chat endpoint, an LLM preset over
-SmolLM2's tokenizer). Results equal `recspec recommend`'s; concurrency, every bad request,
-queue overflow, deadlines, a client that goes away, and SIGTERM with requests in flight."""
+SmolLM2's tokenizer, also through the `openai` client). Results equal `recspec recommend`'s;
+concurrency, every bad request, queue overflow, deadlines, a client that goes away, and SIGTERM
+with requests in flight (decoding in a thread and in a worker process)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 
@@ -104,8 +106,11 @@ def test_answers_equal_the_cli_and_concurrent_clients_are_batched(models, expect
         assert health["status"] == "ready" and len(health["replica"]) == 12
         assert httpx.get(f"{url}/health").json()["replica"] == health["replica"]  # one app, one name
         assert series(httpx.get(f"{url}/metrics").text, "recspec_replica_info", f'replica="{health["replica"]}"') == 1
-        info = httpx.get(f"{url}/v1/models").json()["data"][0]
-        assert info["items"] == 1682 and info["draft"] == [str(draft)] and len(info["target_sha256"]) == 64
+        listed = httpx.get(f"{url}/v1/models")
+        info = listed.json()["data"][0]
+        assert info["id"] == target.name and info["object"] == "model"  # the served name, never a server path
+        assert str(target.parent) not in listed.text and str(draft.parent) not in listed.text
+        assert info["items"] == 1682 and info["draft"] == [draft.name] and len(info["target_sha256"]) == 64
         assert {"tree-beam", "spec-strict", "auto"} <= set(info["decoders"]) and not info["chat"]
         for row in expected[:8]:  # one at a time, each decoder: the CLI's items and scores
             for decoder in ("tree-beam", "beam", "spec-strict", "auto"):
@@ -176,13 +181,14 @@ def test_bad_requests_never_reach_the_model(models, expected) -> None:
             else:
                 response = httpx.post(f"{url}/v1/recommend", json=body)
             assert response.status_code == status, (body if len(str(body)) < 200 else kind, response.text)
-            assert response.json()["error"]["kind"] == kind, response.text
+            error = response.json()["error"]
+            assert error["code"] == error["type"] == kind and set(error) >= {"message", "param"}, response.text
         unknown = httpx.post(f"{url}/v1/recommend", json=cases[0][0]).json()["error"]
         assert unknown["items"] == ["no-such-item", "nor-this"] and "no-such-item" in unknown["message"]
         form = httpx.post(f"{url}/v1/recommend", data={"history": "1"})
-        assert form.status_code == 415 and form.json()["error"]["kind"] == "not_json"
+        assert form.status_code == 415 and form.json()["error"]["code"] == "not_json"
         chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-        assert chat.status_code == 422 and chat.json()["error"]["kind"] == "not_chat"
+        assert chat.status_code == 422 and chat.json()["error"]["code"] == "not_chat"
         assert metric(url, "recspec_batch_size_count") == batches  # nothing was decoded
         assert metric(url, "recspec_errors_total", 'kind="unknown_items"') == 2
         good = httpx.post(f"{url}/v1/recommend", json={"history": history, "k": K})
@@ -201,7 +207,7 @@ def test_a_full_queue_answers_503_and_loses_nothing(models, expected) -> None:
                 assert same_answer(response.json(), row), row["user"]
             else:
                 assert int(response.headers["retry-after"]) >= 1
-                assert response.json()["error"]["kind"] == "overloaded"
+                assert response.json()["error"]["code"] == "overloaded"
         assert metric(url, "recspec_errors_total", 'kind="overloaded"') == codes.count(503)
         assert metric(url, "recspec_queue_depth") == 0
         again = httpx.post(f"{url}/v1/recommend", json=bodies[0])  # the server recovers
@@ -215,7 +221,7 @@ def test_deadlines_and_departed_clients_free_their_slots(models, expected) -> No
     with server(target, "--decoder", "tree-beam", "--max-wait-ms", "3000", "--max-batch", "64") as (url, _):
         started = time.monotonic()
         late = httpx.post(f"{url}/v1/recommend", json={**body, "timeout_ms": 200}, timeout=10)
-        assert late.status_code == 504 and late.json()["error"]["kind"] == "deadline"
+        assert late.status_code == 504 and late.json()["error"]["code"] == "deadline"
         assert time.monotonic() - started < 2.5
         with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s
             httpx.post(f"{url}/v1/recommend", json=body, timeout=0.3)
@@ -230,10 +236,12 @@ def test_deadlines_and_departed_clients_free_their_slots(models, expected) -> No
         assert ok.status_code == 200 and same_answer(ok.json(), expected[0])
 
 
-def test_sigterm_answers_every_request_in_flight(models, expected) -> None:
+@pytest.mark.parametrize("place", ["--no-decode-process", "--decode-process"])
+def test_sigterm_answers_every_request_in_flight(models, expected, place: str) -> None:
     target, _ = models
     # a batch waits up to 1.5 s to fill: SIGTERM comes while all twelve requests are queued
-    with server(target, "--decoder", "tree-beam", "--max-wait-ms", "1500", "--max-batch", "64") as (url, process):
+    with server(target, "--decoder", "tree-beam", "--max-wait-ms", "1500", "--max-batch", "64", place) as (url,
+                                                                                                        process):
         responses = sigterm_while_queued(url, process, expected[:12],
                                          lambda: metric(url, "recspec_queue_depth") == 12)
     assert {r.json()["stats"]["batch_size"] for r in responses} == {12}
@@ -302,6 +310,25 @@ def test_chat_completions_for_an_llm_preset(small_data, smollm2_dir, tmp_path: P
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": [], "n": 5})
         assert bad.status_code == 422
         assert httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "n": 41}).status_code == 422
+        # the openai client: content-part arrays (joined with newlines), the developer role (as system), streaming
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        first, rest = messages[1]["content"].split(". ", 1)
+        parted = [{"role": "developer", "content": LLM_SYSTEM},
+                  {"role": "user", "content": [{"type": "text", "text": first}, {"type": "text", "text": rest}]}]
+        joined = [{"role": "system", "content": LLM_SYSTEM}, {"role": "user", "content": f"{first}\n{rest}"}]
+        got = client.chat.completions.create(model="any-name", messages=parted, n=5)
+        want = httpx.post(f"{url}/v1/chat/completions", json={"messages": joined, "n": 5}, timeout=60).json()
+        assert got.model == "llm" and [c.item for c in got.choices] == [c["item"] for c in want["choices"]]
+        template = recommender.tokenizer.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+        assert got.usage.prompt_tokens == len(recommender.tokenizer(template, add_special_tokens=False)["input_ids"])
+        chunks = list(client.chat.completions.create(model="llm", messages=parted, n=5, stream=True))
+        assert [chunk.choices[0].delta.content for chunk in chunks] == [c.message.content for c in got.choices]
+        assert [chunk.choices[0].index for chunk in chunks] == list(range(5))
+        assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            client.chat.completions.create(model="llm", messages=image, n=5)
+        assert refused.value.code == "invalid" and refused.value.param.startswith("messages.0.content")
 
 
 def test_trie_over_some_items_reports_their_rows(ml100k) -> None:

@@ -50,11 +50,11 @@ def post_raw(url: str, body: bytes, path: str = "/v1/recommend") -> httpx.Respon
 
 
 def refusal(response: httpx.Response, status: int, kind: str) -> str:
-    """The message of a refusal in the service's shape, checked to have ``status`` and ``kind``."""
+    """The message of a refusal in OpenAI's error shape, checked to have ``status`` and ``kind`` (as type and code)."""
     assert response.status_code == status, response.text[:300]
     body = response.json()
-    assert set(body) == {"error"} and {"kind", "message"} <= set(body["error"]), body
-    assert body["error"]["kind"] == kind, body
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    assert body["error"]["type"] == body["error"]["code"] == kind, body
     return body["error"]["message"]
 
 

@@ -33,6 +33,7 @@ def test_user_errors_are_one_line(models) -> None:  # noqa: F811
         (["--engine", "ray", "--replicas", str(too_many)], f"{too_many} workers of 1 CPU(s) and 0 GPU(s) need"),
         (["--engine", "ray", "--replicas", "0"], "--replicas must be at least 1"),
         (["--replicas", "2"], "--replicas counts Ray Serve replicas: use it with --engine ray"),
+        ([*RAY, "--decode-process"], "--decode-process works with --engine local only"),
     ]
     for args, start in cases:
         run = recspec("serve", "--target", str(target), "--threads", "1", "--decoder", "tree-beam", *args)
@@ -47,7 +48,7 @@ def test_sigterm_answers_every_request_in_flight_on_every_replica(models, expect
     with server(target, *RAY, "--decoder", "tree-beam", "--max-wait-ms", "2000", "--max-batch", "64") as (url,
                                                                                                          process):
         refused = httpx.post(f"{url}/v1/recommend", json={"history": expected[0]["history"], "decoder": "spec-strict"})
-        assert refused.status_code == 422 and refused.json()["error"]["kind"] == "needs_draft"
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "needs_draft"
         # /metrics is one replica's: once one has queued some, the rest reach theirs within `settle`
         sigterm_while_queued(url, process, expected[:12], lambda: metric(url, "recspec_queue_depth") > 0, settle=0.3)
 
@@ -66,8 +67,10 @@ def test_health_and_models(ray_server: str, models) -> None:  # noqa: F811
     assert httpx.get(f"{ray_server}/health").json()["status"] == "ready"
     # the server was ready only once the proxy routed to both replicas; /health names the one answering
     assert len({httpx.get(f"{ray_server}/health").json()["replica"] for _ in range(30)}) == 2
-    info = httpx.get(f"{ray_server}/v1/models").json()["data"][0]
-    assert info["items"] == 1682 and info["draft"] == [str(draft)] and info["threads"] == 1
+    listed = httpx.get(f"{ray_server}/v1/models")
+    info = listed.json()["data"][0]
+    assert info["id"] == models[0].name and str(draft.parent) not in listed.text  # served names, never paths
+    assert info["items"] == 1682 and info["draft"] == [draft.name] and info["threads"] == 1
     assert {"tree-beam", "spec-strict"} <= set(info["decoders"]) and info["default_decoder"] == "tree-beam"
 
 
@@ -102,10 +105,10 @@ def test_bad_requests_are_refused_as_by_one_server(ray_server: str, expected) ->
     unknown = httpx.post(url, json={"history": [*history[:2], "no-such-item"], "k": 5})
     assert unknown.status_code == 422 and unknown.json()["error"]["items"] == ["no-such-item"]
     malformed = httpx.post(url, content=b'{"history": ["1", ', headers={"content-type": "application/json"})
-    assert malformed.status_code == 400 and malformed.json()["error"]["kind"] == "malformed_json"
+    assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "malformed_json"
     for body, kind in (({"history": history, "decoder": "fastest"}, "unknown_decoder"),
                        ({"history": history, "k": 0}, "bad_k"), ({"history": []}, "invalid")):
         response = httpx.post(url, json=body)
-        assert response.status_code == 422 and response.json()["error"]["kind"] == kind, response.text
+        assert response.status_code == 422 and response.json()["error"]["code"] == kind, response.text
     good = httpx.post(url, json={"history": history, "k": K}, timeout=60)
     assert good.status_code == 200 and same_answer(good.json(), expected[0])

@@ -1,50 +1,60 @@
 """The HTTP service: a FastAPI app over one :class:`~recspec.serve.service.RecommendService`.
 
-``create_app(config)`` is the ASGI app factory (``uvicorn --factory`` or ``recspec serve``). The
-models load in a thread after start-up, so ``GET /health`` answers at once: 503 ``loading``
-until they are in memory, then 200 ``ready`` (a load that fails is logged and the server asked
-to stop, ``on_failure``); a host that loads them before start-up (``app.state.recspec.load()``,
-as a Ray Serve replica does) starts batching at once. Endpoints: ``POST /v1/recommend``,
-``POST /v1/chat/completions`` (OpenAI-style, for models whose prompts are chat messages),
-``GET /v1/models``, ``GET /metrics``.
+``create_app(config)`` builds the ASGI app (``recspec serve`` runs it under uvicorn). The models
+load in a thread after start-up, so the health checks answer at once: ``GET /health/live`` is 200
+while the process answers; ``GET /health/ready`` (and ``GET /health``, its older name) is 503
+``loading`` until the models are in memory and warm (one decode done), then 200 ``ready``
+(a load that fails is logged and the server asked to stop, ``on_failure``); a host that loads
+them before start-up (``app.state.recspec.load()``, as a Ray Serve replica does) starts
+batching at once. Endpoints: ``POST /v1/recommend``, the OpenAI-style ``POST /v1/completions``
+(a raw prompt) and ``POST /v1/chat/completions`` (for models whose prompts are chat messages),
+both with ``stream: true`` as server-sent events, ``GET /v1/models`` (the served name, never a
+server path), ``GET /metrics``. With ``config.api_key`` every route but the health checks and
+``/metrics`` needs ``Authorization: Bearer KEY`` (:mod:`recspec.serve.access`). The batches
+decode in a thread of this process, or in a worker process (``config.decode_process``:
+:mod:`recspec.serve.worker`).
 
-Every refusal is JSON ``{"error": {"kind": ..., "message": ...}}`` (made by one function,
-:func:`error_response`), decided before any model work: a body that is not JSON (malformed,
-invalid UTF-8, nested deeper than the parser goes: 400), a body over ``max_body_bytes`` (413), a
-body of the wrong shape or types, a string that is not valid Unicode (a lone surrogate) or an
-absurd size (422), unknown or repeated items, a bad ``k`` or decoder (422), a full queue (503 with
-``Retry-After``), a passed deadline (504); an unknown path (404) or method (405) and a failure of
-the server itself (500) have the same shape. An answer with fewer than ``k`` items says why
-(``fewer_reason``: :mod:`recspec.serve.service`).
+Every refusal is OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` (type and
+code: the kind of refusal, the metrics' label; param: the body field at fault, or null), made by
+one function, :func:`error_response`, and decided before any model work: a missing or wrong key
+(401), a body that is not JSON (malformed, invalid UTF-8, nested deeper than the parser goes:
+400), a body over ``max_body_bytes`` (413), a body of the wrong shape or types, a string that is
+not valid Unicode (a lone surrogate) or an absurd size (422), unknown or repeated items, a bad
+``k`` or decoder (422), a full queue (503 with ``Retry-After``), a passed deadline (504); an
+unknown path (404) or method (405) and a failure of the server itself (500) have the same shape.
+An answer with fewer than ``k`` items says why (``fewer_reason``: :mod:`recspec.serve.service`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.tokenizer import index_fingerprint
-from recspec.recommend import AUTO, DecodeOptions, Recommender
+from recspec.recommend import AUTO
+from recspec.serve.access import RequireKey
 from recspec.serve.batcher import DynamicBatcher, Overloaded, Pending
+from recspec.serve.config import ServeConfig, load_service
 from recspec.serve.metrics import ServiceMetrics
-from recspec.serve.schemas import (DEFAULT_K, ChatChoice, ChatChoiceMessage, ChatCompletionRequest,
-                                   ChatCompletionResponse, ChatUsage, RecommendRequest, RecommendResponse,
-                                   RecommendStats)
+from recspec.serve.schemas import (ChatChoice, ChatChoiceMessage, ChatCompletionRequest, ChatCompletionResponse,
+                                   ChatUsage, CompletionChoice, CompletionRequest, CompletionResponse,
+                                   RecommendRequest, RecommendResponse, RecommendStats)
 from recspec.serve.service import Answer, BadRequest, Query, RecommendService
+from recspec.serve.worker import DecodeWorker, WorkerGone
 
 log = logging.getLogger("recspec.serve")
 
@@ -54,39 +64,20 @@ MALFORMED = "the body is not valid JSON; send one JSON object as UTF-8 text"
 #: The kind and message of the refusals the framework makes (FastAPI's HTTPException), by status.
 FRAMEWORK_REFUSALS = {
     400: ("malformed_json", MALFORMED),
-    404: ("not_found", "no such endpoint; the service answers POST /v1/recommend, POST /v1/chat/completions, "
-                       "GET /health, GET /v1/models and GET /metrics"),
+    404: ("not_found", "no such endpoint; the service answers POST /v1/recommend, POST /v1/completions, "
+                       "POST /v1/chat/completions, GET /v1/models, GET /health/live, GET /health/ready and "
+                       "GET /metrics"),
     405: ("method_not_allowed", "this endpoint does not take that method; see GET /docs"),
 }
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """What ``recspec serve`` takes: the model folders, the default decoder and its options, the
-    batching limits (``max_batch`` 1 serves one request at a time), the request deadline and body
-    limit, torch threads (None: leave torch's default), and the values of ``k`` an ``auto`` server
-    makes its choices for before it is ready (``auto_k``; others are measured in the background)."""
-
-    target: Path
-    draft: str | None = None
-    decoder: str = AUTO
-    options: DecodeOptions = DecodeOptions()
-    device: str = "cpu"
-    max_batch: int = 16
-    max_wait_ms: float = 5.0
-    max_queue: int = 256
-    timeout_s: float = 30.0
-    max_body_bytes: int = 1 << 20
-    threads: int | None = None
-    auto_k: tuple[int, ...] = (DEFAULT_K,)
-    on_failure: Callable[[BaseException], None] = field(default=lambda err: None, compare=False)
-
-
 def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None,
-                   **extra: Any) -> JSONResponse:
-    """The service's one error body, ``{"error": {"kind", "message", ...extra}}``, with ``status``:
-    every refusal and failure is made here, so its shape is decided in one place."""
-    return JSONResponse({"error": {"kind": kind, "message": message, **extra}}, status, headers=headers)
+                   param: str | None = None, **extra: Any) -> JSONResponse:
+    """The service's one error body, OpenAI's ``{"error": {"message", "type", "param", "code",
+    ...extra}}`` (``kind`` as both type and code), with ``status``: every refusal and failure is
+    made here, so its shape is decided in one place."""
+    body = {"message": message, "type": kind, "param": param, "code": kind, **extra}
+    return JSONResponse({"error": body}, status, headers=headers)
 
 
 class BodyLimit:
@@ -126,12 +117,14 @@ class BodyLimit:
 
 
 class State:
-    """What the endpoints share: the config, the metrics, and, once loaded, the service and its
-    batcher; the request path from body to answer or refusal."""
+    """What the endpoints share: the config, the metrics, and, once loaded, the service (which
+    checks and parses requests), the decode (its own, or a worker process's) and the batcher; the
+    request path from body to answer or refusal."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.service: RecommendService | None = None
+        self.worker: DecodeWorker | None = None
         self.batcher: DynamicBatcher[Query, Answer] | None = None
         self.failure: BaseException | None = None
         self.models: dict[str, Any] = {}
@@ -139,28 +132,64 @@ class State:
         self.metrics = ServiceMetrics(self.replica)
 
     def load(self) -> None:
-        """Load the models (in a worker thread) and describe them for /v1/models."""
+        """Load the models (off the event loop) and warm them up, here or in a decode worker
+        process, and describe them for /v1/models (names, never paths)."""
         config = self.config
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        recommender = Recommender.load(config.target, device=config.device, draft_dir=config.draft, folder_only=True)
-        service = RecommendService(recommender, config.decoder, config.options, config.max_batch, serving=True)
+        worker = DecodeWorker(config) if config.decode_process else None
+        try:
+            if worker is not None:
+                worker.start()  # it loads while this process loads its own parsing copy
+            service = load_service(config, decoding=worker is None)
+            if worker is not None:
+                worker.wait_ready()
+            else:
+                service.warm_up(config.auto_k[0])
+        except BaseException:
+            if worker is not None:
+                worker.close()
+            raise
+        recommender = service.recommender
         self.models = {
-            "target": str(recommender.folder), "target_sha256": weights_fingerprint(recommender.folder),
-            "draft": recommender.draft_names,
+            "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "recspec",
+            "target_sha256": weights_fingerprint(recommender.folder),
+            "draft": [Path(name).name for name in recommender.draft_names],
             "index_fingerprint": index_fingerprint(recommender.index),
             "items": service.num_items, "identifier_length": recommender.trie.depth,
             "decoders": service.decoders, "default_decoder": service.decoder, "chat": service.chat,
-            "max_history": service.max_history, "device": config.device, "threads": torch.get_num_threads()}
-        if service.decoder == AUTO:  # measured before /health says ready, not in the requests
-            for k in config.auto_k:
-                service.check_k(k)
-                service.prepare(k)
-        self.service = service
+            "max_history": service.max_history, "device": config.device,
+            "threads": worker.threads if worker is not None else torch.get_num_threads(),
+            "decode_process": worker is not None}
+        self.service, self.worker = service, worker
+
+    def decode(self, queries: list[Query]) -> list[Answer]:
+        """Decode one batch (the batcher's thread): in the worker process, or here. A worker that
+        has exited fails the service, which is then stopped (``on_failure``)."""
+        assert self.service is not None
+        if self.worker is None:
+            return self.service.decode(queries)
+        try:
+            return self.worker.decode(queries)
+        except WorkerGone as err:
+            self.failure = err
+            log.error("recspec serve: %s; stopping", err)
+            self.config.on_failure(err)
+            raise
+
+    async def auto_choices(self) -> list[dict[str, Any]]:
+        """``auto``'s choices made so far, where the decoding runs."""
+        assert self.service is not None
+        if self.worker is None:
+            return self.service.auto_choices()
+        return await asyncio.to_thread(self.worker.auto_choices)
+
+    @property
+    def ready(self) -> bool:
+        """Whether requests are taken: the models loaded and warm, batching, nothing failed."""
+        return self.batcher is not None and self.failure is None
 
     async def start(self) -> None:
         """Load the models off the event loop (unless :meth:`load` ran before), then start
-        batching; a failed load is reported (``config.on_failure``) and /health says so."""
+        batching; a failed load is reported (``config.on_failure``) and /health/ready says so."""
         config, metrics = self.config, self.metrics
         try:
             if self.service is None:
@@ -170,33 +199,41 @@ class State:
             log.error("recspec serve: could not load the models: %s", err)
             config.on_failure(err)
             return
-        assert self.service is not None
-        self.batcher = DynamicBatcher(self.service.decode, config.max_batch, config.max_wait_ms / 1e3,
-                                      config.max_queue, on_queue=metrics.queue_depth.set,
-                                      on_batch=metrics.batch_size.observe)
+        self.batcher = DynamicBatcher(self.decode, config.max_batch, config.max_wait_ms / 1e3, config.max_queue,
+                                      on_queue=metrics.queue_depth.set, on_batch=metrics.batch_started,
+                                      on_done=metrics.batch_done)
         self.batcher.start()
         log.info("recspec serve: ready (%s)", self.models)
 
+    async def stop(self) -> None:
+        """Stop batching (after the batch in flight) and the decode worker, if any."""
+        if self.batcher is not None:
+            await self.batcher.stop()
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.close)
+
     def refuse(self, endpoint: str | None, status: int, kind: str, message: str,
-               headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+               headers: dict[str, str] | None = None, param: str | None = None, **extra: Any) -> JSONResponse:
         """The refusal of a request, counted by kind and, for an ``endpoint`` of the service, by status."""
         self.metrics.errors.labels(kind).inc()
         if endpoint is not None:
             self.metrics.requests.labels(endpoint, str(status)).inc()
-        return error_response(status, kind, message, headers, **extra)
+        return error_response(status, kind, message, headers, param, **extra)
 
     async def answer(self, request: Request, endpoint: str, parse: Callable[[RecommendService], Query],
                      respond: Callable[[Query, Answer, RecommendStats], Any]) -> Any:
         """Parse, queue, await the answer (or the deadline, or the client's going away); the
         response ``respond`` makes of the query, its answer and its statistics, or the refusal."""
         arrived = time.perf_counter()
-        if self.batcher is None or self.service is None:
-            return self.refuse(endpoint, 503, "loading", "the models are still loading", {"Retry-After": "1"})
+        if not self.ready or self.batcher is None or self.service is None:
+            return self.refuse(endpoint, 503, "loading" if self.failure is None else "failed",
+                               "the models are still loading" if self.failure is None else
+                               "the service failed and is stopping", {"Retry-After": "1"})
         try:
             query = parse(self.service)
         except BadRequest as err:
             extra = {} if err.items is None else {"items": err.items}
-            return self.refuse(endpoint, err.status, err.kind, str(err), **extra)
+            return self.refuse(endpoint, err.status, err.kind, str(err), param=err.param, **extra)
         try:
             pending = self.batcher.submit(query.key, query)
         except Overloaded as err:
@@ -244,8 +281,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         loader = asyncio.get_running_loop().create_task(state.start())
         yield
         loader.cancel()
-        if state.batcher is not None:
-            await state.batcher.stop()
+        await state.stop()
 
     app = FastAPI(title="recspec", summary="Exact top-K recommendation with speculative decoding",
                   lifespan=lifespan)
@@ -261,6 +297,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         first = errors[0] if errors else {}
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
         return state.refuse(None, 422, "invalid", f"{where or 'body'}: {first.get('msg', 'invalid')}",
+                            param=where or None,
                             details=[{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in errors])
 
     @app.exception_handler(HTTPException)
@@ -274,21 +311,26 @@ def create_app(config: ServeConfig) -> FastAPI:
         """A failure of the server itself (uvicorn logs the traceback)."""
         return state.refuse(None, 500, "internal", "the server failed on this request; its log says why")
 
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """Liveness: the process answers (a failed load stops it)."""
+        return JSONResponse({"status": "live", "replica": state.replica})
+
+    @app.get("/health/ready")
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once the models are loaded and warm, 503 while loading or once failed."""
         if state.failure is not None:
             return JSONResponse({"status": "failed", "error": str(state.failure)}, 503)
-        if state.batcher is None:
+        if not state.ready or state.batcher is None:
             return JSONResponse({"status": "loading"}, 503)
         return JSONResponse({"status": "ready", "queue": len(state.batcher.queue), "replica": state.replica})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        if state.batcher is None or state.service is None:
-            return error_response(503, "loading", "the models are still loading")
-        described = {**state.models, AUTO: state.service.auto_choices()}  # auto's choices made so far
-        return JSONResponse({"object": "list", "data": [{"id": state.models["target"], "object": "model",
-                                                         **described}]})
+        if not state.ready:
+            return state.refuse(None, 503, "loading", "the models are still loading", {"Retry-After": "1"})
+        return JSONResponse({"object": "list", "data": [{**state.models, AUTO: await state.auto_choices()}]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -304,22 +346,71 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        def respond(query: Query, result: Answer, stats: RecommendStats) -> ChatCompletionResponse:
+        def respond(query: Query, result: Answer, stats: RecommendStats) -> Any:
             choices = [ChatChoice(index=i, message=ChatChoiceMessage(content=identifier), item=item, score=score)
-                       for i, (item, score, identifier) in enumerate(zip(result.items, result.scores,
-                                                                         result.identifiers))]
-            length = int(query.prompt.numel())
-            completion = len(choices) * int(state.models["identifier_length"])
-            return ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                                          model=body.model or state.models["target"], choices=choices,
-                                          usage=ChatUsage(prompt_tokens=length, completion_tokens=completion,
-                                                          total_tokens=length + completion),
-                                          decoder=result.decoder, fewer_reason=result.fewer_reason, stats=stats)
+                       for i, (item, score, identifier) in ranked(result)]
+            answer = ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                            model=config.model_name, choices=choices, usage=usage(query, choices),
+                                            decoder=result.decoder, fewer_reason=result.fewer_reason, stats=stats)
+            if not body.stream:
+                return answer
+            return event_stream(stream_head(answer, "chat.completion.chunk"),
+                                [{"index": c.index, "delta": c.message.model_dump(), "finish_reason": "stop",
+                                  "item": c.item, "score": c.score} for c in choices])
 
         return await state.answer(request, "chat", lambda service: service.parse_chat(body), respond)
 
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def complete(body: CompletionRequest, request: Request) -> Any:
+        def respond(query: Query, result: Answer, stats: RecommendStats) -> Any:
+            choices = [CompletionChoice(index=i, text=identifier, item=item, score=score)
+                       for i, (item, score, identifier) in ranked(result)]
+            answer = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                        model=config.model_name, choices=choices, usage=usage(query, choices),
+                                        decoder=result.decoder, fewer_reason=result.fewer_reason, stats=stats)
+            if not body.stream:
+                return answer
+            return event_stream(stream_head(answer, "text_completion"), [choice.model_dump() for choice in choices])
+
+        return await state.answer(request, "completions", lambda service: service.parse_completion(body), respond)
+
+    def usage(query: Query, choices: Sequence[Any]) -> ChatUsage:
+        """Tokens of the prompt and of the items' identifiers answered."""
+        length = int(query.prompt.numel())
+        completion = len(choices) * int(state.models["identifier_length"])
+        return ChatUsage(prompt_tokens=length, completion_tokens=completion, total_tokens=length + completion)
+
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    if config.api_key:
+        def unauthorized(presented: bool) -> JSONResponse:
+            message = ("the API key is wrong" if presented else
+                       "this server needs an API key: send the header Authorization: Bearer <key>")
+            return state.refuse(None, 401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
+
+        app.add_middleware(RequireKey, key=config.api_key, refuse=unauthorized)  # outermost: checked first
     return app
+
+
+def ranked(result: Answer) -> Iterator[tuple[int, tuple[str, float, str]]]:
+    """An answer's items best first: ``(rank, (item, score, identifier))``."""
+    return enumerate(zip(result.items, result.scores, result.identifiers))
+
+
+def stream_head(answer: ChatCompletionResponse | CompletionResponse, kind: str) -> dict[str, Any]:
+    """What every streamed event of ``answer`` repeats (OpenAI's chunk fields of ``kind``)."""
+    return {"id": answer.id, "object": kind, "created": answer.created, "model": answer.model,
+            "decoder": answer.decoder, "fewer_reason": answer.fewer_reason}
+
+
+def event_stream(head: dict[str, Any], choices: list[dict[str, Any]]) -> StreamingResponse:
+    """An answer as server-sent events, as OpenAI streams one: an event per item (``head`` with that
+    item's choice), then ``data: [DONE]``."""
+    def events() -> Iterator[str]:
+        for choice in choices:
+            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _queued_s(pending: Pending) -> float:

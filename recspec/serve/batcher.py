@@ -10,10 +10,11 @@ load sustains; every batch takes all the queued requests of its key, so the size
 the load does. The batch decodes in one dedicated thread (``run`` is synchronous; torch releases
 the GIL in its kernels), so the event loop keeps accepting requests and answering ``/health``
 and ``/metrics`` meanwhile, and batches never overlap on the cores. The two threads share the
-GIL: a decode bound by Python work (on a GPU, whose kernels run asynchronously, the decode thread
-is busy launching them) would keep the event loop waiting up to the interpreter's switch interval
-(5 ms by default) each time it wants to run, which on a GPU cost more per request than the decode
-itself (BENCHMARKS.md, "Serving"); :meth:`DynamicBatcher.start` lowers the interval to
+GIL (unless ``run`` only waits on a decode worker process, ``recspec serve --decode-process``:
+:mod:`recspec.serve.worker`): a decode bound by Python work (on a GPU, whose kernels run
+asynchronously, the decode thread is busy launching them) would keep the event loop waiting up
+to the interpreter's switch interval (5 ms by default) each time it wants to run, which on a GPU
+cost more per request than the decode itself; :meth:`DynamicBatcher.start` lowers the interval to
 :data:`SWITCH_INTERVAL_S`.
 
 Backpressure: :meth:`DynamicBatcher.submit` refuses a request when ``max_queue`` wait already
@@ -60,16 +61,19 @@ class Pending(Generic[Payload]):
 
 
 class DynamicBatcher(Generic[Payload, Result]):
-    """``run(payloads) -> results`` (one result per payload, same order) over batches of one key."""
+    """``run(payloads) -> results`` (one result per payload, same order) over batches of one key;
+    ``on_queue(depth)`` when the queue changes, ``on_batch(size)`` when a batch starts decoding,
+    ``on_done(seconds)`` when it is decoded or failed."""
 
     def __init__(self, run: Callable[[list[Payload]], Sequence[Result]], max_batch: int = 16,
                  max_wait_s: float = 0.005, max_queue: int = 256,
                  on_queue: Callable[[int], None] = lambda depth: None,
-                 on_batch: Callable[[int], None] = lambda size: None) -> None:
+                 on_batch: Callable[[int], None] = lambda size: None,
+                 on_done: Callable[[float], None] = lambda seconds: None) -> None:
         if max_batch < 1 or max_queue < 1 or max_wait_s < 0:
             raise ValueError("max_batch and max_queue must be at least 1, max_wait_s at least 0")
         self.run, self.max_batch, self.max_wait_s, self.max_queue = run, max_batch, max_wait_s, max_queue
-        self.on_queue, self.on_batch = on_queue, on_batch
+        self.on_queue, self.on_batch, self.on_done = on_queue, on_batch, on_done
         self.queue: deque[Pending[Payload]] = deque()
         self.seconds_per_batch = 0.1  # running estimate, for Retry-After
         self.last_size: dict[Hashable, int] = {}  # per key, the size of its last batch: how many to wait for
@@ -164,7 +168,9 @@ class DynamicBatcher(Generic[Payload, Result]):
                         pending.future.set_exception(err)
                 continue
             finally:
-                self.seconds_per_batch = 0.8 * self.seconds_per_batch + 0.2 * (time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self.seconds_per_batch = 0.8 * self.seconds_per_batch + 0.2 * seconds
+                self.on_done(seconds)
             for pending, result in zip(batch, results):
                 if not pending.future.done():
                     pending.future.set_result(result)

@@ -1,7 +1,8 @@
 """Prometheus metrics of one service (its own registry, so two apps in one process never mix):
-requests by endpoint and status, errors by kind, queue depth, batch sizes, latency, the
-speculative decoders' acceptance (drafted and accepted steps, target calls), and which replica
-they are (``recspec_replica_info{replica=...}``, the id ``/health`` names)."""
+requests by endpoint and status, errors by kind, queue depth, the requests of the batch being
+decoded, batch sizes and decode seconds, latency, the speculative decoders' acceptance (drafted
+and accepted steps, target calls), and which replica they are (``recspec_replica_info{replica=...}``,
+the id ``/health`` names). Every metric declared here is set by the service."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class ServiceMetrics:
+    """The metrics of one replica (module doc)."""
+
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, replica: str) -> None:
@@ -43,6 +46,16 @@ class ServiceMetrics:
                                 "(acceptance = accepted / drafted)", registry=registry)
         self.target_calls = Counter("recspec_target_calls", "Target forward calls per request, summed",
                                     registry=registry)
+
+    def batch_started(self, size: int) -> None:
+        """A batch of ``size`` requests starts decoding."""
+        self.batch_size.observe(size)
+        self.in_flight.set(size)
+
+    def batch_done(self, seconds: float) -> None:
+        """The batch in flight is decoded (or failed) after ``seconds``."""
+        self.in_flight.set(0)
+        self.decode_seconds.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text format of every metric."""

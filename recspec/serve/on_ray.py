@@ -36,7 +36,8 @@ from fastapi import FastAPI
 from recspec.ready import wait_until_ready
 from recspec.cluster.runtime import Workers, connect
 from recspec.errors import RecspecError
-from recspec.serve.app import ServeConfig, create_app
+from recspec.serve.app import create_app
+from recspec.serve.config import ServeConfig
 
 log = logging.getLogger("recspec.serve")
 

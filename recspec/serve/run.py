@@ -29,7 +29,8 @@ from dataclasses import replace
 
 import uvicorn
 
-from recspec.serve.app import ServeConfig, create_app
+from recspec.serve.app import create_app
+from recspec.serve.config import ServeConfig
 from recspec.serve.listen import address
 
 #: Connections kept open at most, where the file limit allows as many.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 #: The most items a history or an exclusion list may name (a request larger than this is refused).
 MAX_LIST = 10_000
@@ -22,6 +22,9 @@ DEFAULT_K = 10
 
 #: The largest ``k`` (in magnitude) a request may name; the service checks the others against the catalogue.
 MAX_K = 2**31 - 1
+
+#: The longest raw prompt /v1/completions takes, in characters (the model's positions bound it further).
+MAX_PROMPT_CHARS = 1_000_000
 
 #: The longest deadline a request may ask for (a day, in milliseconds); the server's ``--timeout-s``
 #: bounds it further.
@@ -90,25 +93,63 @@ class RecommendResponse(BaseModel):
     stats: RecommendStats
 
 
-class ChatMessage(BaseModel):
+class TextPart(BaseModel):
+    """One part of an OpenAI content-part array; only text parts carry what this service reads."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    type: Literal["text"]
+    text: Text
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI-style: ``messages`` rendered by the tokenizer's chat template with the assistant turn
-    opened; ``n`` is K, one choice per item. Other OpenAI fields (temperature, max_tokens, ...) are
+#: Roles of a chat message. OpenAI's ``developer`` is its newer name for ``system`` (the
+#: instructions of whoever deploys the model): the chat template is given it as ``system``.
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+class ChatMessage(BaseModel):
+    """A message as OpenAI defines it: ``content`` a string or an array of text parts (joined with
+    newlines, as vLLM does); ``name`` and other fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    content: Text | list[TextPart] = Field(union_mode="left_to_right")
+
+    def text(self) -> str:
+        """The message's text: its content, or its text parts joined with newlines."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as a chat template takes it (``developer`` as ``system``)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class OpenAIRequest(BaseModel):
+    """What /v1/chat/completions and /v1/completions share: ``model`` (any name; the answer names
+    the served one), ``n`` is K (one choice per item), ``stream`` answers as server-sent events (one
+    event per item, then ``[DONE]``). Other OpenAI fields (temperature, max_tokens, ...) are
     accepted and ignored: the answer is always the exact top-``n`` (or the server's decoder)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     n: Count = DEFAULT_K
+    stream: StrictBool = False
     decoder: Text | None = None
     timeout_ms: TimeoutMs | None = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    """``messages`` rendered by the tokenizer's chat template with the assistant turn opened."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+
+
+class CompletionRequest(OpenAIRequest):
+    """``prompt``: raw text, tokenized as it stands (no chat template, no special tokens added)."""
+
+    prompt: Text = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
 
 
 class ChatChoiceMessage(BaseModel):
@@ -138,6 +179,29 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
+    usage: ChatUsage
+    decoder: str
+    fewer_reason: str | None = Field(default=None, description=FEWER_REASON)
+    stats: RecommendStats
+
+
+class CompletionChoice(BaseModel):
+    """One item of /v1/completions: its identifier as the text, its raw id and score."""
+
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop"] = "stop"
+    item: str
+    score: float
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
     usage: ChatUsage
     decoder: str
     fewer_reason: str | None = Field(default=None, description=FEWER_REASON)

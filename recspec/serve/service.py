@@ -1,8 +1,8 @@
 """The models behind the service: request checks, prompts, and one batched decode per group.
 
-:class:`RecommendService` is synchronous and knows nothing of HTTP: ``parse`` / ``parse_chat``
-turn a validated body into a :class:`Query` (a prompt, ``k``, a decoder and excluded items) or
-raise :class:`BadRequest` before any model work; ``decode`` runs queries that share
+:class:`RecommendService` is synchronous and knows nothing of HTTP: ``parse`` / ``parse_chat`` /
+``parse_completion`` turn a validated body into a :class:`Query` (a prompt, ``k``, a decoder and
+excluded items) or raise :class:`BadRequest` before any model work; ``decode`` runs queries that share
 :attr:`Query.key` as one left-padded batch through one decoder (the batcher calls it from its
 decode thread). Exclusions are exact: the search runs over a trie of the catalogue without those
 items (kept in a small LRU cache), so a request with ``exclude`` gets what the decoder returns
@@ -47,7 +47,7 @@ from recspec.itemids.trie import ItemTrie
 from recspec.models.presets import MAX_POSITIONS
 from recspec.models.tokenizer import identifier_token_ids
 from recspec.recommend import AUTO, DSBD, TREE_BEAM, DecodeOptions, Recommender, run_decoder
-from recspec.serve.schemas import ChatCompletionRequest, RecommendRequest
+from recspec.serve.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest, RecommendRequest
 
 #: Tries of distinct exclusion sets kept for reuse.
 EXCLUDE_TRIES = 64
@@ -60,12 +60,12 @@ log = logging.getLogger("recspec.serve")
 
 class BadRequest(Exception):
     """A request the models cannot answer: ``status`` (422 unless said), ``kind`` (the metrics
-    label), a one-line message and, for unknown items, the ids."""
+    label), a one-line message, the body field it concerns (``param``) and, for unknown items, the ids."""
 
-    def __init__(self, message: str, kind: str = "invalid", status: int = 422,
-                 items: list[str] | None = None) -> None:
+    def __init__(self, message: str, kind: str = "invalid", status: int = 422, items: list[str] | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.kind, self.status, self.items = kind, status, items
+        self.kind, self.status, self.items, self.param = kind, status, items, param
 
 
 @dataclass(frozen=True)
@@ -155,18 +155,18 @@ class RecommendService:
         try:
             spec = registered(name, ITEMS)
         except RecspecError as err:
-            raise BadRequest(str(err), "unknown_decoder") from None
+            raise BadRequest(str(err), "unknown_decoder", param="decoder") from None
         if spec.drafted and self.recommender.draft is None:
             raise BadRequest(f"decoder {name} needs a draft model and the server has none loaded; start it with "
-                             f"--draft or ask for one of {', '.join(self.decoders)}", "needs_draft")
+                             f"--draft or ask for one of {', '.join(self.decoders)}", "needs_draft", param="decoder")
         return name
 
-    def check_k(self, k: int, excluded: int = 0) -> None:
-        """Refuse ``k`` outside [1, the items left after ``excluded`` are taken out]."""
+    def check_k(self, k: int, excluded: int = 0, param: str = "k") -> None:
+        """Refuse ``k`` (the body's field ``param``) outside [1, the items left after ``excluded`` are taken out]."""
         available = self.num_items - excluded
         if not 1 <= k <= available:
-            raise BadRequest(f"k={k} is outside [1, {available}]: the catalogue has {self.num_items} items"
-                             + (f", {excluded} excluded" if excluded else ""), "bad_k")
+            raise BadRequest(f"{param}={k} is outside [1, {available}]: the catalogue has {self.num_items} items"
+                             + (f", {excluded} excluded" if excluded else ""), "bad_k", param=param)
 
     def parse(self, request: RecommendRequest) -> Query:
         """A recommend body as a :class:`Query`; unknown or duplicate ids, a bad ``k`` or decoder raise."""
@@ -174,12 +174,13 @@ class RecommendService:
             repeated = _duplicates(ids)
             if repeated:
                 raise BadRequest(f"{name} repeats item id(s) {', '.join(repeated[:10])}", "duplicate_items",
-                                 items=repeated)
+                                 items=repeated, param=name)
         unknown = [key for key in request.history if key not in self._item_row]
         unknown += [key for key in request.exclude if key not in self.recommender.index.key_to_position]
         if unknown:
             shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-            raise BadRequest(f"unknown item id(s) {shown}", "unknown_items", items=unknown)
+            param = "history" if unknown[0] in request.history else "exclude"
+            raise BadRequest(f"unknown item id(s) {shown}", "unknown_items", items=unknown, param=param)
         decoder = self.check_decoder(request.decoder)
         self.check_k(request.k, len(request.exclude))
         history = np.array([self._item_row[key] for key in request.history[-self.max_history:]], dtype=np.int64)
@@ -192,21 +193,36 @@ class RecommendService:
     def parse_chat(self, request: ChatCompletionRequest) -> Query:
         """A chat body as a :class:`Query`: the messages through the tokenizer's chat template."""
         if not self.chat:
-            raise BadRequest("this model's prompts are identifier tokens, not chat messages; use /v1/recommend",
-                             "not_chat")
-        decoder = self.check_decoder(request.decoder)
-        self.check_k(request.n, 0)
-        tokenizer = self.recommender.tokenizer
-        messages = [message.model_dump() for message in request.messages]
+            raise BadRequest("this model's prompts are identifier tokens, not chat messages; use /v1/completions "
+                             "or /v1/recommend", "not_chat", param="messages")
+        messages = [message.for_template() for message in request.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.recommender.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # a template that refuses these roles or their order
-            raise BadRequest(f"the chat template refused these messages: {err}", "bad_messages") from None
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            raise BadRequest(f"the chat template refused these messages: {err}", "bad_messages",
+                             param="messages") from None
+        return self.text_query(text, request, "messages")
+
+    def parse_completion(self, request: CompletionRequest) -> Query:
+        """A completions body as a :class:`Query`: the raw prompt, tokenized as it stands."""
+        return self.text_query(request.prompt, request, "prompt")
+
+    def text_query(self, text: str, request: OpenAIRequest, param: str) -> Query:
+        """The :class:`Query` of a prompt ``text`` for an OpenAI-style ``request`` (``n`` items)."""
+        decoder = self.check_decoder(request.decoder)
+        self.check_k(request.n, 0, "n")
+        ids = self.recommender.tokenizer(text, add_special_tokens=False)["input_ids"]
         limit = MAX_POSITIONS - self.recommender.trie.depth
-        if len(ids) > limit:
-            raise BadRequest(f"the messages are {len(ids)} tokens; this model takes at most {limit}", "too_long")
+        if not 1 <= len(ids) <= limit:
+            raise BadRequest(f"{param}: {len(ids)} tokens; this model takes 1 to {limit}", "too_long", param=param)
         return Query(torch.tensor(ids, dtype=torch.int64), request.n, decoder, (), _seconds(request.timeout_ms))
+
+    def warm_up(self, k: int) -> None:
+        """Decode one request for ``k`` items (a history of the catalogue's first item) with the
+        default decoder, so that the first real request does not pay for first-call work
+        (allocations, kernels chosen, caches filled); readiness waits for it."""
+        first = next(iter(self._item_row))
+        self.decode([self.parse(RecommendRequest(history=[first], k=min(k, self.num_items)))])
 
     def trie(self, exclude: tuple[int, ...]) -> ItemTrie:
         """The item trie without the index rows ``exclude`` (the full trie for none)."""
