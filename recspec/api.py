@@ -50,6 +50,8 @@ from recspec.importer import PeerSpec, load_peer
 from recspec.knowledge.job import (JobSummary, KnowledgeConfig, KnowledgeTask, local_runner, run_job,
                                    set_threads)
 from recspec.knowledge.store import read_rows
+from recspec.hub import resolve_model_dir
+from recspec.precision import dtype_name, text_precisions
 from recspec.recommend import AUTO, TREE_BEAM, DecodeOptions, RecommendJob, Recommender, check_decoder, write_recs
 from recspec.serve.schemas import RecommendRequest
 from recspec.serve.service import Answer, BadRequest, Query, RecommendService
@@ -65,6 +67,16 @@ class RecspecModel:
     def device(self) -> str:
         """Where the models run (``auto`` resolved at :func:`load`: CUDA where present)."""
         return str(next(self.service.recommender.model.parameters()).device)
+
+    @property
+    def dtype(self) -> str:
+        """The target's dtype (``float32``, ``bfloat16``, ``float16``; ``auto`` resolved at :func:`load`)."""
+        return dtype_name(self.service.recommender.model.dtype)
+
+    @property
+    def notes(self) -> list[str]:
+        """What :func:`load` chose and why (the dtypes), one line each."""
+        return list(self.service.recommender.notes)
 
     @property
     def decoders(self) -> list[str]:
@@ -128,19 +140,24 @@ def _shown(value: Any) -> str:
 
 
 def load(target: str | Path, draft: str | Path | None = None, decoder: str = AUTO, device: str = "auto",
-         threads: int | None = None, draft_beams: int = 40) -> RecspecModel:
+         threads: int | None = None, draft_beams: int = 40, dtype: str = "auto",
+         draft_dtype: str | None = None) -> RecspecModel:
     """Load ``target`` (a model folder of ``recspec train`` or ``recspec import``) and ``draft``
     for :meth:`RecspecModel.recommend`, from the folders alone (no data set is read, so a folder
     serves where its data set is not; ``--draft items`` excepted, which is fitted on the data set);
     ``decoder``: its default; ``device``: cpu, cuda, cuda:N
     or auto (CUDA where present; :attr:`RecspecModel.device` says which); ``threads``: torch's
-    CPU threads (None: leave torch's default)."""
+    CPU threads (None: leave torch's default); ``dtype``: auto, float32, bfloat16 or float16
+    (:mod:`recspec.precision`: auto is the saved dtype on CUDA, float32 on a CPU;
+    :attr:`RecspecModel.notes` says which and why); ``draft_dtype``: a draft model's (None: the
+    target's)."""
     check_decoder(decoder, draft is not None)
     if threads is not None:
         if threads < 1:
             raise RecspecError(f"threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    recommender = Recommender.load(target, device=str(resolve_device(device)), draft_dir=draft, folder_only=True)
+    recommender = Recommender.load(target, device=str(resolve_device(device)), draft_dir=draft, folder_only=True,
+                                   dtype=dtype, draft_dtype=draft_dtype)
     return RecspecModel(RecommendService(recommender, decoder, DecodeOptions(draft_beams=draft_beams)))
 
 
@@ -177,12 +194,14 @@ def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: s
                     draft: str | None = None, options: DecodeOptions = DecodeOptions(), dataset: str | None = None,
                     format: str | None = None, part: str = "test", users: int | None = None, batch_size: int = 16,
                     device: str = "auto", overwrite: bool = False, peer: PeerSpec | None = None,
-                    engine: Engine = Engine(), progress: bool = True) -> RecommendReport:
+                    engine: Engine = Engine(), progress: bool = True, dtype: str = "auto",
+                    draft_dtype: str | None = None) -> RecommendReport:
     """The top-``k`` items of every ``part`` user (the first ``users``) of ``target``'s data set
     (``dataset``: another one), written to ``out`` as JSON lines (user, items, scores) once every
     user is decoded; ``peer``: a checkpoint trained elsewhere, used as ``recspec import`` would
     (``target`` is then its model folder); on Ray the users are decoded in resumable shards
-    (``OUT.parts/``) and ``out`` is the same file."""
+    (``OUT.parts/``) and ``out`` is the same file. ``dtype`` / ``draft_dtype``: as :func:`load`
+    (on Ray, resolved on the workers' device); the report's notes say what was chosen."""
     out = Path(out)
     check_output_file(out, overwrite)
     for name, value in (("k", k), ("users", users), ("batch_size", batch_size),
@@ -191,7 +210,8 @@ def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: s
             raise RecspecError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     device = str(resolve_device(device))
     check_decoder(decoder, draft is not None)
-    job = RecommendJob(Path(target), decoder, k, draft, options, dataset, format, part, users, batch_size)
+    job = RecommendJob(Path(target), decoder, k, draft, options, dataset, format, part, users, batch_size, dtype,
+                       draft_dtype)
     if engine.name == "ray":
         if peer is not None:
             raise RecspecError("--engine ray loads a model folder on every worker: run `recspec import` first")
@@ -201,7 +221,8 @@ def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: s
     if peer is None:
         recommender = job.load(device)
     else:
-        recommender, notes = load_peer(peer, device, job.draft_dir, k)
+        recommender, notes = load_peer(peer, device, job.draft_dir, k, dtype, draft_dtype)
+    notes += recommender.notes
     started = time.perf_counter()
     examples, decoded = job.decode(recommender, progress=progress)
     seconds = time.perf_counter() - started
@@ -212,14 +233,16 @@ def recommend_users(target: str | Path, out: str | Path, k: int = 10, decoder: s
 
 @dataclass
 class KnowledgeRun:
-    """What :func:`generate_knowledge` did (``summary``) and where the texts are (``store``)."""
+    """What :func:`generate_knowledge` did (``summary``) and where the texts are (``store``);
+    ``notes``: what was chosen for the user (the dtype ``auto`` chose on CUDA)."""
 
     store: Path
     summary: JobSummary
+    notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         """What ``recspec knowledge generate`` prints."""
-        return [self.summary.line()]
+        return [f"note: {note}" for note in self.notes] + [self.summary.line()]
 
     def texts(self) -> dict[str, str]:
         """Every text of the store (this run's and earlier ones), by user or item id."""
@@ -229,11 +252,13 @@ class KnowledgeRun:
 def generate_knowledge(out: str | Path, config: KnowledgeConfig = KnowledgeConfig(), pool: str | Path | None = None,
               limit: int | None = None, model: str = "smollm2", dataset: str = "ml-100k", seed: int = 0,
               device: str = "auto", threads: int | None = None, engine: Engine = Engine(),
-              progress: bool = True) -> KnowledgeRun:
+              progress: bool = True, dtype: str = "auto") -> KnowledgeRun:
     """Generate ``config``'s knowledge (side, part, method, verification, ...) with the LLM
     ``model`` for every user or item of ``dataset`` (the first ``limit``) missing from the store
     ``out`` (SQLite; an existing one is resumed), each text persisted as it completes; ``pool``:
-    the old-part store LASER and ReSD draft from. On Ray, Ray workers decode and this process stores."""
+    the old-part store LASER and ReSD draft from. On Ray, Ray workers decode and this process stores.
+    ``dtype``: the model's (:func:`~recspec.precision.text_precisions`, for the device that
+    decodes: the workers' on Ray); a 16-bit store is its own (its texts differ from float32's)."""
     out = Path(out)
     if out.is_dir():
         raise RecspecError(f"{out}: is a folder; --out takes the file name of a knowledge store")
@@ -241,10 +266,15 @@ def generate_knowledge(out: str | Path, config: KnowledgeConfig = KnowledgeConfi
     if limit is not None and limit < 1:
         raise RecspecError(f"--limit must be at least 1, got {limit}")
     set_threads(threads)
-    task = KnowledgeTask(model, dataset, seed=seed, device=str(resolve_device(device)))
+    device = str(resolve_device(device))
+    decodes_on = engine.workers.device if engine.name == "ray" else device
+    precisions = text_precisions(dtype, None, decodes_on, resolve_model_dir(model), config.draft,
+                                 config.draft is not None)
+    task = KnowledgeTask(model, dataset, seed=seed, device=device, dtype=precisions.target.name)
     runner = local_runner
     if engine.name == "ray":
         check_shared_pools(config, pool)
-        runner = ray_runner({"model": model, "dataset": dataset, "seed": seed}, engine.workers, engine.address)
+        runner = ray_runner({"model": model, "dataset": dataset, "seed": seed, "dtype": precisions.target.name},
+                            engine.workers, engine.address)
     return KnowledgeRun(out, run_job(task, config, out, Path(pool) if pool is not None else None, limit,
-                                     progress=progress, runner=runner))
+                                     progress=progress, runner=runner), precisions.notes())

@@ -28,7 +28,7 @@ import torch
 
 from recspec.accel import call_shape, timing_key
 from recspec.decoding.cost import CallCost, measure_cost_model, measure_head_cost
-from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafters import TopNDrafter
 from recspec.decoding.frontier import Frontier
@@ -119,7 +119,7 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
     device = next(model.parameters()).device
     padded = call_shape(model).padded
     key = {"weights_sha256": weights_fingerprint(model_dir), **measurement_key(device), "prompt_len": int(prompt_len),
-           "padded_rows": padded}
+           "padded_rows": padded, **precision_key(model)}
     value = kept_record(calibration_path(model_dir, device), key,
                         lambda: replace(measure_cost_model(model, prompt_len, repeats), padded=padded).to_json(),
                         remeasure, records)
@@ -207,7 +207,16 @@ def decoding_key(recommender) -> dict[str, Any]:
     """What a timing of the loaded models depends on: the target's and the draft's weights and
     :func:`measurement_key`."""
     return {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender),
-            **measurement_key(next(recommender.model.parameters()).device)}
+            **measurement_key(next(recommender.model.parameters()).device), **precision_key(recommender.model),
+            **({"draft_" + name: value for name, value in precision_key(recommender.draft).items()}
+               if isinstance(recommender.draft, torch.nn.Module) else {})}
+
+
+def precision_key(model) -> dict[str, str]:
+    """A 16-bit model's dtype, which changes its timings and near-ties (``{}`` for float32, so the
+    records kept for float32 models stay valid)."""
+    dtype = next(model.parameters()).dtype
+    return {} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}
 
 
 def draft_identity(folders: Sequence[Path], named: str | None = None) -> dict[str, str]:
@@ -236,7 +245,7 @@ def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int 
     first ``users`` validation users, kept in the target's folder as ``acceptance-k<K>.json``
     (or in ``records``: :func:`kept_record`) while target, draft, K, widths and users match."""
     key = {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender), "k": k,
-           "choices": list(choices), "users": users}
+           "choices": list(choices), "users": users, **precision_key(recommender.model)}
     def measure() -> dict[str, Any]:
         prompts = recommender.encoder.prompts(recommender.examples("valid", users))
         return measure_acceptance(recommender, recommender.draft, prompts, k, choices)
@@ -264,8 +273,8 @@ def draft_costs(recommender, prompt_len: int, repeats: int = 10, remeasure: bool
     if isinstance(draft, (ItemDraft, TargetPrior)):  # a table: no model call (its Python work shows in auto's probe)
         return free, free, free, False
     folders = {is_head_dir(folder): folder for folder in recommender.draft_dirs}
-    head = draft.head if isinstance(draft, HybridPair) else draft if isinstance(draft, HeadDraft) else None
-    model = draft.model if isinstance(draft, HybridPair) else None if head is not None else draft
+    head = draft.head if isinstance(draft, ModelHeadPair) else draft if isinstance(draft, HeadDraft) else None
+    model = draft.model if isinstance(draft, ModelHeadPair) else None if head is not None else draft
     model_cost = (None if model is None else
                   call_cost(model, trained_model_dir(folders[False]), prompt_len, repeats, remeasure, records))
     head_step = None if head is None else head_cost(head, head_dir(folders[True]), repeats, remeasure, records)

@@ -245,8 +245,8 @@ def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype:
 
 
 def forward_parameters(model) -> frozenset[str]:
-    """The names ``model.forward`` takes: read once per forward function (a signature costs about
-    20 us, and every decoding call asks for it)."""
+    """The names ``model.forward`` takes: read once per forward function (reading a signature is
+    slow next to a small call, and every decoding call asks for it)."""
     forward = model.forward
     return _signature_names(getattr(forward, "__func__", forward))
 

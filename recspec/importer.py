@@ -51,7 +51,7 @@ from recspec.models.examples import PromptEncoder, TextTemplate
 from recspec.models.run_data import ServingData
 from recspec.models.presets import preset_template
 from recspec.models.tokenizer import RECSPEC_JSON, check_one_token_each
-from recspec.recommend import Recommender, check_drafts, check_k
+from recspec.recommend import Recommender, check_drafts, check_k, folder_precisions
 
 
 @dataclass(frozen=True)
@@ -167,12 +167,19 @@ def import_checkpoint(spec: PeerSpec, out: Path, overwrite: bool = False) -> Pee
 
 
 def load_peer(spec: PeerSpec, device: str = "cpu", draft_dir: str | Path | Sequence[str | Path] | None = None,
-              k: int | None = None) -> tuple[Recommender, list[str]]:
+              k: int | None = None, dtype: str = "auto", draft_dtype: str | None = None
+              ) -> tuple[Recommender, list[str]]:
     """The :class:`Recommender` of ``spec`` without writing anything (the model as the imported
     folder would load it), with a draft model folder (e.g. another imported checkpoint; draft
-    heads need the imported folder); the notes for the user."""
+    heads need the imported folder), the models in ``dtype`` / ``draft_dtype``
+    (:func:`~recspec.precision.resolve_pair`: ``auto`` keeps the checkpoint's saved dtype on
+    CUDA, said in its ``notes``); the notes on the checkpoint for the user."""
     models, heads = check_drafts(draft_dir)
+    precisions = folder_precisions(dtype, draft_dtype, device, spec.model, models, heads, draft_dir)
     parts = peer_parts(spec)
     check_k(k, parts.encoder.index, spec.index)
-    model = load_safetensors_lm(parts.folder, device=device)
-    return Recommender.from_parts(model, parts.encoder, parts.dataset, parts.info, device, models, heads), parts.notes
+    model = load_safetensors_lm(parts.folder, dtype=precisions.target.dtype, device=device)
+    recommender = Recommender.from_parts(model, parts.encoder, parts.dataset, parts.info, device, models, heads,
+                                         draft_dtype=precisions.draft.dtype)
+    recommender.notes.extend(precisions.notes())
+    return recommender, parts.notes

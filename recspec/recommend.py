@@ -23,7 +23,7 @@ import torch
 
 from recspec.data import Dataset, Examples, SplitData, load_dataset
 from recspec.decoding import TopK, beam_search, hf_beam_search, tree_beam_search
-from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.decoding.dsbd import DSBDConfig, dsbd_beam_search
 from recspec.decoding.item_prior import DECAY, ITEM_DRAFT, SMOOTHING, ItemDraft, TransitionPrior
 from recspec.decoding.target_prior import (ROOT_DRAFT, TargetPrior, is_prior_dir, load_prior, read_prior_config,
@@ -46,6 +46,7 @@ from recspec.models.examples import PromptEncoder, saved_template
 from recspec.models.head import bind_head, head_dir, head_fingerprint, is_head_dir, load_head, read_head_config
 from recspec.models.run_data import SERVING_FILE, ServingData, recorded_dataset, run_dataset, run_split
 from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
+from recspec.precision import Precisions, resolve_pair
 
 #: The item decoders' names (registered below, :mod:`recspec.decoding.registry`).
 HF, BEAM, TREE_BEAM, BEAM_SAMPLE, AUTO = "hf", "beam", "tree-beam", "beam-sample", "auto"
@@ -111,6 +112,8 @@ class RecommendJob:
     part: str = "test"
     users: int | None = None
     batch_size: int = 16
+    dtype: str = "auto"
+    draft_dtype: str | None = None
 
     @property
     def draft_dir(self) -> str | None:
@@ -119,7 +122,8 @@ class RecommendJob:
 
     def load(self, device: str = "cpu") -> Recommender:
         return Recommender.load(self.target, load_dataset(self.dataset, self.format) if self.dataset else None,
-                                device=device, draft_dir=self.draft_dir, k=self.k)
+                                device=device, draft_dir=self.draft_dir, k=self.k, dtype=self.dtype,
+                                draft_dtype=self.draft_dtype)
 
     def decode(self, recommender: Recommender, progress: bool = False) -> tuple[Examples, Decoded]:
         """The job's examples and their top-K by ``recommender`` (from :meth:`load`, or a model
@@ -246,13 +250,14 @@ class Recommender:
     folder: Path | None = None  # the target's model folder
     draft_dirs: tuple[Path, ...] = ()  # the draft's folders (a model, a head, or both)
     saved: ServingData | None = None
+    notes: list[str] = field(default_factory=list, compare=False)  # what loading chose (the dtypes), for the user
     # what ``auto`` chose for these models, per (K, batch size): made once per loaded recommender
     auto_choices: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
              draft_dir: str | Path | Sequence[str | Path] | None = None, k: int | None = None,
-             folder_only: bool = False) -> Recommender:
+             folder_only: bool = False, dtype: str = "auto", draft_dtype: str | None = None) -> Recommender:
         """Load ``model_dir`` (a training folder or its ``best/``) for the users of ``dataset``
         (default: the trained one, read now). ``folder_only``: for raw histories, from the folder
         alone (the Python API, ``recspec serve``): no data set is read unless ``dataset`` is given;
@@ -265,8 +270,10 @@ class Recommender:
         the model drafts the first round, the head the rest; or a target prior (`recspec align
         prior`), refused unless it was fitted for this target; or ``"items"``: the item prior of
         :meth:`item_draft`. Neither prior costs a model call. ``k``: the number of items to be asked for,
-        refused before any model is loaded when the index has fewer items."""
+        refused before any model is loaded when the index has fewer items. ``dtype``, ``draft_dtype``:
+        the models' dtypes (:func:`~recspec.precision.resolve_pair`), checked before any work."""
         folder, info, models, heads = check_folders(model_dir, draft_dir)
+        precisions = folder_precisions(dtype, draft_dtype, device, folder, models, heads, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
         check_k(k, index, folder)
         saved = ServingData.load(folder) if (folder / SERVING_FILE).is_file() else None
@@ -275,25 +282,29 @@ class Recommender:
         elif saved is None:
             dataset = recorded_dataset(info, index, f"{folder} was written before recspec kept {SERVING_FILE}: run "
                                                     f"`recspec upgrade {folder}` where the data set can be read")
-        model, tokenizer = load_trained(folder, index, device=device)
+        model, tokenizer = load_trained(folder, index, device=device, dtype=precisions.target.dtype)
         model_folder = trained_model_dir(folder)
         item_keys = saved.item_ids if dataset is None and saved is not None else users_of(dataset).item_ids
         encoder = PromptEncoder(index, item_keys, tokenizer, saved_template(model_folder, tokenizer))
-        recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder, saved)
+        recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder, saved,
+                                     precisions.draft.dtype)
+        recommender.notes.extend(precisions.notes())
         named = named_draft(draft_dir)
         return replace(recommender, draft=recommender.build_named_draft(named)) if named else recommender
 
     @classmethod
     def from_parts(cls, model, encoder: PromptEncoder, dataset: Dataset | None, info: dict[str, Any],
                    device: str = "cpu", models: Sequence[Path] = (), heads: Sequence[Path] = (),
-                   folder: Path | None = None, saved: ServingData | None = None) -> Recommender:
+                   folder: Path | None = None, saved: ServingData | None = None,
+                   draft_dtype: torch.dtype | None = None) -> Recommender:
         """A recommender from a loaded target ``model``, its prompt ``encoder`` for ``dataset`` (None:
         raw histories, over the item ids of its folder's ``saved`` serving data) and its run
         ``info``, with the draft ``models`` and ``heads`` (folders checked by
         :func:`check_drafts`; at most one of each, or a target prior alone in ``heads``) loaded and
         checked against it. ``folder``: the target's model folder, which heads and priors are tied
         to and ``auto`` keeps its measurements in (None for a model loaded from elsewhere,
-        :mod:`recspec.importer`)."""
+        :mod:`recspec.importer`). A draft model is loaded in ``draft_dtype`` (None: the target's); a
+        head runs in the target's dtype, on its features."""
         index, tokenizer = encoder.index, encoder.tokenizer
         trie = index.trie(identifier_token_ids(tokenizer, index), vocab_size=len(tokenizer)).to(device)
         draft_model = tied = None  # tied: a head, or a target prior (which comes alone)
@@ -303,9 +314,11 @@ class Recommender:
         if heads and is_prior_dir(heads[0]):
             tied = load_prior(heads[0], head_fingerprint(folder, index), trie)
         elif heads:
-            tied = bind_head(load_head(heads[0], head_fingerprint(folder, index), device), model, tokenizer, index)
+            tied = bind_head(load_head(heads[0], head_fingerprint(folder, index), device).to(model.dtype), model,
+                             tokenizer, index)
         if models:
-            draft_model, draft_tokenizer = load_trained(models[0], index, device=device)
+            draft_model, draft_tokenizer = load_trained(models[0], index, device=device,
+                                                        dtype=draft_dtype or model.dtype)
             check_same_vocabulary(draft_tokenizer, tokenizer)
             if saved_template(trained_model_dir(models[0]), draft_tokenizer) != encoder.template:
                 raise RecspecError(f"{models[0]}: the draft was trained with another prompt template than the "
@@ -313,7 +326,7 @@ class Recommender:
         for loaded in (model, draft_model):  # prefix caching: the template's fixed prefix is computed once
             if loaded is not None:
                 share_prefix(loaded, encoder.template.prefix)
-        draft = HybridPair(draft_model, tied) if draft_model is not None and tied is not None else draft_model or tied
+        draft = ModelHeadPair(draft_model, tied) if draft_model is not None and tied is not None else draft_model or tied
         return cls(model, tokenizer, index, encoder, trie, dataset, info, draft, folder, (*models, *heads), saved)
 
     def with_draft(self, draft_dir: str | Path | Sequence[str | Path]) -> Recommender:
@@ -463,6 +476,14 @@ def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | 
     folder, info = run_info(Path(model_dir))
     models, heads = ([], []) if named_draft(draft_dir) else check_drafts(draft_dir)
     return folder, info, models, heads
+
+
+def folder_precisions(dtype: str, draft_dtype: str | None, device: str, folder: Path, models: Sequence[Path],
+                      heads: Sequence[Path], draft_dir: str | Path | Sequence[str | Path] | None) -> Precisions:
+    """The dtypes of a target ``folder`` and the drafts :func:`check_folders` found for ``draft_dir``
+    on ``device`` (:func:`~recspec.precision.resolve_pair`: only a draft model takes its own)."""
+    tied = "a head or prior" if heads else named_draft(draft_dir)
+    return resolve_pair(dtype, draft_dtype, device, folder, models[0] if models else None, tied)
 
 
 def named_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> str | None:

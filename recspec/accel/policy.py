@@ -126,7 +126,7 @@ def unfit(device: torch.device | str | None, model: nn.Module | None = None,
 def streams_weights(model: nn.Module) -> bool:
     """Whether ``model``'s linear weights exceed :data:`STREAMED_BYTES` (an LLM-sized model: each
     call streams them). Smaller models' calls are bound by per-operator overhead, where
-    transformers' own products are as fast or faster (BENCHMARKS.md "Row-major products")."""
+    transformers' own products are as fast or faster."""
     return sum(module.weight.numel() * module.weight.element_size() for module in model.modules()
                if isinstance(module, nn.Linear)) > STREAMED_BYTES
 

@@ -30,8 +30,8 @@ from recspec.cluster.shards import ShardFolder
 from recspec.data import load_dataset
 from recspec.itemids.index import ItemIndex
 from recspec.models.checkpoint import INDEX_FILE, trained_model_dir, weights_fingerprint
-from recspec.recommend import (AUTO, RecommendJob, check_folders, named_draft, recs_text, trained_examples, user_chunks,
-                               users_dataset)
+from recspec.recommend import (AUTO, RecommendJob, check_folders, folder_precisions, named_draft, recs_text,
+                               trained_examples, user_chunks, users_dataset)
 
 
 def parts_folder(out: Path) -> Path:
@@ -43,12 +43,14 @@ def parts_folder(out: Path) -> Path:
 def job_settings(job: RecommendJob, folder: Path, info: dict[str, Any], drafts: list[Path]) -> dict[str, Any]:
     """What determines a job's output, recorded in its shard folder: the weights of the target
     (its training ``folder`` and run ``info``) and ``drafts``, the decoder and its options, K, data
-    set, part, users and batch size."""
+    set, part, users and batch size, and the dtypes where one is 16-bit (a float32 job's folder
+    records none, as before recspec took ``--dtype``)."""
     options = {f.name: getattr(job.options, f.name) for f in fields(job.options) if f.name != "planner"}
+    dtypes = {} if job.dtype == job.draft_dtype == "float32" else {"dtype": job.dtype, "draft_dtype": job.draft_dtype}
     return {"target_sha256": weights_fingerprint(trained_model_dir(folder)),
             **draft_identity(drafts, named_draft(job.draft)),
             "decoder": job.decoder, "k": job.k, "options": options, "dataset": job.dataset or info["dataset"],
-            "format": job.format, "part": job.part, "users": job.users, "batch_size": job.batch_size}
+            "format": job.format, "part": job.part, "users": job.users, "batch_size": job.batch_size, **dtypes}
 
 
 class ShardWorker:
@@ -103,10 +105,13 @@ class RayReport:
 
 def recommend_on_ray(job: RecommendJob, out: Path, workers: Workers, address: str | None = None,
                      overwrite: bool = False, progress: bool = True) -> RayReport:
-    """Run ``job`` on Ray workers (module doc) and write ``out``; the report."""
+    """Run ``job`` on Ray workers (module doc) and write ``out``; the report. The job's dtypes are
+    resolved here for the workers' device, before Ray starts, and the workers load those."""
     started = time.perf_counter()
     check_address(address)
     folder, info, models, heads = check_folders(job.target, job.draft_dir)
+    precisions = folder_precisions(job.dtype, job.draft_dtype, workers.device, folder, models, heads, job.draft_dir)
+    job = replace(job, dtype=precisions.target.name, draft_dtype=precisions.draft.name)
     given = load_dataset(job.dataset, job.format) if job.dataset else None
     dataset = users_dataset(info, ItemIndex.load(folder / INDEX_FILE), given)
     chunks = user_chunks(len(trained_examples(dataset, info, job.part, job.users)), job.batch_size)

@@ -9,8 +9,8 @@ would wait for it forever.
 
 A job's parts run as Ray tasks (:func:`map_on_workers`) on Ray's pool of worker processes, which
 Ray keeps warm between the jobs of one driver process: only the first job of a process pays for
-its workers importing torch and transformers (about 7 s here, against about 1 s for loading a
-``target-small``). Ray moves task arguments and results between its own processes with its own
+its workers importing torch and transformers (several times what loading a small target
+costs). Ray moves task arguments and results between its own processes with its own
 serialization; what recspec reads from disk stays safetensors and JSON.
 """
 

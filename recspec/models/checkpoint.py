@@ -280,13 +280,15 @@ def check_vocabulary_fits(tokenizer, vocab_size: int, folder: Path, index: ItemI
                        f"(model.resize_token_embeddings(len(tokenizer))) before saving it")
 
 
-def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`) on ``device``, for
-    decoding. With ``index``, a folder built for another item index is refused. The model is
-    accelerated for ``device`` as :func:`load_safetensors_lm` says."""
+def load_trained(path: str | Path, index=None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a trained folder (see :func:`trained_model_dir`) on ``device`` in
+    ``dtype`` (:mod:`recspec.precision` resolves ``--dtype``), for decoding. With ``index``, a
+    folder built for another item index is refused. The model is accelerated for ``device`` as
+    :func:`load_safetensors_lm` says."""
     folder = trained_model_dir(path)
     tokenizer = load_tokenizer_dir(folder, index)
-    model = load_safetensors_lm(folder, device=device)
+    model = load_safetensors_lm(folder, dtype=dtype, device=device)
     check_vocabulary_fits(tokenizer, model.config.get_text_config().vocab_size, folder, index)
     return model, tokenizer
 
@@ -299,8 +301,11 @@ def load_safetensors_lm(folder: Path, dtype: torch.dtype | str = torch.float32,
     (:func:`~recspec.hub.check_weights_fit`: none is left randomly initialised), every weight
     checked finite, and accelerated for ``device`` under accel's policy
     (:func:`~recspec.accel.accelerate`: on the CPU, an LLM-sized model's products by recspec's
-    small-row kernels, a small Llama's calls by one function, grouped-query attention packed).
-    ``dtype``: ``"auto"`` keeps the dtype the weights were saved in."""
+    small-row kernels, a small Llama's calls by one function, grouped-query attention packed;
+    none of them for a 16-bit model, which runs on transformers' own forward).
+    ``dtype``: ``"auto"`` keeps the dtype the weights were saved in (what ``recspec import``
+    copies); a weight that 16-bit cannot hold (float16 overflows above 65504) is refused by the
+    finiteness check."""
     from transformers import AutoModelForCausalLM
 
     from recspec.hub import check_weights_fit

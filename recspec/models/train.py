@@ -21,18 +21,13 @@ sizes by examples/s.
 
 Precision: ``precision="auto"`` trains with bfloat16 autocast (float32 master weights and
 optimizer state) where the hardware does bf16 matrix products natively (CUDA with bf16, CPUs with
-AVX512-BF16 / AMX), else float32. On the 2-core AVX512-BF16 CPU used for development bf16 made
-training 2.1x faster for ``target-small`` and 1.3-1.5x for ``draft-tiny``.
+AVX512-BF16 / AMX), else float32 (bf16 trains the small presets faster there).
 
-Throughput there (bf16, 2 threads, idle machine; tokens are real, non-pad tokens):
-``target-small`` 2,000-2,200 tokens/s on Beauty (mean sequence 28 tokens: ~77 examples/s, one
-epoch of 103k examples ~23 min) and ~2,600 tokens/s on MovieLens-100K leave-one-out (79 tokens:
-~33 examples/s, an epoch of 97k ~49 min; with ``max_history=10`` 56 examples/s, ~29 min);
-``draft-tiny`` 40-80k tokens/s (an epoch takes 1-2.5 min). So 20 minutes of ``target-small``
-cover ~90k Beauty examples or ~39k MovieLens ones (~67k with ``max_history=10``); choose
-``max_train_examples`` / ``last_per_user`` / ``max_history`` and ``epochs`` to match, and keep
-``max_minutes`` as the safety stop. Other processes on the same two cores slow two-thread
-training far more than their share (5-15x measured); set ``threads=1`` on a shared machine.
+A budget in minutes is a number of examples: the logged examples/s of a first epoch (or
+``python -m benchmarks.lab pack``) tells how many; choose ``max_train_examples`` /
+``last_per_user`` / ``max_history``, ``pack`` and ``epochs`` to match, and keep ``max_minutes`` as
+the safety stop. Other processes on the same cores slow multi-thread training far more than their
+share; set ``threads=1`` on a shared machine.
 
 Output folder of the item-identifier tasks (their model store,
 :class:`~recspec.models.checkpoint.ModelFolders`; a task may bring another store)::
