@@ -17,7 +17,7 @@ import torch
 from benchmarks.lab.coverage import level_coverage
 from recspec.align.train import head_fit
 from recspec.decoding import beam_search
-from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
 from recspec.errors import RecspecError
 from recspec.models.head import DraftHead, HeadConfig, HeadDraft, load_head, save_head
@@ -71,13 +71,13 @@ def test_strict_with_a_model_then_a_head_equals_beam_search(setup: Setup, k: int
     reference = beam_search(setup.model, setup.prompts, setup.trie, k, PAD)
     draft = small_llama(setup.model.config.vocab_size, seed=7)
     for seed, n, gamma, batch in ((5, k, None, None), (6, 2 * k, 1, 3), (7, 3 * k, None, 1)):
-        pair = HybridPair(draft, random_head(setup, seed, context_heads=seed % 2 * 2))  # 5 and 7 attend
+        pair = ModelHeadPair(draft, random_head(setup, seed, context_heads=seed % 2 * 2))  # 5 and 7 attend
         result = speculative_beam_search(setup.model, pair, setup.prompts, setup.trie, k, PAD,
                                          SpecConfig(draft_beams=n, gamma=gamma), batch_size=batch)
         assert torch.equal(result.topk.items, reference.items), (seed, n, gamma, batch)
         torch.testing.assert_close(result.topk.scores, reference.scores, atol=1e-4, rtol=0)
         assert torch.equal(result.stats.target_calls, result.stats.rounds)
-    perfect = speculative_beam_search(setup.model, HybridPair(setup.model, random_head(setup, 0)), setup.prompts,
+    perfect = speculative_beam_search(setup.model, ModelHeadPair(setup.model, random_head(setup, 0)), setup.prompts,
                                       setup.trie, k, PAD, SpecConfig(draft_beams=k))
     assert (perfect.stats.target_calls == 1).all()  # the model drafts the first round, in the prompt's call
 
@@ -125,7 +125,7 @@ def test_relaxed_with_a_head_returns_k_real_items() -> None:
 
 def test_dsbd_refuses_a_head() -> None:
     setup = SETUPS["L3"]()
-    for draft in (random_head(setup, 0), HybridPair(setup.model, random_head(setup, 0))):
+    for draft in (random_head(setup, 0), ModelHeadPair(setup.model, random_head(setup, 0))):
         with pytest.raises(RecspecError, match="dsbd drafts with a draft model"):
             run_decoder("dsbd", setup.model, draft, setup.prompts, setup.trie, 3, PAD)
 

@@ -92,10 +92,28 @@ def test_batched_hf_job_persists_whole_batches_and_resumes(task, tmp_path, monke
     assert {r.entity: r.tokens for r in read_rows(out)} == by_entity
     with pytest.raises(RecspecError, match="batch_size=2, this job has batch_size=None"):
         run_job(task, replace(config, batch_size=1), out, limit=5, progress=False)
-    with pytest.raises(RecspecError, match="method laser decodes one request at a time"):
-        KnowledgeConfig(method="laser", batch_size=4)
+    with pytest.raises(RecspecError, match="prompt lookup decoding .* one request at a time"):
+        KnowledgeConfig(method="prompt-lookup", verification=GREEDY, batch_size=4)
     with pytest.raises(RecspecError, match="--batch-size must be a positive integer"):
         replace(config, batch_size=0)
+
+
+@pytest.mark.parametrize("method, verify", [("laser", "greedy"), ("laser", "relaxed"), ("resd", "greedy"),
+                                            ("ar", "greedy")])
+def test_drafted_jobs_in_batches_write_the_texts_of_one_at_a_time(task, old_store, tmp_path, method, verify) -> None:
+    """Every text decoder of the job at --batch-size 4 (one text round loop per batch, the pools as
+    they stand when the batch starts) writes, for 10 new items, exactly the texts of batch 1."""
+    config = KnowledgeConfig(side="item", method=method, verification=Verification(verify), max_new_tokens=24,
+                             grouping="attribute")
+    pool = None if method == "ar" else old_store
+    texts = {}
+    for size in (1, 4):
+        out = tmp_path / f"{size}.db"
+        summary = run_job(task, replace(config, batch_size=size), out, pool=pool, limit=10, progress=False)
+        assert summary.requests == 10
+        texts[size] = {r.entity: r.tokens for r in read_rows(out)}
+    assert texts[4] == texts[1]
+    assert all(len(tokens) >= 1 for tokens in texts[1].values())
 
 
 def test_a_store_of_other_settings_is_refused(task, old_store, monkeypatch) -> None:

@@ -149,18 +149,20 @@ def test_generate_tree_cli_writes_plain_samplings_texts(smollm2_dir, tmp_path: P
     common = ["generate", "--target", str(smollm2_dir), "--count", "2", "--max-new-tokens", "8", "--tree",
               "--seed", "3"]
     outs = {}
-    for method, extra in (("sample", []), ("spec-sample", ["--draft", str(tmp_path / "head")])):
-        outs[method] = tmp_path / f"{method}.jsonl"
-        done = recspec(*common, "--decoder", method, "--out", str(outs[method]), *extra)
+    head = ["--draft", str(tmp_path / "head")]
+    for name, method, extra in (("sample", "sample", []), ("spec-sample", "spec-sample", head),
+                                ("spec-sample-batch", "spec-sample", [*head, "--batch-size", "2"])):
+        outs[name] = tmp_path / f"{name}.jsonl"
+        done = recspec(*common, "--decoder", method, "--out", str(outs[name]), *extra)
         assert done.returncode == 0, done.stderr
         assert "tokens per target call" in done.stdout and f"with {method}" in done.stdout
-    rows = {method: [json.loads(line) for line in out.read_text().splitlines()] for method, out in outs.items()}
+    rows = {name: [json.loads(line) for line in out.read_text().splitlines()] for name, out in outs.items()}
     assert [row["text"] for row in rows["spec-sample"]] == [row["text"] for row in rows["sample"]]
+    assert [row["text"] for row in rows["spec-sample-batch"]] == [row["text"] for row in rows["sample"]]
     assert len(rows["sample"]) == 2 and all(1 <= row["tokens"] <= 8 for row in rows["sample"])
     for extra, message in ((["--decoder", "dsbd"], "--tree decodes sample or spec-sample"),
                            (["--decoder", "spec-sample"], "pass --draft HEAD"),
-                           (["--decoder", "spec-sample", "--draft-stop", "0.3"], "--draft-stop sizes chains"),
-                           (["--decoder", "sample", "--batch-size", "2"], "one prompt at a time")):
+                           (["--decoder", "spec-sample", "--draft-stop", "0.3"], "--draft-stop sizes chains")):
         refused = recspec(*common, *extra, "--out", str(tmp_path / "refused.jsonl"))
         assert refused.returncode != 0 and message in refused.stderr
         assert not (tmp_path / "refused.jsonl").exists()

@@ -24,7 +24,7 @@ import torch
 
 from recspec.bench.report import markdown_table, write_results
 from recspec.calibration import count_rounds
-from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.models.head import HeadDraft
 from recspec.recommend import Recommender
 
@@ -43,7 +43,7 @@ def run(out: Path, target: Path, drafts: Sequence[Path], ks: Sequence[int] = (10
     for draft_dir in drafts:
         recommender = Recommender.load(target, draft_dir=draft_dir)
         prompts = recommender.encoder.prompts(recommender.examples("test", users))
-        kind = ("model+head" if isinstance(recommender.draft, HybridPair) else
+        kind = ("model+head" if isinstance(recommender.draft, ModelHeadPair) else
                 "head" if isinstance(recommender.draft, HeadDraft) else "model")
         for k in ks:
             for factor in factors:

@@ -1,10 +1,9 @@
 """Categorical draws by inverse transform: one cumulative sum and one binary search per row.
 
 ``torch.multinomial`` draws from a categorical distribution by an exponential race on the CPU:
-an exponential variate for every entry, 1.0 ms a draw over SmolLM2's 49,152-token vocabulary on
-this project's CPU, 4-6% of a speculative sampling round that draws 4 times. Inverse transform
-sampling needs one uniform per draw and a cumulative sum of the weights: 0.15 ms for the same draw
-(BENCHMARKS.md "Row-major products"). The sum is taken in float64, so the probability of every
+an exponential variate for every entry, a visible share of a speculative sampling round over a
+large vocabulary. Inverse transform sampling needs one uniform per draw and a cumulative sum of
+the weights, several times cheaper. The sum is taken in float64, so the probability of every
 entry is its weight's share up to float64 rounding.
 """
 

@@ -17,7 +17,7 @@
   round (:attr:`Frontier.draft_state`, ``[B, K, D]``); called only if ``wants_features``;
 * ``caches``: the KV caches to keep in step with the target's (compacted by the same gather).
 
-:class:`HybridDraft` combines the two: the draft model drafts the first round (in the same target
+:class:`ModelHeadDraft` combines the two: the draft model drafts the first round (in the same target
 call as the prompt), the head every later one. :class:`TextTreeDraft` is a text head
 (:mod:`recspec.models.text_head`) drafting tree levels over free text (DSBD), with a KV cache of its
 own laid out as the target's.
@@ -123,7 +123,7 @@ class FeatureDraft(DraftSource):
 
 
 @dataclass
-class HybridDraft(DraftSource):
+class ModelHeadDraft(DraftSource):
     """A draft model for the first round, a head for the rest: the first round keeps the prompt
     and every drafted level in one target call (the head has no target feature to start from
     yet), and from then on the head drafts from the features that call returned. The model's
@@ -287,15 +287,15 @@ def placeholder_hidden(visible: torch.Tensor, first: torch.Tensor, start: int) -
 
 
 @dataclass(frozen=True)
-class HybridPair:
-    """A draft model and a head of the same target, drafted with as :class:`HybridDraft`."""
+class ModelHeadPair:
+    """A draft model and a head of the same target, drafted with as :class:`ModelHeadDraft`."""
 
     model: object
     head: HeadDraft
 
 
-def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDraft | ItemPriorDraft | TargetPriorDraft:
-    """The source for ``draft``: a :class:`~recspec.models.head.HeadDraft`, a :class:`HybridPair`,
+def draft_source(draft) -> ModelDraft | FeatureDraft | ModelHeadDraft | TextTreeDraft | ItemPriorDraft | TargetPriorDraft:
+    """The source for ``draft``: a :class:`~recspec.models.head.HeadDraft`, a :class:`ModelHeadPair`,
     a :class:`~recspec.models.text_head.TextHeadDraft`, an
     :class:`~recspec.decoding.item_prior.ItemDraft`, a
     :class:`~recspec.decoding.target_prior.TargetPrior` or a causal LM."""
@@ -303,8 +303,8 @@ def draft_source(draft) -> ModelDraft | FeatureDraft | HybridDraft | TextTreeDra
         return ItemPriorDraft(draft)
     if isinstance(draft, TargetPrior):
         return TargetPriorDraft(draft)
-    if isinstance(draft, HybridPair):
-        return HybridDraft(ModelDraft(draft.model), FeatureDraft(draft.head))
+    if isinstance(draft, ModelHeadPair):
+        return ModelHeadDraft(ModelDraft(draft.model), FeatureDraft(draft.head))
     if isinstance(draft, TextHeadDraft):
         return TextTreeDraft(draft)
     return FeatureDraft(draft) if isinstance(draft, HeadDraft) else ModelDraft(draft)

@@ -77,7 +77,7 @@ from recspec.decoding.prompts import Prompts, check_draft_vocabulary, decode_bat
 from recspec.decoding.rounds import SpecStats, run_rounds
 from recspec.decoding.verifiers import ForestVerifier
 from recspec.decoding.warp import Warp
-from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.models.head import HeadDraft
 from recspec.models.text_head import TextHeadDraft
 from recspec.errors import RecspecError
@@ -189,7 +189,7 @@ def dsbd_beam_search(target, draft, prompts: Sequence[torch.Tensor], trie: ItemT
         if trie.depth < 2:
             raise RecspecError("DSBD needs identifiers of at least 2 tokens: with 1 there is nothing to draft")
         config.check(trie.depth - 1)
-        if isinstance(draft, (HeadDraft, HybridPair, ItemDraft, TargetPrior)):
+        if isinstance(draft, (HeadDraft, ModelHeadPair, ItemDraft, TargetPrior)):
             raise RecspecError("dsbd drafts with a draft model; a draft head, the item draft and a target prior "
                                "serve the spec- decoders")
         check_draft_vocabulary(target, draft)

@@ -124,8 +124,7 @@ def keep_beams(front: Frontier, order: torch.Tensor) -> Frontier:
 
 #: Positions fed after the prompt that the caches may hold, dead ones included (hidden from every
 #: beam by ``visible``), before a round compacts them: attending to a few hundred hidden positions
-#: costs the later calls less than copying every layer's tail (0.6 ms a round on the small target
-#: here), and an item search, a few rounds over a few dozen nodes, never reaches it.
+#: costs the later calls less than copying every layer's tail each round, and an item search, a few rounds over a few dozen nodes, never reaches it.
 SLACK = 256
 
 

@@ -1,13 +1,12 @@
 """A draft that costs no model call: an item-transition prior over the catalogue, read through
 the item trie (``--draft items``).
 
-On this CPU a round of speculative beam search only pays when its draft costs far less than a
-target call (BENCHMARKS.md, issue 18: a 0.42M-parameter draft model, aligned or not, runs at
-0.52-0.82x of ``tree-beam`` against ``target-mini``, whose ceiling at zero draft cost is
-1.6-1.9x). This draft is a table, not a model. Measured against those targets (BENCHMARKS.md, "The
-item draft") it is accepted more than the trained drafts, but only at wide levels, whose nodes
-a call pays for: 0.81-0.83x of ``tree-beam`` on MovieLens, 0.54-0.61x on Beauty, and ``auto``
-keeps ``tree-beam``. It is built for targets whose calls are dear and nodes cheap. How it drafts:
+A round of speculative beam search only pays when its draft costs far less than a target call;
+on a CPU, where a small target's call is cheap, even a tiny draft model eats most of the gain.
+This draft is a table, not a model. It is accepted more than the trained drafts, but only at
+wide levels, whose nodes a call pays for, so on small CPU targets ``auto`` keeps ``tree-beam``
+(docs/drafts.md gives the measurements). It is built for targets whose calls are dear and nodes
+cheap. How it drafts:
 
 * **Fit** (:meth:`TransitionPrior.fit`): from the training part of the data, how often item ``j``
   directly follows item ``i`` in a user's sequence, each row normalised to ``P(j | i)``, and the
@@ -46,9 +45,8 @@ from recspec.itemids.trie import ItemTrie
 ITEM_DRAFT = "items"
 
 
-#: The defaults of :class:`TransitionPrior`, chosen on 256 validation users of Beauty against its
-#: ``target-mini`` (K = 10, N = 40): accepted levels a user 1.23 at decay 0.5 / smoothing 0.05,
-#: 1.40 at 0.8 / 0.2, 1.51 at 0.8 / 0.5 (BENCHMARKS.md, "The item draft").
+#: The defaults of :class:`TransitionPrior`: the most accepted levels per user of those tried on
+#: Beauty's validation users against its ``target-mini`` (K = 10, N = 40).
 DECAY = 0.8
 SMOOTHING = 0.5
 

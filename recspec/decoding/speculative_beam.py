@@ -43,7 +43,7 @@ import torch
 
 from recspec.decoding.acceptance import RelaxedSampler
 from recspec.decoding.beams import TopK, best_first, sampling_select
-from recspec.decoding.draft_sources import HybridPair
+from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.decoding.drafters import SampledDrafter, TopNDrafter
 from recspec.decoding.frontier import Frontier
 from recspec.decoding.item_prior import ItemDraft
@@ -136,7 +136,7 @@ def speculative_beam_search(
 
     ``target``, ``draft``: HF causal LMs over the same vocabulary (full-attention caches, custom
     4D masks), or ``draft`` a head bound to the target (:class:`~recspec.models.head.HeadDraft`)
-    or a draft model and a head (:class:`~recspec.decoding.draft_sources.HybridPair`); ``prompts``: one 1-D int tensor per user; batches of ``batch_size`` users (all if
+    or a draft model and a head (:class:`~recspec.decoding.draft_sources.ModelHeadPair`); ``prompts``: one 1-D int tensor per user; batches of ``batch_size`` users (all if
     None) are left-padded with ``pad_token_id``. Strict verification returns what
     :func:`~recspec.decoding.beam_search.beam_search` returns; relaxed verification samples.
     """
@@ -144,7 +144,7 @@ def speculative_beam_search(
 
     def check() -> None:
         config.check(k, trie)
-        model = draft.model if isinstance(draft, HybridPair) else draft
+        model = draft.model if isinstance(draft, ModelHeadPair) else draft
         if isinstance(model, (ItemDraft, TargetPrior)):
             model.check(trie)
         elif not isinstance(model, HeadDraft):  # a head drafts over its target's own output layer

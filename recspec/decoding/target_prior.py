@@ -4,7 +4,7 @@ distributions averaged over many users (``recspec align prior``; ``--draft PRIOR
 Strict verification accepts a level only when the draft's top ``N`` children hold all ``K`` beams
 the target keeps there. One step from the target's own features, the Beauty heads miss that at
 level 2 for all but 0.5% of users at ``N = 4K``, while the target's ``p(x2 | x1)`` averaged over
-other users covers it for 70% (BENCHMARKS.md, "Level 2 taken apart"): the part of the target's
+other users covers it for most of them: the part of the target's
 conditional that does not depend on the user is most of what decides a level past the first. This
 draft is that average, for every level:
 

@@ -51,9 +51,8 @@ from recspec.models.text_head import TextHeadDraft
 
 #: The text decoders' names (registered below, :mod:`recspec.decoding.registry`).
 SAMPLE, SPEC_SAMPLE, TOPK_IMP, BEAM_SAMPLE, DSBD = "sample", "spec-sample", "topk-imp", "beam-sample", "dsbd"
-#: ``gamma`` where a method's fastest differs from :class:`TextOptions`' default (measured with
-#: the H100 text head on this project's CPU: DSBD's third drafted layer is accepted 0.29 of the
-#: time given the second, BENCHMARKS.md "DSBD: tail-only compaction and two drafted layers").
+#: ``gamma`` where a method's fastest differs from :class:`TextOptions`' default (DSBD's third
+#: drafted layer is seldom accepted given the second, so drafting it costs more than it saves).
 DEFAULT_GAMMA = {DSBD: 2}
 
 
@@ -65,7 +64,7 @@ class TextOptions:
     ChainDrafter`'s ``stop``); ``lenience`` (``spec-sample``, speculative_decoding.txt A.5);
     ``candidates`` (TopK-ImpSpecDec's K); ``beams`` (``W`` of ``beam-sample``, and ``W_min`` of
     ``dsbd``); ``draft_width`` (``W_S`` of ``dsbd``; None: ``beams``, the fastest with a text head on
-    this project's CPU, where each drafted node costs the target about 3 ms), ``threshold``,
+    a CPU, where each drafted node adds to the target's call), ``threshold``,
     ``one_cache`` (``dsbd``); ``seed``."""
 
     max_new_tokens: int = 64

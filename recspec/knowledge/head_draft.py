@@ -80,8 +80,8 @@ class HeadTreeConfig:
     must not depend on the machine); ``prune``: expand only nodes whose descendants can be kept
     (module doc; ``False`` grows the same tree at full cost, to measure what pruning saves);
     ``gate``: in hybrid drafting, the head drafts only in rounds whose retrieved tree is less than
-    ``gate`` tokens deep (None: every round; 2, the default, measured level with or above retrieval
-    alone where drafting every round is 0.67-0.92x of it)."""
+    ``gate`` tokens deep (None: every round; 2, the default: level with or above retrieval alone,
+    where drafting every round falls below it)."""
 
     width: int = 4
     depth: int = 5

@@ -3,23 +3,26 @@
 :class:`KnowledgeTask` holds what every method needs (the data set and its streaming split, the
 target model and tokenizer); :class:`KnowledgeConfig` names what determines the texts (side,
 part, method, verification, token budget, pools); :func:`make_generator` turns both into a
-function from a batch of entities (one, except for batched ``hf``) to their
+function from a batch of entities (``batch_size`` of them, one by default) to their
 :class:`~recspec.decoding.text_rounds.Generation`; :func:`run_job` runs it over the entities still
 missing from a store.
 
 Methods:
 
-* ``ar``: recspec's plain greedy loop (:func:`~recspec.decoding.text_rounds.speculative_generate`
+* ``ar``: recspec's plain greedy loop (:func:`~recspec.decoding.text_rounds.generate_texts`
   without drafts); with ``draft`` (a text head, ``recspec distill --head``) greedy speculative
   decoding drafted by the head's trees (:mod:`recspec.knowledge.head_draft`), the same text;
-* ``hf``: transformers ``generate``, greedy; with ``batch_size`` > 1 a left-padded batch of
-  requests per call, the throughput path for bulk knowledge such as the old-part pools (each
-  batch is persisted in one transaction, so a crash loses at most the batch in flight);
+* ``hf``: transformers ``generate``, greedy, a left-padded batch of requests per call;
 * ``prompt-lookup``: transformers prompt lookup decoding (``prompt_lookup_num_tokens``), greedy;
 * ``resd``: REST-style retrieval drafting from one global pool of earlier knowledge (plus the
   request's temporary branches), greedy verification;
 * ``laser``: drafting from the pool chosen by the grouping (default: LASER's binary router),
   greedy or relaxed verification.
+
+With ``batch_size`` > 1 every method but ``prompt-lookup`` decodes a batch of requests at once
+(the text round loop batches any drafts; the throughput path for bulk knowledge such as the
+old-part pools). Each batch is persisted in one transaction, so a crash loses at most the batch in
+flight, and a batch drafts from the pools as they stand when it starts.
 
 ``resd`` and ``laser`` with ``draft`` draft hybrid trees: the retrieved continuations and the
 head's branches in one tree per step (:class:`~recspec.knowledge.head_draft.HybridDrafter`).
@@ -46,7 +49,7 @@ from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.data import load_dataset
 from recspec.decoding.cost import CallCost
 from recspec.decoding.registry import KNOWLEDGE, Decoder, decoder as registered, names, register
-from recspec.decoding.text_rounds import Generation, speculative_generate
+from recspec.decoding.text_rounds import Generation, TextDrafter, generate_texts
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
 from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, sized_round_cost
@@ -62,6 +65,7 @@ from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, head_dir
 from recspec.models.hf import load_causal_lm
 from recspec.models.text_head import TEXT_HEAD, TextHeadDraft, load_text_head
+from recspec.precision import DTYPES
 
 #: The knowledge decoders' names (registered below, :mod:`recspec.decoding.registry`).
 AR, HF, PROMPT_LOOKUP, RESD, LASER = "ar", "hf", "prompt-lookup", "resd", "laser"
@@ -116,9 +120,8 @@ class KnowledgeConfig:
         if self.draft is not None and self.method not in HEAD_METHODS:
             raise RecspecError(f"--draft (a text head, `recspec distill --head`) drafts for methods "
                                f"{', '.join(HEAD_METHODS)}; method {self.method} does not draft with one")
-        if self.batch_size > 1 and self.method != HF:
-            raise RecspecError(f"--batch-size batches transformers generate (method hf), for bulk knowledge such as "
-                               f"the old-part pools; method {self.method} decodes one request at a time")
+        if self.batch_size > 1 and self.method == PROMPT_LOOKUP:
+            raise RecspecError("prompt lookup decoding (transformers) runs one request at a time; drop --batch-size")
 
     def check(self, decoder: Decoder) -> None:
         """Nothing more: a knowledge config is checked whole when made (:meth:`__post_init__`)."""
@@ -148,26 +151,28 @@ class KnowledgeConfig:
 
 class KnowledgeTask:
     """The data set, its streaming split and the target model, loaded once (the model when first
-    used: a process that only plans and stores the work never loads it)."""
+    used: a process that only plans and stores the work never loads it), in ``dtype`` (a name of
+    :data:`~recspec.precision.DTYPES`, resolved by :func:`~recspec.precision.text_precisions`; a
+    16-bit one is part of the store's identity: its texts are its own)."""
 
     def __init__(self, model: str = "smollm2", dataset: str = "ml-100k", old_share: float = 0.75,
-                 future_share: float = 0.1, seed: int = 0, device: str = "cpu") -> None:
+                 future_share: float = 0.1, seed: int = 0, device: str = "cpu", dtype: str = "float32") -> None:
         self.model_dir = resolve_model_dir(model)
         self.dataset = load_dataset(dataset)
         self.split = stream_split(self.dataset, old_share, future_share, seed)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.device = device
+        self.device, self.dtype = device, DTYPES[dtype]
         self.seed = seed
         self._routings: dict[tuple[str, str, int, int], PoolRouting] = {}
         self._heads: dict[tuple[str, bool], TextHeadDraft] = {}
         self._round_costs: dict[tuple[str, bool, HeadTreeConfig], CallCost] = {}
         self.identity = {"model": {"name": self.model_dir.name, "fingerprint": model_fingerprint(self.model_dir)},
                          "prompt_version": PROMPT_VERSION, "dataset": self.dataset.name,
-                         "split": self.split.settings}
+                         "split": self.split.settings, **({} if dtype == "float32" else {"dtype": dtype})}
 
     @cached_property
     def model(self):
-        return load_causal_lm(self.model_dir, device=self.device)
+        return load_causal_lm(self.model_dir, device=self.device, dtype=self.dtype)
 
     @cached_property
     def eos(self) -> list[int]:
@@ -274,16 +279,33 @@ def build_pools(task: KnowledgeTask, config: KnowledgeConfig, pool_texts: dict[i
 
 
 def make_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None) -> Generator:
-    """A :data:`Generator` for ``config.method`` drafting from ``pools`` (:func:`build_pools`;
-    ``hf`` decodes its batch in one ``generate`` call, every other method one request at a time)."""
+    """A :data:`Generator` for ``config.method`` drafting from ``pools`` (:func:`build_pools`); each
+    batch is decoded in one call of the method's loop (one ``generate`` call for ``hf``)."""
     head = task.head_drafter(config) if config.draft is not None else None
     return registered(config.method, KNOWLEDGE).run(task, config, pools, head)
 
 
-def _ar_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
-                  head: HeadDrafter | None) -> Generator:
-    model, budget, eos = task.model, config.max_new_tokens, task.eos
-    return lambda entities, prompts: [speculative_generate(model, p, budget, eos, head) for p in prompts]
+def _text_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
+                    head: HeadDrafter | None) -> Generator:
+    """Every request of a batch in one :func:`~recspec.decoding.text_rounds.generate_texts` call:
+    ``ar`` drafted by the head (or nothing), ``resd`` / ``laser`` by retrieval from the pools as
+    they stand when the batch starts (and the head beside it: hybrid trees)."""
+    model, budget, eos, rule = task.model, config.max_new_tokens, task.eos, config.verification.rule
+    if config.method in DRAFTING and pools is None:
+        raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
+
+    def drafter(entity: int) -> TextDrafter | None:
+        if pools is None:
+            return head
+        retrieval = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
+        return retrieval if head is None else HybridDrafter(retrieval, head)
+
+    def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
+        drafters = [drafter(entity) for entity in entities]
+        sessions = None if drafters[0] is None else [d.session(p) for d, p in zip(drafters, prompts)]
+        return generate_texts(model, prompts, budget, eos, sessions, rule)
+
+    return generate
 
 
 def _hf_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
@@ -292,29 +314,12 @@ def _hf_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet |
     return lambda entities, prompts: hf_generate(task.model, prompts, config.max_new_tokens, task.eos, lookup)
 
 
-def _retrieval_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | None,
-                         head: HeadDrafter | None) -> Generator:
-    model, budget, eos = task.model, config.max_new_tokens, task.eos
-    if pools is None:
-        raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
-
-    def drafter(entity: int) -> RetrievalDrafter | HybridDrafter:
-        retrieval = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
-        return retrieval if head is None else HybridDrafter(retrieval, head)
-
-    def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
-        return [speculative_generate(model, prompt, budget, eos, drafter(entity), config.verification.rule)
-                for entity, prompt in zip(entities, prompts)]
-
-    return generate
-
-
 # exact: the target's greedy text (``laser`` verifies LASER's relaxed rule); drafted: from the pools
-register(AR, KNOWLEDGE, _ar_generator, KnowledgeConfig, exact=True)
+register(AR, KNOWLEDGE, _text_generator, KnowledgeConfig, exact=True)
 register(HF, KNOWLEDGE, _hf_generator, KnowledgeConfig, exact=True)
 register(PROMPT_LOOKUP, KNOWLEDGE, _hf_generator, KnowledgeConfig, exact=True)
-register(RESD, KNOWLEDGE, _retrieval_generator, KnowledgeConfig, drafted=True, exact=True)
-register(LASER, KNOWLEDGE, _retrieval_generator, KnowledgeConfig, drafted=True)
+register(RESD, KNOWLEDGE, _text_generator, KnowledgeConfig, drafted=True, exact=True)
+register(LASER, KNOWLEDGE, _text_generator, KnowledgeConfig, drafted=True)
 #: Every knowledge decoder, and those that draft from pools of earlier knowledge.
 METHODS = names(KNOWLEDGE)
 DRAFTING = names(KNOWLEDGE, drafted=True)

@@ -30,9 +30,8 @@ MAX_DEPTH = 12
 @dataclass(frozen=True)
 class RetrievalConfig:
     """Draft tree limits: ``max_nodes`` (at most 64) nodes, ``max_depth`` (at most 12) tokens
-    deep, suffixes of at most ``max_suffix`` tokens. The defaults are the best measured on this
-    project's CPU (BENCHMARKS.md): every draft node costs a share of a target call there, so
-    small, well-ranked trees win."""
+    deep, suffixes of at most ``max_suffix`` tokens. The defaults are the best measured on a CPU,
+    where every draft node costs a share of a target call, so small, well-ranked trees win."""
 
     max_nodes: int = 16
     max_depth: int = MAX_DEPTH
