@@ -91,7 +91,7 @@ def convert_gguf(gguf_path: Path, dest: Path) -> None:
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(dest)
-    if tokenizer.pad_token is None:  # transformers before 5.2x reads no pad token from a GGUF; later ones give eos
+    if tokenizer.pad_token is None:  # transformers before 5.2 reads no pad token from a GGUF; later ones give eos
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.save_pretrained(dest)
 

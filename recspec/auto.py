@@ -1,7 +1,7 @@
 """``--decoder auto``: the fastest exact decoder for a model pair, device, K and batch size.
 
 Candidates: ``tree-beam`` (one target call per identifier level over the ``K`` beams; ``beam``
-feeds the same nodes and also copies caches, so it is never faster here: BENCHMARKS.md), the same
+feeds the same nodes and also copies caches, so it is never the faster of the two), the same
 loop with the first identifier level scored in the prompt's call (``expand_root``: one call fewer
 for ``F - K`` more nodes, ``F`` the root's children; any model, no draft needed) and, when a draft
 is loaded, ``spec-strict`` with rounds sized by cost (:class:`~recspec.decoding.tree_plan.
@@ -9,7 +9,7 @@ CostPlanner`). The choice comes from measurements kept beside the models
 (:mod:`recspec.calibration`): the call cost ``F + r * n`` of the target and the draft on this
 device, and the draft's acceptance per round level and width on validation users. From them the
 expected time of a batch is computed level by level (:func:`expected_seconds`). The prediction
-leaves out the Python work of each step and round (it runs about 30% low), so a predicted win (at
+leaves out the Python work of each step and round (it runs low), so a predicted win (at
 least ``margin``) is checked by timing the candidates predicted to win beside ``tree-beam`` on a
 few validation users (:func:`probe`, kept beside the target like the other measurements), and
 another decoder runs only when it is measured at least 3% faster than ``tree-beam`` there. The

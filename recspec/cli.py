@@ -96,6 +96,15 @@ def _draft_kind(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def _dtype_choice(value: Optional[str], option: str) -> Optional[str]:
+    """``--dtype`` / ``--draft-dtype`` as given, an unknown name refused before any work."""
+    if value is not None:
+        from recspec.precision import check_name
+
+        check_name(value, option)
+    return value
+
+
 def _renamed(old: str, new: str, given, value):
     """``given`` (the value of the renamed option ``old``, None when not passed) in place of
     ``value`` of ``new``, with one line saying what replaced it (kept for one release)."""
@@ -119,6 +128,12 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
 ThresholdOpt = Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")]
 OneCacheOpt = Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto: CUDA where present, else the CPU.")]
+DtypeOpt = Annotated[str, typer.Option(callback=lambda value: _dtype_choice(value, "--dtype"), help=(
+    "The target's dtype: float32, bfloat16, float16, or auto: the dtype it was saved in on CUDA, float32 on a CPU "
+    "(docs/precision.md)."))]
+DraftDtypeOpt = Annotated[Optional[str], typer.Option(callback=lambda value: _dtype_choice(value, "--draft-dtype"),
+                                                      help="A draft model's dtype (default: the target's); heads, "
+                                                           "priors and layer drafts run in the target's.")]
 ResultsOpt = Annotated[Path, typer.Option(help="Results folder.")]
 ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without extension).")]
 EngineOpt = Annotated[str, typer.Option(help="local (this process) or ray (Ray workers).")]
@@ -606,6 +621,8 @@ def recommend_command(
     users: Annotated[Optional[int], typer.Option(help="Only the first N users.")] = None,
     batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    draft_dtype: DraftDtypeOpt = None,
     overwrite: OverwriteOpt = False,
     engine: EngineOpt = "local",
     address: AddressOpt = None,
@@ -635,7 +652,7 @@ def recommend_command(
             f"nothing was written to {out} (it is written once every user is decoded)")
     with _on_interrupt(kept):
         report = recommend_users(target, out, k, decoder, draft, options, dataset, format, part, users, batch_size,
-                                 device, overwrite, peer, where)
+                                 device, overwrite, peer, where, dtype=dtype, draft_dtype=draft_dtype)
     for line in report.lines():
         typer.echo(line)
 
@@ -665,41 +682,65 @@ def serve_command(
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: one per core); the decode "
                                                         "thread should have the cores to itself.")] = None,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    draft_dtype: DraftDtypeOpt = None,
     engine: EngineOpt = "local",
     replicas: Annotated[Optional[int], typer.Option(help="--engine ray: replicas of the service, each with its "
                                                           "own batcher and --threads cores (default 1).")] = None,
     address: AddressOpt = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="RECSPEC_API_KEY", show_envvar=True,
+                                                   help="Require Authorization: Bearer KEY on every route but "
+                                                        "/health*, /metrics.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model's name in /v1/models and answers "
+                                                                  "(default: the target folder's name).")] = None,
+    decode_process: Annotated[bool, typer.Option(help="Decode in a worker process (its own interpreter lock) "
+                                                      "rather than a thread of the server's.")] = False,
 ) -> None:
-    """Serve recommendations over HTTP (FastAPI + uvicorn): POST /v1/recommend, POST /v1/chat/completions,
-    GET /health, /v1/models, /metrics; concurrent requests decoded in dynamic batches. SIGTERM or
-    Ctrl-C: stop accepting, answer what is in flight, exit 0. With --engine ray: the same service as
-    --replicas Ray Serve replicas behind Serve's proxy on HOST:PORT."""
+    """Serve recommendations over HTTP (FastAPI + uvicorn): POST /v1/recommend, /v1/completions,
+    /v1/chat/completions (OpenAI-style), GET /v1/models, /health/live, /health/ready, /metrics;
+    concurrent requests decoded in dynamic batches. SIGTERM or Ctrl-C: stop accepting, answer what
+    is in flight, exit 0. With --engine ray: the same service as --replicas Ray Serve replicas
+    behind Serve's proxy on HOST:PORT."""
     _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
               max_body_kb=max_body_kb, replicas=replicas, auto_k=min(auto_k) if auto_k else None)
     if _engine(engine, address).name == "local" and replicas is not None:
         raise RecspecError("--replicas counts Ray Serve replicas: use it with --engine ray")
+    if decode_process and engine != "local":
+        raise RecspecError("--decode-process works with --engine local only; Ray Serve replicas decode in their "
+                           "own thread")
     if not 0 <= port < 65536:
         raise RecspecError(f"--port must lie in [0, 65535], got {port}")
     if max_wait_ms < 0 or timeout_s <= 0:
         raise RecspecError("--max-wait-ms must be at least 0 and --timeout-s above 0")
     from recspec.extras import require_extra
+    from recspec.serve.access import exposure_warning
     from recspec.serve.listen import listen
 
     require_extra("serve", "recspec serve")
+    if api_key is not None and not api_key.strip():
+        raise RecspecError("--api-key (or RECSPEC_API_KEY) is empty; give a key, or unset it to serve without one")
+    warning = exposure_warning(host, api_key)
+    if warning:
+        typer.echo(warning, err=True)
 
     # a busy port is refused before anything loads; the socket is closed however the command ends
     with listen(host, port) if engine == "local" else contextlib.nullcontext() as listener:
-        from recspec.recommend import DecodeOptions, check_decoder, check_folders
-        from recspec.serve.app import ServeConfig
+        from recspec.recommend import DecodeOptions, check_decoder, check_folders, folder_precisions
+        from recspec.serve.config import ServeConfig
         from recspec.serve.schemas import DEFAULT_K
 
         check_decoder(decoder, draft is not None)
-        check_folders(target, draft)  # a wrong folder is named before the server starts
-        config = ServeConfig(target=target, draft=draft, decoder=decoder, device=_device(device),
+        folder, _, models, heads = check_folders(target, draft)  # a wrong folder is named before the server starts
+        device = _device(device)
+        for note in folder_precisions(dtype, draft_dtype, device, folder, models, heads, draft).notes():
+            typer.echo(f"note: {note}", err=True)
+        config = ServeConfig(target=target, draft=draft, decoder=decoder, device=device, dtype=dtype,
+                             draft_dtype=draft_dtype,
                              max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s,
                              max_body_bytes=max_body_kb * 1024, threads=threads,
                              options=DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature,
-                                                   seed=seed), auto_k=tuple(sorted(set(auto_k or [DEFAULT_K]))))
+                                                   seed=seed), auto_k=tuple(sorted(set(auto_k or [DEFAULT_K]))),
+                             api_key=api_key, served_model_name=served_model_name, decode_process=decode_process)
         if listener is None:
             from recspec.serve.on_ray import serve_on_ray
 
@@ -746,14 +787,16 @@ def generate_command(
                                                             "the fastest with a text head on a CPU).")] = None,
     threshold: ThresholdOpt = None,
     one_cache: OneCacheOpt = False,
-    tree: Annotated[bool, typer.Option(help="sample / spec-sample in the tree loop, one prompt at a time and one "
-                                            "uniform per text position: spec-sample verifies a text head's draft "
+    tree: Annotated[bool, typer.Option(help="sample / spec-sample in the tree loop, one uniform per text "
+                                            "position: spec-sample verifies a text head's draft "
                                             "trees by the target's own draw at every node (exact), and for a seed "
                                             "writes the texts of sample --tree.")] = False,
     score: Annotated[bool, typer.Option(help="Also write the target's mean log-likelihood per token.")] = False,
     seed: int = 0,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 1,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    draft_dtype: DraftDtypeOpt = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
@@ -765,6 +808,7 @@ def generate_command(
     from recspec.hub import load_tokenizer, resolve_model_dir
     from recspec.models.hf import load_causal_lm
     from recspec.models.layer_draft import text_draft_model
+    from recspec.precision import text_precisions
 
     method = _renamed("--method", "--decoder", method, decoder)
     gamma = default_gamma(method) if gamma is None else gamma
@@ -776,18 +820,22 @@ def generate_command(
     device = _device(device)
     spec = check_request(method, options, has_draft=True)
     if tree:
-        _check_tree_request(method, draft, batch_size, draft_stop)
+        _check_tree_request(method, draft, draft_stop)
+    precisions = text_precisions(dtype, draft_dtype, device, resolve_model_dir(target), draft, spec.drafted)
+    for note in precisions.notes():
+        typer.echo(f"note: {note}", err=True)
     messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
     tokenizer = load_tokenizer(target)
-    model = load_causal_lm(target, device=device)
+    model = load_causal_lm(target, device=device, dtype=precisions.target.dtype)
     draft_model = None
     if spec.drafted:
-        draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target))
+        draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target),
+                                       dtype=precisions.draft.dtype)
     prompts = chat_prompts(tokenizer, messages)
     with _on_interrupt(f"nothing was written to {out} (it is written once every prompt is done)"):
         if tree:
             result = _tree_generate(model, resolve_model_dir(target), draft_model, prompts, options,
-                                    tokenizer.eos_token_id)
+                                    tokenizer.eos_token_id, batch_size)
         else:
             result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,
                               tokenizer.eos_token_id, batch_size)
@@ -811,7 +859,7 @@ def generate_command(
                    f"target calls {summary['target_calls']:.1f}/prompt, rounds {summary['rounds']:.1f}/prompt")
 
 
-def _check_tree_request(method: str, draft: str | None, batch_size: int, draft_stop: float | None) -> None:
+def _check_tree_request(method: str, draft: str | None, draft_stop: float | None) -> None:
     """Refuse ``--tree`` settings the tree loop cannot serve, before any work."""
     from recspec.decoding.text import SAMPLE as TEXT_SAMPLE, SPEC_SAMPLE
     from recspec.models.head import is_head_dir
@@ -823,16 +871,16 @@ def _check_tree_request(method: str, draft: str | None, batch_size: int, draft_s
         raise RecspecError("--draft-stop sizes chains; --tree sizes its trees from the cost model: drop one")
     if method == SPEC_SAMPLE and (draft is None or not is_head_dir(draft, TEXT_HEAD)):
         raise RecspecError("spec-sample --tree drafts with a text head: pass --draft HEAD (`recspec distill --head`)")
-    if batch_size != 1:
-        raise RecspecError("--tree decodes one prompt at a time; leave --batch-size at 1")
 
 
-def _tree_generate(model, model_dir: Path, head, prompts, options, eos: int | None):
+def _tree_generate(model, model_dir: Path, head, prompts, options, eos: int | None, batch_size: int):
     """``sample`` (``head`` None) or ``spec-sample`` with ``head``'s trees in the tree loop
-    (:mod:`recspec.knowledge.sampled`), echoing the target's tokens per call."""
+    (:mod:`recspec.knowledge.sampled`), ``batch_size`` prompts per batch, echoing the target's tokens
+    per call."""
     from recspec.knowledge.sampled import generate_tree, tree_drafter
 
-    result = generate_tree(model, prompts, options, eos, None if head is None else tree_drafter(model, model_dir, head))
+    drafter = None if head is None else tree_drafter(model, model_dir, head)
+    result = generate_tree(model, prompts, options, eos, drafter, batch_size)
     typer.echo(f"{sum(map(len, result.tokens)) / max(result.calls or 1, 1):.2f} tokens per target call")
     return result
 
@@ -1011,6 +1059,8 @@ def bench_compare(
     draft_beams: Annotated[Optional[int], typer.Option(help="N of spec-strict and spec-beam-sample "
                                                             "(default 2K).")] = None,
     gamma: GammaOpt = None,
+    dtype: DtypeOpt = "auto",
+    draft_dtype: DraftDtypeOpt = None,
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "compare",
 ) -> None:
@@ -1019,7 +1069,8 @@ def bench_compare(
     from recspec.bench.compare import run_compare as run
 
     _positive(users=users, repeats=repeats, k=k, batch_size=batch_size, draft_beams=draft_beams)
-    typer.echo(run(results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma))
+    typer.echo(run(results_dir(out), target, draft, decoder, k, batch_size, users, repeats, name, draft_beams, gamma,
+                   dtype, draft_dtype))
 
 
 @bench_app.command("serve")
@@ -1035,20 +1086,38 @@ def bench_serve(
     repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
     max_batch: Annotated[int, typer.Option(help="--max-batch of batching on.")] = 16,
     max_seconds: Annotated[float, typer.Option(help="Time cap of one run.")] = 60.0,
+    decode: Annotated[list[str], typer.Option(help="Where the server decodes: thread (of its own process) or "
+                                                   "process (a worker; repeatable).")] = ["thread", "process"],
+    batching: Annotated[list[str], typer.Option(help="Batching on (--max-batch) and/or off (one at a time; "
+                                                     "repeatable).")] = ["on", "off"],
+    soak: Annotated[Optional[float], typer.Option(help="Instead: a soak of this many minutes (mixed good and bad "
+                                                       "requests at about the sustainable rate) with the first "
+                                                       "--decoder and --decode.")] = None,
     device: DeviceOpt = "auto",
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "serve",
 ) -> None:
-    """`recspec serve` under load: requests/s and p50/p95/p99 latency per decoder, batching on and
-    off, at several concurrencies, and an open-loop run at twice the sustainable rate."""
-    from recspec.bench.serve import run_serve as run
+    """`recspec serve` under load: requests/s and p50/p95/p99 latency per decoder, decode thread or
+    worker process, batching on and off, at several concurrencies, and an open-loop run at twice
+    the sustainable rate; or, with --soak, a soak test (written as NAME-soak)."""
+    from recspec.bench.serve import run_serve as run, run_soak
     from recspec.recommend import check_decoder
 
     _positive(k=k, users=users, requests=requests, repeats=repeats, max_batch=max_batch, concurrency=min(concurrency))
     for name_ in decoder:
         check_decoder(name_, draft is not None)
+    for option, given, allowed in (("--decode", decode, ("thread", "process")), ("--batching", batching, ("on", "off"))):
+        wrong = sorted(set(given) - set(allowed))
+        if wrong or not given:
+            raise RecspecError(f"{option} takes {' or '.join(allowed)}, got {', '.join(wrong) or 'nothing'}")
+    if soak is not None:
+        if not 0 < soak <= 24 * 60:
+            raise RecspecError(f"--soak takes minutes in (0, 1440], got {soak:g}")
+        typer.echo(run_soak(results_dir(out), target, draft, soak, k, users, decoder[0], decode[0], f"{name}-soak",
+                            _device(device)))
+        return
     typer.echo(run(results_dir(out), target, draft, decoder, concurrency, k, users, requests, repeats, max_batch,
-                   max_seconds, name, _device(device)))
+                   max_seconds, name, _device(device), decode, batching))
 
 
 @bench_app.command("dropin")
@@ -1165,7 +1234,9 @@ def knowledge_generate(
     max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
     max_history: Annotated[int, typer.Option(help="Movies listed in a user prompt (the most recent).")] = 10,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts drop their oldest movies, else are refused.")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Method hf: requests per generate call (bulk knowledge, e.g. the pools).")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Requests decoded together (every method but prompt-lookup; bulk "
+                                                 "knowledge, e.g. the pools). Drafting methods draft from the pools "
+                                                 "as they stand when a batch starts.")] = 1,
     draft: Annotated[Optional[Path], typer.Option(help="A text draft head (`recspec distill --head`): with ar, greedy "
                                                        "speculative decoding; with resd / laser, hybrid trees.")] = None,
     head_width: Annotated[int, typer.Option(help="--draft: children per expanded node and nodes expanded per "
@@ -1183,6 +1254,7 @@ def knowledge_generate(
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
     device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     engine: EngineOpt = "local",
     address: AddressOpt = None,
     workers: WorkersOpt = 2,
@@ -1199,7 +1271,7 @@ def knowledge_generate(
                                draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
                                draft, head_width, head_depth, head_nodes, fixed_tree, head_gate)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
-        run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where)
+        run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where, dtype=dtype)
     for line in run.lines():
         typer.echo(line)
 

@@ -4,13 +4,12 @@ A decoder layer of a Llama-family model projects the same hidden states three ti
 (``q_proj``, ``k_proj``, ``v_proj``) and twice for its MLP (``gate_proj``, ``up_proj``). Over 3-128
 rows on the CPU each is oneDNN's product over its packed weight (:mod:`recspec.accel.small_rows`),
 and the small ones stream their weights badly: SmolLM2's 192 x 576 key and value products take
-4x the time their weights take to read (BENCHMARKS.md "Packed oneDNN weights"). One product over
-the concatenated weights, packed once, streams them together: a SmolLM2 call over 3-16 rows is
-1.07-1.10x faster (BENCHMARKS.md "Fused projections", calls timed pair by pair). The outputs are
+several times the time their weights take to read. One product over the concatenated weights,
+packed once, streams them together, so a call over 3-16 rows is cheaper. The outputs are
 bit-identical: oneDNN computes every output column with the same summation whatever columns
 share the product. One and two rows (MKL's product, every plain decoding step) are computed by
 each sibling alone: fused as MKL products over a plain concatenated copy, whole calls ran
-0.97-0.98x as fast. Where recspec's kernel serves (:mod:`recspec.accel.kernel`), every row
+slower. Where recspec's kernel serves (:mod:`recspec.accel.kernel`), every row
 count from 1 to 128 is one kernel product over the concatenated panels, bit-identical too (each
 output column is its own chain of multiply-adds).
 
@@ -29,7 +28,8 @@ layer, q, k, v and gate, up) fuses its siblings the same way, with ``int8``: one
 the concatenated weights, quantized once, for any row count (a head's steps are 1-8 rows). Its
 outputs are bit-identical too: each activation row is quantized on its own scale and each weight row
 on its own, so an output column does not depend on the columns beside it. The quantized engine's
-dynamic linear costs about 0.1 ms a call whatever its size there, and a head's step makes seven.
+dynamic linear has a fixed cost per call whatever its size, and a head's step makes seven calls
+unfused.
 """
 
 from __future__ import annotations

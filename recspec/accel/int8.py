@@ -3,10 +3,9 @@
 A text head's drafting step is bound by reading its weights, as a target call is. Quantized to
 int8 per row its weights are a quarter of the bytes, and the quantized engine's dynamic linear
 (activations quantized per call over 8 bits, int8 products, float32 out) computes a 1-4 row
-product in 40-110 us where float32 takes 90-830 us (the 8,192 x 576 draft logits: 70-110 against
-490-830 us). With the draft logits and the head's decoder layer in int8, a drafting step of the
-SmolLM2 head takes 2.1 ms for one row instead of 3.3 in float32 (2.6 with int8 logits alone;
-BENCHMARKS.md "The head's decoder layer in int8").
+product in a fraction of the float32 time, the draft logits (8,192 x 576) most of all, so a
+drafting step with the draft logits and the head's decoder layer in int8 costs well under its
+float32 one.
 
 **Per-row activation scales.** The engine quantizes a product's activations with one scale over
 all its rows. A head reads the target's features, whose rows differ in scale (outlier dimensions

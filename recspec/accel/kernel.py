@@ -1,9 +1,8 @@
 """recspec's small-row product kernel (``kernel.cpp``): built once per machine, checked on use.
 
-On this project's CPU neither of torch's kernels streams a weight at the memory's speed for a few
-rows: MKL's product over 1-2 rows reads SmolLM2's weights at 28-31 GB/s and oneDNN's over packed
-weights at 20-25 GB/s over 3-6 rows, where a read in order reaches 31-51 GB/s as the host's memory
-allows (BENCHMARKS.md "A small-row kernel"). ``kernel.cpp`` keeps each weight once in panels of
+Neither of torch's CPU kernels streams a weight at the memory's speed for a few rows: MKL's
+product over 1-2 rows and oneDNN's over packed weights over 3-6 rows read SmolLM2's weights well
+below the speed of a read in order. ``kernel.cpp`` keeps each weight once in panels of
 16 output columns and streams them in order, a 6 x 16 register tile of AVX2 fused multiply-adds per
 group of rows, so a call's products over 1 to 6 rows cost what reading its weights costs.
 
@@ -59,7 +58,7 @@ from recspec.fileio import atomic_dir, record_checksums, verify_checksums
 SOURCE = Path(__file__).with_name("kernel.cpp")
 LIBRARY = "recspec_rows"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
-#: The longest a build may take (it takes about 10 s here) before it counts as failed.
+#: The longest a build may take (a build takes seconds) before it counts as failed.
 COMPILE_TIMEOUT_S = 600
 
 

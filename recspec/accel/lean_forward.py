@@ -2,9 +2,8 @@
 
 A call of a model the size this CPU trains (``target-mini``: 4 layers of width 256; ``draft-tiny``:
 one of width 128) spends more of its time in transformers' Python than in its products: the module
-tree, the keyword plumbing of every layer, the mask builder and the output recorders. Measured on
-``target-mini`` (BENCHMARKS.md "A lean forward for small Llamas"): the products are 0.5 of a
-one-node call's 2.5 ms.
+tree, the keyword plumbing of every layer, the mask builder and the output recorders: on
+``target-mini`` the products are about half of a one-node call.
 :class:`LeanLlama` runs the same operations in the same order on the same weights:
 
 * the token embedding; the rotary embedding from the model's own module;

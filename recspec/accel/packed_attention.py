@@ -15,9 +15,8 @@ the unrepeated keys and values, and the output unpacked to ``[b, q, H, d]``. The
 the same order per query row and head, so the logits agree with transformers' own path to float
 noise (SmolLM2's logits over a 356-token cache: identical for 4 and 8 rows, within 2e-5 for 2).
 
-Measured on this project's CPU (SmolLM2, 356 cached tokens, whole calls side by side; `recspec
-bench rows`): 2-8 rows 1.06-1.10x faster, 12-32 rows 1.02-1.05x, a 2-row call then costing what
-a 1-row call does. One-row calls and calls without a mask (a prompt's causal prefill) and training
+Calls of 2-8 rows gain most (`python -m benchmarks.lab rows` measures it): a 2-row call then
+costs what a 1-row call does. One-row calls and calls without a mask (a prompt's causal prefill) and training
 (attention dropout) keep transformers' own SDPA path, so plain greedy decoding and ``generate``
 are unchanged: the gain is the verifying calls' alone.
 

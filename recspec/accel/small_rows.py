@@ -4,34 +4,30 @@
 builds (x86-64 with AVX2, a C++ compiler), every float32 product over 1 to 128 rows without a
 gradient runs it over the weight kept in panels (:class:`RowPanels`, a second copy of the weight,
 made at its first call). It streams the weight once, in order, at the memory's speed: SmolLM2's
-products cost the same over 1 to 6 rows, 1.09-1.36x less than MKL's product over 1-2 rows and
-1.25-1.58x less than oneDNN's packed product over 3-6, as the host's memory allows (BENCHMARKS.md
-"A small-row kernel"). Each row's output is the same bits whatever rows share the call. Where the
+products cost the same over 1 to 6 rows, less than MKL's product over 1-2 rows and oneDNN's packed
+product over 3-6. Each row's output is the same bits whatever rows share the call. Where the
 kernel is not built, the two torch kernels below serve as before.
 
 On the CPUs this project runs on (fp32, 2 threads), ``torch.nn.functional.linear`` with 2 to 128
-input rows takes a slow path: SmolLM2's output layer costs 24 ms for 2 rows against 3.7 ms for the
-same product written ``W @ x.T`` (BENCHMARKS.md, knowledge section). Two kernels do better, each
-over its own range of rows (BENCHMARKS.md "Row-major products", "oneDNN products from 7 rows" and
-"Packed oneDNN weights"):
+input rows takes a slow path: SmolLM2's output layer costs several times what the same product
+written ``W @ x.T`` costs. Two kernels do better, each over its own range of rows:
 
 * **1..2 rows: MKL's** ``W @ x.T`` over row-major rows (and 3..6 rows where no packed weight is
   kept). One row is computed as two: a matrix-
-  vector product streams the weights at a third of the speed of the same product over two rows
-  (the output layer: 10 ms against 3.7 ms). The product is fast only while ``x`` is row-major
-  (``x.T`` a transposed view); over a column-major ``x`` it is 2-4x slower, and so is the SDPA
+  vector product streams the weights at a third of the speed of the same product over two rows.
+  The product is fast only while ``x`` is row-major (``x.T`` a transposed view); over a
+  column-major ``x`` it is several times slower, and so is the SDPA
   attention over queries in that layout (it falls back from the flash kernel to the math one).
   ``(W @ x.T).T`` itself is column-major, so the result is made row-major again.
 * **3..128 rows: oneDNN's** linear (``torch.ops.mkldnn._linear_pointwise``, the kernel
   ``torch.compile`` lowers linear layers to on the CPU) over a **packed** weight: a copy of the
   weight in oneDNN's blocked layout (:class:`OneDnnPack`, made once for :data:`PACK_ROWS` rows and
   again whenever the weight changes). Packed, its cost is nearly flat from 3 to 16 rows, close to
-  streaming the weight once (the 49,152 x 576 output layer: 4.2-5.3 ms for 3-8 rows, 6.0-6.6 ms for
-  16, where summing the weight takes 3.9 ms; MKL's product 4.6-10.4 ms for 3-8 rows and oneDNN
-  over the plain weight 6.0-9.5 ms for 3-16, which reorders the weight in every call). The same
+  streaming the weight once, where MKL's product grows with the rows and oneDNN over the plain
+  weight reorders the weight in every call. The same
   op over the plain weight computes 7..128 rows where no pack is kept (the text head's output
-  rows are packed too; a bare :func:`small_row_linear` call is not): from 8 rows it beats MKL by
-  1.1-1.9x. The op has no autograd kernel (backpropagating through it silently yields no
+  rows are packed too; a bare :func:`small_row_linear` call is not): from 8 rows it beats MKL.
+  The op has no autograd kernel (backpropagating through it silently yields no
   gradient), so a product that needs a gradient, and any dtype other than float32 or a build
   without oneDNN, keeps the MKL product, over :func:`padded_rows` rows (zero rows added, their
   outputs dropped) where that count is faster.
@@ -68,7 +64,7 @@ PACK_ROWS = 16
 
 #: The version of the small-row forward. Kept timing records (:mod:`recspec.calibration`) carry it,
 #: so a change to how calls are computed has them measured again: 2 made products row-major and one
-#: row two (1.2-1.7x faster calls of 1-5 rows than 1); 3 computes 7..128 rows with oneDNN; 4 computes
+#: row two; 3 computes 7..128 rows with oneDNN; 4 computes
 #: 3..128 rows with oneDNN over packed weights; 5 fuses sibling projections
 #: (:mod:`recspec.accel.fused`); 6 computes 1..128 rows with recspec's kernel where it
 #: is built (:mod:`recspec.accel.kernel`).
@@ -78,11 +74,9 @@ PRODUCTS_VERSION = 6
 def padded_rows(rows: int) -> int:
     """The row count the MKL product computes ``rows`` (1..128) rows with (one row is computed as
     two in any case). ``W @ x.T`` over ``n`` columns is fast when ``n`` is a multiple of 8, fastest
-    at 16, and up to twice as slow in between (SmolLM2's 1536 x 576 product: 0.25 ms for 16 rows,
-    0.49 ms for 14, 0.63 ms for 15). Whole calls gain from padding only where the gap is wide:
-    10..15 rows are computed as 16 and 21..31 as the next multiple of 8; measured on this
-    project's CPU, where padding fewer rows or more cost up to 12% (`recspec bench rows`,
-    BENCHMARKS.md "Row counts")."""
+    at 16, and up to twice as slow in between. Whole calls gain from padding only where the gap is
+    wide: 10..15 rows are computed as 16 and 21..31 as the next multiple of 8; padding fewer rows
+    or more was slower on the CPUs measured (`python -m benchmarks.lab rows`)."""
     if 10 <= rows <= 15:
         return 16
     if 21 <= rows <= 31:

@@ -70,7 +70,7 @@ from recspec.models.train import OneExampleRows, Trainer, autocast
 from recspec.statefile import has_state, load_state, save_state, state_files
 
 FEATURES = "features"
-PART_BATCHES = 32  # batches per resumable part of the features pass (about 4 minutes of SmolLM2 here)
+PART_BATCHES = 32  # batches per resumable part of the features pass (an interruption loses at most one part)
 ACCEPTANCE_2 = "valid_acceptance_2"
 
 

@@ -4,8 +4,8 @@
 On the first ``users`` test users each decoder decodes one batch untimed, then all of them
 ``repeats`` timed times, the decoders taking turns batch by batch in a balanced order
 (:func:`~recspec.turns.take_turns`: a drift of the machine's speed reaches them all alike,
-and none always follows the same one; a decoder run right after a wide speculative one was
-measured up to 15% slower). Reported per decoder: users/s of the
+and none always follows the same one: a decoder run right after a wide speculative one can run
+slower). Reported per decoder: users/s of the
 median run, its speed-up over the first decoder, whether its items are the first decoder's (same items and
 scores, order free only among tied scores), and for ``auto`` what it chose and why (chosen once
 before timing). ``spec-strict`` and ``spec-beam-sample`` run with ``draft_beams`` (default ``N =
@@ -29,6 +29,7 @@ from recspec.auto import choose
 from recspec.bench.report import markdown_table, reuse_freed_memory, write_results
 from recspec.decoding import TopK
 from recspec.errors import RecspecError
+from recspec.precision import dtype_name
 from recspec.decoding.registry import ITEMS, names
 from recspec.recommend import (AUTO, BEAM, DECODERS, ROOT_EXPANDING, SPEC_STRICT, TREE_BEAM, DecodeOptions, Decoded,
                                Recommender)
@@ -70,10 +71,12 @@ def same_up_to_ties(result: TopK, reference: TopK, atol: float = 1e-4) -> bool:
 
 def run_compare(out: Path, target: Path, draft: Path | None, decoders: Sequence[str] = DEMO_DECODERS, k: int = 10,
                 batch_size: int = 1, users: int = 200, repeats: int = 3, name: str = "compare",
-                draft_beams: int | None = None, gamma: int | None = None) -> str:
+                draft_beams: int | None = None, gamma: int | None = None, dtype: str = "auto",
+                draft_dtype: str | None = None) -> str:
     """Compare ``decoders`` (the first is the reference) on the first ``users`` test users of
-    ``target`` (with ``draft`` for the speculative ones and ``auto``); write ``{name}.json`` /
-    ``.md`` into ``out`` and return the Markdown."""
+    ``target`` (with ``draft`` for the speculative ones and ``auto``), the models in ``dtype`` /
+    ``draft_dtype`` (:mod:`recspec.precision`); write ``{name}.json`` / ``.md`` into ``out`` and
+    return the Markdown."""
     unknown = unknown_decoders(decoders)
     if unknown or len(set(decoders)) != len(decoders) or len(decoders) < 2:
         raise RecspecError(f"--decoder: name two or more distinct decoders of {', '.join(DECODERS)} (or {ROOT_NAMES})"
@@ -81,7 +84,7 @@ def run_compare(out: Path, target: Path, draft: Path | None, decoders: Sequence[
     if min(k, batch_size, users, repeats) < 1:
         raise RecspecError("--k, --batch-size, --users and --repeats must be positive")
     reuse_freed_memory()
-    recommender = Recommender.load(target, draft_dir=draft)
+    recommender = Recommender.load(target, draft_dir=draft, dtype=dtype, draft_dtype=draft_dtype)
     examples = recommender.examples("test", users)
     options = {decoder: DecodeOptions(draft_beams=draft_beams or 2 * k, gamma=gamma,
                                       expand_root=split_root(decoder)[1]) for decoder in decoders}
@@ -118,6 +121,7 @@ def run_compare(out: Path, target: Path, draft: Path | None, decoders: Sequence[
     results: dict[str, Any] = {"target": str(target), "draft": str(draft) if draft else None, "k": k,
                                "draft_beams": draft_beams or 2 * k, "gamma": gamma,
                                "batch_size": batch_size, "users": len(examples), "repeats": repeats,
+                               "dtype": dtype_name(recommender.model.dtype),
                                "auto_choice": reason, "rows": rows}
     write_results(out, name, results, markdown)
     return markdown
