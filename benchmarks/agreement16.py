@@ -13,7 +13,8 @@ measures what remains, on a trained target and draft (``make demo``'s by default
   candidate at any step) is within the dtype's rounding (:func:`~recspec.precision.tie_bound` at
   the largest identifier logit the target computed for the reference's items). ``spec-strict``
   against ``tree-beam`` is reported too (the claim ``tests/test_dtype.py`` checks).
-* **text**: recspec's greedy text loop (the knowledge job's ``ar``), one prompt at a time and in
+* **text**: recspec's greedy text loop (the knowledge job's ``ar``; with ``--pool``, also greedy
+  retrieval drafting from a knowledge store, LASER's drafts), one prompt at a time and in
   batches, against transformers' greedy ``generate`` one prompt at a time, on SmolLM2 from the
   asset cache: the fraction of prompts with the same tokens, and at each first divergence the gap
   between the two tokens' logits there (teacher-forced on the common prefix), against
@@ -26,6 +27,7 @@ benchmarks/results/). Not a timing: it may share the machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -172,14 +174,20 @@ def divergence_gap(model, prompt: list[int], ours: list[int], ref: list[int]) ->
 
 
 def text_agreement(dtype: str, prompts: int, max_new_tokens: int, batch: int, device: str = "cpu",
-                   model_name: str = "smollm2") -> list[TextAgreement]:
+                   model_name: str = "smollm2", pool: Path | None = None) -> list[TextAgreement]:
     """recspec's greedy loop, one prompt at a time and ``batch`` at a time, against transformers'
-    greedy ``generate`` on ``prompts`` knowledge prompts of MovieLens users, ``model_name`` in ``dtype``."""
+    greedy ``generate`` on ``prompts`` knowledge prompts of MovieLens users, ``model_name`` in
+    ``dtype``; with ``pool`` (a knowledge store of greedy texts) also greedy retrieval drafting
+    from it (LASER's drafts over one pool, greedy verification: the greedy text by construction in
+    float32)."""
     from recspec.data import load_dataset
     from recspec.decoding.text_rounds import generate_texts
     from recspec.hub import load_tokenizer, resolve_model_dir
-    from recspec.knowledge.decode import eos_ids, hf_generate
+    from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
+    from recspec.knowledge.retrieval import RetrievalConfig
+    from recspec.knowledge.store import read_rows
+    from recspec.knowledge.trie import TokenTrie
     from recspec.models.hf import load_causal_lm
 
     folder = resolve_model_dir(model_name)
@@ -189,10 +197,17 @@ def text_agreement(dtype: str, prompts: int, max_new_tokens: int, batch: int, de
     texts = [prompt.tolist() for prompt in chat_prompts(tokenizer, random_prompt_texts(load_dataset("ml-100k"),
                                                                                         "user", prompts))]
     reference = [hf_generate(model, [text], max_new_tokens, eos)[0].tokens for text in texts]
+    drafters: dict[str, RetrievalDrafter | None] = {"ar": None}
+    if pool is not None:
+        trie = TokenTrie(RetrievalConfig().window)
+        trie.add_all(row.tokens for row in read_rows(pool))
+        drafters["laser-greedy"] = RetrievalDrafter(trie, RetrievalConfig())
     rows = []
-    for size in (1, batch):
+    for (name, drafter), size in itertools.product(drafters.items(), (1, batch)):
         ours = [generation.tokens for start in range(0, len(texts), size)
-                for generation in generate_texts(model, texts[start:start + size], max_new_tokens, eos)]
+                for generation in generate_texts(
+                    model, texts[start:start + size], max_new_tokens, eos,
+                    None if drafter is None else [drafter.session(text) for text in texts[start:start + size]])]
         gaps = [divergence_gap(model, text, a, b) for text, a, b in zip(texts, ours, reference)
                 if a != b and a[:min(len(a), len(b))] != b[:min(len(a), len(b))]]
         ended = sum(a != b for a, b in zip(ours, reference)) - len(gaps)  # one text a prefix of the other
@@ -200,7 +215,7 @@ def text_agreement(dtype: str, prompts: int, max_new_tokens: int, batch: int, de
         bound = text_tolerance(DTYPES[dtype], magnitude) if gaps else 0.0
         widest = max((g for g, _ in gaps), default=0.0)
         units = max((g / ulp(DTYPES[dtype], m) for g, m in gaps), default=0.0)
-        rows.append(TextAgreement(dtype, f"ar (batch {size})", len(texts),
+        rows.append(TextAgreement(dtype, f"{name} (batch {size})", len(texts),
                                   sum(a == b for a, b in zip(ours, reference)) / len(texts), bound, widest, units,
                                   ended == 0 and all(g <= text_tolerance(DTYPES[dtype], m) for g, m in gaps)))
     return rows
@@ -247,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--text-batch", type=int, default=4)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--pool", type=Path, help="A greedy knowledge store (user side): also greedy retrieval "
+                                                  "drafting from it")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--name", default="agreement16")
     args = parser.parse_args(argv)
@@ -259,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  [int(k) for k in args.ks.split(",")], args.batch_size, args.device)
         items += rows
         if args.text_prompts:
-            text += text_agreement(dtype, args.text_prompts, args.max_new_tokens, args.text_batch, args.device)
+            text += text_agreement(dtype, args.text_prompts, args.max_new_tokens, args.text_batch, args.device,
+                                   pool=args.pool)
     settings = {"target": str(args.target), "draft": str(args.draft), "users": args.users, "ks": args.ks,
                 "batch_size": args.batch_size, "device": args.device, "max_new_tokens": args.max_new_tokens,
                 "text_model": "SmolLM2-135M-Instruct", "torch_threads": torch.get_num_threads()}

@@ -145,7 +145,7 @@ def test_serve_answers_from_the_folder(before: dict, moved: Path, no_data: None)
                 assert got.status_code == 200, got.text
                 assert_same(answers([got.json()]), answers([row]))
         unknown = httpx.post(f"{url}/v1/recommend", json={"history": ["no-such-item"], "k": K})
-        assert unknown.status_code == 422 and unknown.json()["error"]["kind"] == "unknown_items"
+        assert unknown.status_code == 422 and unknown.json()["error"]["code"] == "unknown_items"
 
 
 def test_the_drop_in_decodes_over_the_folder(before: dict, moved: Path, no_data: None) -> None:
