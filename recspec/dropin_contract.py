@@ -38,6 +38,7 @@ from transformers import EosTokenCriteria, GenerationConfig, LogitsProcessorList
 
 from recspec.decoding.beams import Beams, TopK, select_top_k
 from recspec.errors import RecspecError
+from recspec.hub import eos_token_ids
 from recspec.itemids.trie import ItemTrie
 
 #: Per-step outputs the drop-in does not keep (it returns items and their scores).
@@ -82,12 +83,6 @@ def check_length(config: GenerationConfig, width: int, trie: ItemTrie) -> None:
                            f"(raise max_new_tokens)")
 
 
-def config_eos_ids(config: GenerationConfig) -> list[int]:
-    """``config.eos_token_id`` as a list (it may be None, one id or several)."""
-    eos = config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
 def needs_checking(criteria: StoppingCriteriaList, config: GenerationConfig, trie: ItemTrie) -> bool:
     """Whether ``criteria`` may stop a beam inside an identifier: any criterion but the length
     and end-of-sequence ones ``generate`` adds, or an end-of-sequence id of ``config`` that is an
@@ -95,7 +90,8 @@ def needs_checking(criteria: StoppingCriteriaList, config: GenerationConfig, tri
     if any(type(criterion) not in (MaxLengthCriteria, EosTokenCriteria) for criterion in criteria):
         return True
     inner = torch.arange(1, trie.num_nodes - trie.num_items, device=trie.device)  # every prefix but root and leaves
-    return bool(torch.isin(trie.last_token(inner), torch.tensor(config_eos_ids(config), device=trie.device)).any())
+    eos = torch.tensor(eos_token_ids(config.eos_token_id), device=trie.device)
+    return bool(torch.isin(trie.last_token(inner), eos).any())
 
 
 def mask_outside(trie: ItemTrie, nodes: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import functools
 import inspect
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -242,6 +242,12 @@ def load_base_model(spec: str | Path, device: str | torch.device = "cpu", dtype:
         model = AutoModel.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
     check_finite_weights(model, folder)
     return model.to(device).eval()
+
+
+def eos_token_ids(value: int | Sequence[int] | None) -> list[int]:
+    """The end-of-sequence ids an ``eos_token_id`` setting names (a generation config's or a
+    tokenizer's: none, one id, or several) as a list, so that every reader of it agrees."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def forward_parameters(model) -> frozenset[str]:

@@ -2,11 +2,12 @@
 torch dtype, checked before any work.
 
 Names: ``auto``, ``float32``, ``bfloat16``, ``float16``. ``auto`` keeps the dtype a checkpoint was
-saved in (``dtype`` / ``torch_dtype`` in its ``config.json``) on CUDA, where 16-bit products are
-what the hardware is built for, and is float32 on a CPU: recspec's CPU acceleration
-(:mod:`recspec.accel`) is float32-only, and float32 is the precision whose answers equal
-transformers' within 1e-6 (docs/precision.md for what 16-bit agrees to). Every resolution says in
-one line which dtype was chosen and why (:attr:`Precision.note`, logged on ``recspec.precision``).
+saved in (``dtype`` / ``torch_dtype`` in its ``config.json``, read once the folder's checksums are
+checked: :func:`saved_dtype`) on CUDA, where 16-bit products are what the hardware is built for,
+and is float32 on a CPU: recspec's CPU acceleration (:mod:`recspec.accel`) is float32-only, and
+float32 is the precision whose answers equal transformers' within 1e-6 (docs/precision.md for what
+16-bit agrees to). Every resolution says in one line which dtype was chosen and why
+(:attr:`Precision.note`, logged on ``recspec.precision``).
 
 Refused before any weight is read, each in one line: an unknown name, a 16-bit dtype the device
 cannot compute (bfloat16 on a GPU without it; a torch build whose CPU kernels lack the dtype's
@@ -22,12 +23,14 @@ from __future__ import annotations
 import functools
 import math
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from recspec.errors import RecspecError
+from recspec.hub import CONFIG_FILE, model_json, resolve_model_dir
 
 log = logging.getLogger("recspec.precision")
 
@@ -36,6 +39,10 @@ AUTO = "auto"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Every name ``--dtype`` takes.
 CHOICES = (AUTO, *DTYPES)
+#: A model folder's checked loader: the folder of a path once its files are checked against their
+#: checksums (:func:`~recspec.hub.resolve_model_dir` for a Hugging Face folder,
+#: :func:`~recspec.models.checkpoint.trained_model_dir` for a trained one, whose ``best/`` it is).
+CheckedFolder = Callable[[str | Path], Path]
 
 
 @dataclass(frozen=True)
@@ -64,19 +71,15 @@ def check_name(name: str, option: str = "--dtype") -> str:
     return name
 
 
-def saved_dtype(folder: str | Path | None) -> torch.dtype | None:
+def saved_dtype(folder: str | Path | None, checked: CheckedFolder = resolve_model_dir) -> torch.dtype | None:
     """The dtype a model folder's weights were saved in (``config.json``'s ``dtype``, or
-    ``torch_dtype`` of older transformers; a training folder's ``best/`` is read), or None where
-    it records none of :data:`DTYPES` (or there is no folder)."""
+    ``torch_dtype`` of older transformers), or None where it records none of :data:`DTYPES` (or
+    there is no folder). ``config.json`` is read from the folder its ``checked`` loader returns,
+    once that has checked the folder's files against their checksums: a tampered config.json is
+    refused before its dtype is used."""
     if folder is None:
         return None
-    from recspec.hub import CONFIG_FILE, model_json
-
-    folder = Path(folder)
-    folder = folder / "best" if not (folder / CONFIG_FILE).is_file() and (folder / "best").is_dir() else folder
-    if not (folder / CONFIG_FILE).is_file():
-        return None
-    config = model_json(folder / CONFIG_FILE)
+    config = model_json(checked(folder) / CONFIG_FILE)
     saved = config.get("dtype", config.get("torch_dtype"))
     return DTYPES.get(saved) if isinstance(saved, str) else None
 
@@ -105,13 +108,15 @@ def cannot_compute(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def resolve_dtype(name: str, device: str | torch.device, folder: str | Path | None = None,
-                  what: str = "the target", option: str = "--dtype") -> Precision:
-    """The dtype ``name`` stands for when ``what`` (saved in ``folder``) runs on ``device`` (module
-    doc), its note logged; a name the device cannot compute is one line naming ``option``."""
+                  what: str = "the target", option: str = "--dtype",
+                  checked: CheckedFolder = resolve_model_dir) -> Precision:
+    """The dtype ``name`` stands for when ``what`` (saved in ``folder``, which ``checked`` checks
+    before its dtype is read: :func:`saved_dtype`) runs on ``device`` (module doc), its note
+    logged; a name the device cannot compute is one line naming ``option``."""
     device = torch.device(device)
     if check_name(name, option) == AUTO:
-        # the CPU never reads the folder here: its files are checked (checksums) when the model loads
-        saved = saved_dtype(folder) if device.type == "cuda" else None
+        # the CPU never reads the folder here (its files are checked when the model loads)
+        saved = saved_dtype(folder, checked) if device.type == "cuda" else None
         if device.type != "cuda":
             chosen, why = torch.float32, (f"on the {device.type}: recspec's CPU acceleration is float32-only; "
                                           f"pass {option} bfloat16 for 16-bit")
@@ -149,22 +154,24 @@ class Precisions:
 
 
 def resolve_pair(dtype: str, draft_dtype: str | None, device: str | torch.device, target: str | Path | None = None,
-                 draft_model: str | Path | None = None, tied: str | None = None) -> Precisions:
+                 draft_model: str | Path | None = None, tied: str | None = None,
+                 checked: CheckedFolder = resolve_model_dir) -> Precisions:
     """The dtypes of a target (saved in ``target``) and its draft on ``device``: ``draft_dtype``
     None is the target's; a draft model (``draft_model``) may take its own; a draft with no
     weights of its own (``tied``: what it is, e.g. ``a head``; None: no draft model either) is
-    refused any dtype but the target's (``tied`` names it, e.g. ``a head or prior``)."""
-    chosen = resolve_dtype(dtype, device, target)
+    refused any dtype but the target's (``tied`` names it, e.g. ``a head or prior``). ``checked``:
+    the folders' checked loader (:func:`saved_dtype`)."""
+    chosen = resolve_dtype(dtype, device, target, checked=checked)
     if draft_dtype is None:
         return Precisions(chosen, chosen)
     if draft_model is None:
-        draft = resolve_dtype(draft_dtype, device, target, "the draft", "--draft-dtype")
+        draft = resolve_dtype(draft_dtype, device, target, "the draft", "--draft-dtype", checked)
         if draft.dtype != chosen.dtype:
             runs = f"the draft ({tied}) runs" if tied else "no draft model is loaded: the decoder runs"
             raise RecspecError(f"--draft-dtype {draft_dtype}: {runs} in the target's dtype ({chosen.name}); only a "
                                f"draft model takes --draft-dtype")
         return Precisions(chosen, chosen)
-    return Precisions(chosen, resolve_dtype(draft_dtype, device, draft_model, "the draft", "--draft-dtype"))
+    return Precisions(chosen, resolve_dtype(draft_dtype, device, draft_model, "the draft", "--draft-dtype", checked))
 
 
 def text_precisions(dtype: str, draft_dtype: str | None, device: str | torch.device, target: Path,
@@ -174,7 +181,6 @@ def text_precisions(dtype: str, draft_dtype: str | None, device: str | torch.dev
     --head``) or the target's layers (no ``draft``) in the target's. A text head drafts beside a
     float32 target only: its products are recspec's float32 and int8 CPU kernels, never checked in
     16-bit."""
-    from recspec.hub import resolve_model_dir
     from recspec.models.head import is_head_dir
     from recspec.models.text_head import TEXT_HEAD
 

@@ -45,7 +45,7 @@ from recspec.models.checkpoint import INDEX_FILE, load_trained, run_info, traine
 from recspec.models.examples import PromptEncoder, saved_template
 from recspec.models.head import bind_head, head_dir, head_fingerprint, is_head_dir, load_head, read_head_config
 from recspec.models.run_data import SERVING_FILE, ServingData, recorded_dataset, run_dataset, run_split
-from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids
+from recspec.models.tokenizer import check_same_vocabulary, identifier_token_ids, load_tokenizer_dir
 from recspec.precision import Precisions, resolve_pair
 
 #: The item decoders' names (registered below, :mod:`recspec.decoding.registry`).
@@ -233,6 +233,15 @@ DRAFTED = names(ITEMS, drafted=True)
 ROOT_EXPANDING = tuple(name for name in DECODERS if "expand_root" in registered(name, ITEMS).takes)
 
 
+@dataclass(frozen=True)
+class UnloadedDraft:
+    """The draft of a recommender loaded without weights (:meth:`Recommender.load`): it says that
+    a draft was given, by its :func:`named_draft` name where it has one, so that the decoders that
+    need one are allowed; it drafts nothing (the models decode in another process)."""
+
+    name: str | None = None
+
+
 @dataclass
 class Recommender:
     """A trained model with its tokenizer, item index, prompt encoder and trie, for the users of
@@ -257,7 +266,8 @@ class Recommender:
     @classmethod
     def load(cls, model_dir: str | Path, dataset: Dataset | None = None, device: str = "cpu",
              draft_dir: str | Path | Sequence[str | Path] | None = None, k: int | None = None,
-             folder_only: bool = False, dtype: str = "auto", draft_dtype: str | None = None) -> Recommender:
+             folder_only: bool = False, dtype: str = "auto", draft_dtype: str | None = None,
+             weights: bool = True) -> Recommender:
         """Load ``model_dir`` (a training folder or its ``best/``) for the users of ``dataset``
         (default: the trained one, read now). ``folder_only``: for raw histories, from the folder
         alone (the Python API, ``recspec serve``): no data set is read unless ``dataset`` is given;
@@ -271,7 +281,10 @@ class Recommender:
         prior`), refused unless it was fitted for this target; or ``"items"``: the item prior of
         :meth:`item_draft`. Neither prior costs a model call. ``k``: the number of items to be asked for,
         refused before any model is loaded when the index has fewer items. ``dtype``, ``draft_dtype``:
-        the models' dtypes (:func:`~recspec.precision.resolve_pair`), checked before any work."""
+        the models' dtypes (:func:`~recspec.precision.resolve_pair`), checked before any work.
+        ``weights`` False: no model or draft weights, only what checking and parsing requests needs
+        (tokenizer, item index, prompt encoder, trie), the draft an :class:`UnloadedDraft` (a
+        server whose decoding runs in a worker process, :mod:`recspec.serve.worker`)."""
         folder, info, models, heads = check_folders(model_dir, draft_dir)
         precisions = folder_precisions(dtype, draft_dtype, device, folder, models, heads, draft_dir)
         index = ItemIndex.load(folder / INDEX_FILE)
@@ -282,14 +295,20 @@ class Recommender:
         elif saved is None:
             dataset = recorded_dataset(info, index, f"{folder} was written before recspec kept {SERVING_FILE}: run "
                                                     f"`recspec upgrade {folder}` where the data set can be read")
-        model, tokenizer = load_trained(folder, index, device=device, dtype=precisions.target.dtype)
         model_folder = trained_model_dir(folder)
+        if weights:
+            model, tokenizer = load_trained(folder, index, device=device, dtype=precisions.target.dtype)
+        else:
+            model, tokenizer = None, load_tokenizer_dir(model_folder, index)
         item_keys = saved.item_ids if dataset is None and saved is not None else users_of(dataset).item_ids
         encoder = PromptEncoder(index, item_keys, tokenizer, saved_template(model_folder, tokenizer))
-        recommender = cls.from_parts(model, encoder, dataset, info, device, models, heads, model_folder, saved,
+        drafts = (models, heads) if weights else ((), ())
+        recommender = cls.from_parts(model, encoder, dataset, info, device, *drafts, model_folder, saved,
                                      precisions.draft.dtype)
         recommender.notes.extend(precisions.notes())
         named = named_draft(draft_dir)
+        if not weights and (named or models or heads):
+            return replace(recommender, draft=UnloadedDraft(named), draft_dirs=(*models, *heads))
         return replace(recommender, draft=recommender.build_named_draft(named)) if named else recommender
 
     @classmethod
@@ -344,6 +363,8 @@ class Recommender:
     def draft_name(self) -> str | None:
         """The name ``--draft`` gave the draft instead of a folder (:func:`named_draft`): ``items``
         for the item prior, ``root`` for the unfitted target prior; else None."""
+        if isinstance(self.draft, UnloadedDraft):
+            return self.draft.name
         if isinstance(self.draft, ItemDraft):
             return ITEM_DRAFT
         if isinstance(self.draft, TargetPrior) and not self.draft_dirs:
@@ -481,9 +502,10 @@ def check_folders(model_dir: str | Path, draft_dir: str | Path | Sequence[str | 
 def folder_precisions(dtype: str, draft_dtype: str | None, device: str, folder: Path, models: Sequence[Path],
                       heads: Sequence[Path], draft_dir: str | Path | Sequence[str | Path] | None) -> Precisions:
     """The dtypes of a target ``folder`` and the drafts :func:`check_folders` found for ``draft_dir``
-    on ``device`` (:func:`~recspec.precision.resolve_pair`: only a draft model takes its own)."""
+    on ``device`` (:func:`~recspec.precision.resolve_pair`: only a draft model takes its own), a
+    saved dtype read from the model folders once checked (:func:`trained_model_dir`)."""
     tied = "a head or prior" if heads else named_draft(draft_dir)
-    return resolve_pair(dtype, draft_dtype, device, folder, models[0] if models else None, tied)
+    return resolve_pair(dtype, draft_dtype, device, folder, models[0] if models else None, tied, trained_model_dir)
 
 
 def named_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> str | None:

@@ -20,6 +20,7 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from recspec.decoding.prompts import Prompts, left_pad
 from recspec.errors import RecspecError
 from recspec.hf import trie_beam_search
+from recspec.hub import eos_token_ids
 from recspec.recommend import Recommender
 from tests.test_beam import assert_same_ranking
 from tests.test_hf_dropin import as_topk
@@ -241,3 +242,9 @@ def test_speculation_refuses_processors(peer: Peer, trained_models: Path) -> Non
     reference = peer.generate(prefix_allowed_tokens_fn=peer.allowed, repetition_penalty=1.3)
     peer.assert_same(peer.generate(custom_generate=trie_beam_search(peer.index, peer.tokenizer, draft=draft),
                                    repetition_penalty=1.3), reference)
+
+
+@pytest.mark.parametrize(("value", "ids"), [(None, []), (7, [7]), ([3, 9], [3, 9]), ((4,), [4])])
+def test_one_reading_of_an_eos_token_id(value, ids: list[int]) -> None:
+    """``eos_token_id`` (none, one id, or several) read one way wherever it is read."""
+    assert eos_token_ids(value) == ids

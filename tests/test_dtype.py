@@ -8,6 +8,7 @@ models over many users."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -19,9 +20,9 @@ from benchmarks.agreement16 import identifier_logit_magnitude
 from recspec.accel.policy import accelerate, call_shape, unfit
 from recspec.accel.lean_forward import LeanOutput, forward_of
 from recspec.errors import RecspecError
-from recspec.models.checkpoint import load_trained
+from recspec.models.checkpoint import load_trained, trained_model_dir
 from recspec.precision import check_name, resolve_dtype, resolve_pair, saved_dtype, text_precisions, tie_bound, ulp
-from recspec.recommend import Recommender
+from recspec.recommend import Recommender, folder_precisions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,13 +60,36 @@ def test_names_and_refusals_before_any_work(trained_models, tmp_path) -> None:
 
 def test_auto_is_float32_on_a_cpu_and_reads_the_saved_dtype(trained_models, tmp_path) -> None:
     target = trained_models / "target"
-    assert saved_dtype(target) == torch.float32  # a training folder: its best/ is read
+    assert saved_dtype(target, trained_model_dir) == torch.float32  # a training folder: its best/ is read
     chosen = resolve_dtype("auto", "cpu", target)
     assert chosen.dtype == torch.float32 and "float32-only" in chosen.note and not chosen.shown
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
     assert saved_dtype(tmp_path) == torch.bfloat16
     assert resolve_dtype("auto", "cpu", tmp_path).dtype == torch.float32  # the CPU keeps float32 whatever was saved
     assert resolve_dtype("bfloat16", "cpu", tmp_path).dtype == torch.bfloat16
+    # on CUDA, auto keeps the saved dtype (float32 here; no GPU is needed to resolve it)
+    chosen = resolve_dtype("auto", "cuda", target, checked=trained_model_dir)
+    assert chosen.dtype == torch.float32 and "the dtype it was saved in" in chosen.note and chosen.shown
+
+
+def test_a_tampered_config_is_refused_before_its_dtype_is_used(trained_models, tmp_path) -> None:
+    """``auto`` on CUDA reads the saved dtype from a model folder its loader has checked: a
+    config.json edited after its checksums were recorded is refused, never read for its dtype
+    (the CPU does not read it here at all; its load refuses it)."""
+    target = tmp_path / "target"
+    shutil.copytree(trained_models / "target", target)
+    config = target / "best" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "dtype": "bfloat16"}))
+    damaged = r"config\.json: damaged \(its sha256 differs from checksums\.json\)"
+    with pytest.raises(RecspecError, match=damaged):
+        saved_dtype(target, trained_model_dir)
+    with pytest.raises(RecspecError, match=damaged):
+        resolve_dtype("auto", "cuda", target, checked=trained_model_dir)
+    with pytest.raises(RecspecError, match=damaged):
+        folder_precisions("auto", None, "cuda", target, [], [], None)
+    assert folder_precisions("auto", None, "cpu", target, [], [], None).target.dtype == torch.float32
+    with pytest.raises(RecspecError, match=damaged):
+        Recommender.load(target, folder_only=True)
 
 
 def test_accel_stays_float32_only(trained_models) -> None:

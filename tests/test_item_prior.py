@@ -121,7 +121,10 @@ def test_bad_settings_and_another_trie_are_refused(trie: ItemTrie) -> None:
     with pytest.raises(RecspecError, match="must lie in"):
         TransitionPrior.fit([np.array([0, 5])], num_items=2)
     draft = ItemDraft(TransitionPrior.fit([np.arange(60)], num_items=60), trie)
-    draft.check(trie)
+    assert draft.for_trie(trie) is draft
     other = ItemTrie(torch.tensor([[10, 20, 30], [11, 21, 31]]), vocab_size=40)
+    assert (trie.prefix_nodes(other) < 0).any()  # not a sub-trie (tests/test_prior_subtrie.py: one that is)
     with pytest.raises(RecspecError, match="another item index"):
-        draft.check(other)
+        draft.for_trie(other)
+    with pytest.raises(RecspecError, match="another item index"):  # a prior over fewer items than the trie
+        ItemDraft(TransitionPrior.fit([np.arange(50)], num_items=50), trie).for_trie(trie)

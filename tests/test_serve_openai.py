@@ -132,6 +132,9 @@ def test_openai_client_completions_equal_recommend(keyed, expected, prompts) -> 
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.chat.completions.create(model=NAME, messages=[{"role": "developer", "content": "hi"}])
     assert refused.value.code == "not_chat"
+    with pytest.raises(openai.UnprocessableEntityError) as refused:  # a word the vocabulary lacks: no 500
+        client.completions.create(model=NAME, prompt="hello", n=K)
+    assert refused.value.code == "bad_prompt" and refused.value.param == "prompt"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
 
 import numpy as np
 import torch
@@ -112,10 +113,31 @@ class TransitionPrior:
         return (1 - self.smoothing) * spread + self.smoothing * self.popular
 
 
-def same_trie(trie: ItemTrie, other: ItemTrie) -> bool:
-    """Whether two tries have the same vocabulary, nodes and depth (a table read through one can be
-    read through the other)."""
-    return (trie.vocab_size, trie.num_nodes, trie.depth) == (other.vocab_size, other.num_nodes, other.depth)
+@dataclass(frozen=True)
+class SubTrie:
+    """A decode's trie read as a sub-trie of a prior's (the same identifiers, maybe fewer items: the
+    catalogue less a request's excluded items): ``trie``, on the prior's device, and ``nodes``, int64
+    ``[trie.num_nodes]``: the prior trie's node with the prefix of each of ``trie``'s nodes, through
+    which the prior's per-node tables are read (:func:`sub_trie`)."""
+
+    trie: ItemTrie
+    nodes: torch.Tensor
+
+
+def sub_trie(maps: WeakKeyDictionary[ItemTrie, torch.Tensor], prior_trie: ItemTrie, decode: ItemTrie,
+             refusal: str) -> SubTrie:
+    """The decode's trie ``decode`` read as a sub-trie of ``prior_trie``, the trie a prior was built
+    over. Its node map is computed once per trie object and kept in ``maps`` while that trie lives
+    (the service reuses the tries of its exclusion sets; weak keys let them go). A trie that is not
+    a sub-trie (another vocabulary or depth, or a prefix ``prior_trie`` lacks) is refused with the
+    one-line ``refusal``."""
+    nodes = maps.get(decode)
+    if nodes is None:
+        nodes = prior_trie.prefix_nodes(decode)
+        if (decode.vocab_size, decode.depth) != (prior_trie.vocab_size, prior_trie.depth) or bool((nodes < 0).any()):
+            raise RecspecError(refusal)
+        maps[decode] = nodes
+    return SubTrie(decode if decode.device == prior_trie.device else decode.to(prior_trie.device), nodes)
 
 
 def identifier_tokens(trie: ItemTrie) -> torch.Tensor:
@@ -184,17 +206,38 @@ def child_log_probs(trie: ItemTrie, mass: torch.Tensor, nodes: torch.Tensor, row
 @dataclass(frozen=True)
 class ItemDraft:
     """The draft ``--draft items`` names: a :class:`TransitionPrior` and the item trie it is read
-    through (the target's)."""
+    through (the target's: the users' histories and the items' weights per node); ``sub``: the
+    decode's trie when that is another (:meth:`for_trie`), the one it drafts over."""
 
     prior: TransitionPrior
     trie: ItemTrie
+    sub: SubTrie | None = None
+    _maps: WeakKeyDictionary[ItemTrie, torch.Tensor] = field(default_factory=WeakKeyDictionary, init=False,
+                                                             repr=False, compare=False)
 
-    def check(self, trie: ItemTrie) -> None:
-        """Refuse to draft for a decode over another trie than the one this draft reads (and over
-        more items than the prior knows)."""
-        if not same_trie(trie, self.trie) or self.trie.num_items > self.prior.popular.shape[0]:
-            raise RecspecError("the item draft was built for another item index than the decode's; build it from "
-                               "the same recommender (Recommender.item_draft)")
+    def for_trie(self, trie: ItemTrie) -> ItemDraft:
+        """This draft over the decode's ``trie``: itself for its own trie, else drafting over
+        ``trie`` read as a sub-trie of its own (:func:`sub_trie`: e.g. the catalogue less a
+        request's excluded items). Refuses another item index (or a prior over fewer items than
+        the trie)."""
+        refusal = ("the item draft was built for another item index than the decode's; build it from the same "
+                   "recommender (Recommender.item_draft)")
+        if self.trie.num_items > self.prior.popular.shape[0]:
+            raise RecspecError(refusal)
+        return self if trie is self.space else ItemDraft(self.prior, self.trie,
+                                                         sub_trie(self._maps, self.trie, trie, refusal))
+
+    @property
+    def space(self) -> ItemTrie:
+        """The trie it drafts over: the decode's."""
+        return self.trie if self.sub is None else self.sub.trie
+
+    def space_mass(self, scores: torch.Tensor) -> torch.Tensor:
+        """What each node of :attr:`space` weighs: float32 ``[B, space.num_nodes]`` from item
+        weights ``scores`` ``[B, I]``; over a sub-trie, what the same prefix weighs in the full
+        trie (excluded items included: the draft only ranks a node's children)."""
+        mass = node_mass(self.trie, scores)
+        return mass if self.sub is None else mass[:, self.sub.nodes]
 
 
 @dataclass
@@ -210,11 +253,11 @@ class ItemPriorDraft(DraftSource):
     caches = ()
 
     def start(self, prompts: Prompts) -> torch.Tensor:
-        trie = self.draft.trie
-        scores = self.draft.prior.scores(prompt_histories(prompts, trie).cpu()).to(trie.device)
-        self.mass = node_mass(trie, scores)
-        root = torch.full((len(scores), 1), trie.root, dtype=torch.int64, device=trie.device)
-        return child_log_probs(trie, self.mass, root, torch.arange(len(scores), device=trie.device))
+        draft = self.draft
+        scores = draft.prior.scores(prompt_histories(prompts, draft.trie).cpu()).to(draft.trie.device)
+        self.mass = draft.space_mass(scores)
+        root = torch.full((len(scores), 1), draft.space.root, dtype=torch.int64, device=draft.trie.device)
+        return child_log_probs(draft.space, self.mass, root, torch.arange(len(scores), device=draft.trie.device))
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
-        return child_log_probs(self.draft.trie, self.mass, levels[-1].nodes, front.users)
+        return child_log_probs(self.draft.space, self.mass, levels[-1].nodes, front.users)

@@ -143,10 +143,11 @@ def speculative_beam_search(
     config = config or SpecConfig()
 
     def check() -> None:
+        nonlocal draft  # a table drafts through the decode's trie, which may hold fewer items than its own
         config.check(k, trie)
         model = draft.model if isinstance(draft, ModelHeadPair) else draft
         if isinstance(model, (ItemDraft, TargetPrior)):
-            model.check(trie)
+            draft = model.for_trie(trie)
         elif not isinstance(model, HeadDraft):  # a head drafts over its target's own output layer
             check_draft_vocabulary(target, model)
 

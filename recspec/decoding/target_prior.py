@@ -34,10 +34,11 @@ fitted) and checksums; loading checks all three, so a prior is never read for an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -46,7 +47,7 @@ from recspec.decoding.beams import Beams, select_top_k
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafting import DraftSource
 from recspec.decoding.frontier import Frontier
-from recspec.decoding.item_prior import child_log_probs, same_trie
+from recspec.decoding.item_prior import child_log_probs, sub_trie
 from recspec.decoding.prompts import Prompts, decode_in_batches
 from recspec.errors import RecspecError
 from recspec.fileio import atomic_dir, record_checksums, write_json_atomic
@@ -120,21 +121,28 @@ def fit_prior(model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pa
 @dataclass(frozen=True)
 class TargetPrior:
     """The draft ``--draft PRIOR`` names: the fitted ``weights`` (float32 ``[num_nodes]``) and the
-    trie they are read through (the target's)."""
+    trie they are read through (the target's, or a decode's sub-trie of it: :meth:`for_trie`)."""
 
     weights: torch.Tensor
     trie: ItemTrie
+    _maps: WeakKeyDictionary[ItemTrie, torch.Tensor] = field(default_factory=WeakKeyDictionary, init=False,
+                                                             repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.weights.shape != (self.trie.num_nodes,):
             raise RecspecError(f"a target prior holds one weight per trie node ({self.trie.num_nodes}), "
                                f"got shape {tuple(self.weights.shape)}")
 
-    def check(self, trie: ItemTrie) -> None:
-        """Refuse to draft for a decode over another trie than the one this prior was fitted on."""
-        if not same_trie(trie, self.trie):
-            raise RecspecError("the target prior was fitted over another item trie than the decode's; fit it "
-                               "for this target (recspec align prior)")
+    def for_trie(self, trie: ItemTrie) -> TargetPrior:
+        """This prior over the decode's ``trie``: itself for its own trie, else the prior over
+        ``trie`` read as a sub-trie of its own (:func:`~recspec.decoding.item_prior.sub_trie`: e.g.
+        the catalogue less a request's excluded items), each node weighing what the node of the
+        same prefix weighs here. A trie with a prefix this prior was not fitted over is refused."""
+        if trie is self.trie:
+            return self
+        sub = sub_trie(self._maps, self.trie, trie, "the decode's item trie holds identifiers the target prior was "
+                                                    "not fitted over; fit it for this target (recspec align prior)")
+        return TargetPrior(self.weights[sub.nodes], sub.trie)
 
     def log_q(self, nodes: torch.Tensor) -> torch.Tensor:
         """``log q`` after trie ``nodes`` int64 ``[B, n]``: float32 ``[B, n, V]``."""

@@ -156,6 +156,23 @@ class ItemTrie:
             nodes = self.step(nodes, prefixes[:, d])
         return nodes
 
+    def prefix_nodes(self, other: ItemTrie) -> torch.Tensor:
+        """This trie's node with the prefix of each node of ``other`` (e.g. a trie over some of the
+        same identifiers: the catalogue less excluded items): int64 ``[other.num_nodes]`` on this
+        trie's device, ``-1`` where this trie lacks the prefix.
+
+        One pass per depth, no prefix spelled out: ``other``'s nodes of a depth are their parents'
+        nodes here stepped by their last tokens, and the parents (one depth up) are done already.
+        """
+        other = other if other.device == self.device else other.to(self.device)
+        nodes = torch.arange(other.num_nodes, device=self.device)
+        depths, parents, tokens = other.node_depth(nodes), other.parent(nodes), other.last_token(nodes)
+        mapped = torch.zeros_like(nodes)  # the root's, the empty prefix: the root; the others are set below
+        for d in range(1, other.depth + 1):
+            at = depths == d
+            mapped[at] = self.step(mapped[parents[at]], tokens[at])
+        return mapped
+
     def parent(self, nodes: torch.Tensor) -> torch.Tensor:
         """Parent of each non-root node (the prefix one token shorter): int64 ``[B]``; ``-1`` for
         the root and for ``-1``."""

@@ -21,6 +21,7 @@ import torch
 from recspec.decoding.prompts import left_pad
 from recspec.decoding.text_rounds import DraftTree, Generation, TextSession, check_prompt
 from recspec.errors import RecspecError
+from recspec.hub import eos_token_ids
 from recspec.knowledge.retrieval import RetrievalConfig, retrieve
 from recspec.knowledge.trie import TokenTrie
 
@@ -126,4 +127,4 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
         value = tokenizer.eos_token_id
     if value is None:
         raise RecspecError("the model defines no end-of-sequence token; knowledge generation needs one")
-    return frozenset([value] if isinstance(value, int) else value)
+    return frozenset(eos_token_ids(value))

@@ -1,11 +1,12 @@
 """The HTTP service: a FastAPI app over one :class:`~recspec.serve.service.RecommendService`.
 
-``create_app(config)`` builds the ASGI app (``recspec serve`` runs it under uvicorn). The models
-load in a thread after start-up, so the health checks answer at once: ``GET /health/live`` is 200
-while the process answers; ``GET /health/ready`` (and ``GET /health``, its older name) is 503
-``loading`` until the models are in memory and warm (one decode done), then 200 ``ready``
-(a load that fails is logged and the server asked to stop, ``on_failure``); a host that loads
-them before start-up (``app.state.recspec.load()``, as a Ray Serve replica does) starts
+``create_app(config)`` builds the ASGI app (``recspec serve`` runs it under uvicorn; its routes are
+:mod:`recspec.serve.routes`); ``from_environment()`` builds it from the environment, for ``uvicorn
+--factory``. The models load in a thread after start-up, so the health checks answer at once:
+``GET /health/live`` is 200 while the process answers; ``GET /health/ready`` (and ``GET /health``,
+its older name) is 503 ``loading`` until the models are in memory and warm (one decode done), then
+200 ``ready`` (a load that fails is logged and the server asked to stop, ``on_failure``); a host
+that loads them before start-up (``app.state.recspec.load()``, as a Ray Serve replica does) starts
 batching at once. Endpoints: ``POST /v1/recommend``, the OpenAI-style ``POST /v1/completions``
 (a raw prompt) and ``POST /v1/chat/completions`` (for models whose prompts are chat messages),
 both with ``stream: true`` as server-sent events, ``GET /v1/models`` (the served name, never a
@@ -28,36 +29,39 @@ An answer with fewer than ``k`` items says why (``fewer_reason``: :mod:`recspec.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.tokenizer import index_fingerprint
-from recspec.recommend import AUTO
 from recspec.serve.access import RequireKey
 from recspec.serve.batcher import DynamicBatcher, Overloaded, Pending
 from recspec.serve.config import ServeConfig, load_service
 from recspec.serve.metrics import ServiceMetrics
-from recspec.serve.schemas import (ChatChoice, ChatChoiceMessage, ChatCompletionRequest, ChatCompletionResponse,
-                                   ChatUsage, CompletionChoice, CompletionRequest, CompletionResponse,
-                                   RecommendRequest, RecommendResponse, RecommendStats)
+from recspec.serve.routes import router
+from recspec.serve.schemas import RecommendStats
 from recspec.serve.service import Answer, BadRequest, Query, RecommendService
 from recspec.serve.worker import DecodeWorker, WorkerGone
 
 log = logging.getLogger("recspec.serve")
 
+#: The environment variables :func:`from_environment` reads: the config as JSON, and the API key
+#: (the variable ``recspec serve --api-key`` reads too).
+SETTINGS_VARIABLE, KEY_VARIABLE = "RECSPEC_SERVE_SETTINGS", "RECSPEC_API_KEY"
 
 #: The message of a body that is not JSON the service can read.
 MALFORMED = "the body is not valid JSON; send one JSON object as UTF-8 text"
@@ -138,7 +142,7 @@ class State:
         worker = DecodeWorker(config) if config.decode_process else None
         try:
             if worker is not None:
-                worker.start()  # it loads while this process loads its own parsing copy
+                worker.start()  # it loads the models while this process loads what parsing needs
             service = load_service(config, decoding=worker is None)
             if worker is not None:
                 worker.wait_ready()
@@ -220,6 +224,12 @@ class State:
             self.metrics.requests.labels(endpoint, str(status)).inc()
         return error_response(status, kind, message, headers, param, **extra)
 
+    def unauthorized(self, presented: bool) -> JSONResponse:
+        """The 401 of a request without the API key (``presented``: it sent a wrong one)."""
+        message = ("the API key is wrong" if presented else
+                   "this server needs an API key: send the header Authorization: Bearer <key>")
+        return self.refuse(None, 401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
+
     async def answer(self, request: Request, endpoint: str, parse: Callable[[RecommendService], Query],
                      respond: Callable[[Query, Answer, RecommendStats], Any]) -> Any:
         """Parse, queue, await the answer (or the deadline, or the client's going away); the
@@ -272,20 +282,20 @@ class State:
                               ms=1e3 * total)
 
 
-def create_app(config: ServeConfig) -> FastAPI:
-    """The ASGI app serving ``config`` (module doc)."""
-    state = State(config)
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The app's life: its models load in the background (:meth:`State.start`) while it answers,
+    and batching and any decode worker stop when it shuts down."""
+    state: State = app.state.recspec
+    loader = asyncio.get_running_loop().create_task(state.start())
+    yield
+    loader.cancel()
+    await state.stop()
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loader = asyncio.get_running_loop().create_task(state.start())
-        yield
-        loader.cancel()
-        await state.stop()
 
-    app = FastAPI(title="recspec", summary="Exact top-K recommendation with speculative decoding",
-                  lifespan=lifespan)
-    app.state.recspec = state
+def add_refusals(app: FastAPI, state: State) -> None:
+    """Answer what the framework refuses or fails on (a body of the wrong shape, an unknown path or
+    method, a failure of the server itself) with the service's error body, counted in the metrics."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -311,106 +321,38 @@ def create_app(config: ServeConfig) -> FastAPI:
         """A failure of the server itself (uvicorn logs the traceback)."""
         return state.refuse(None, 500, "internal", "the server failed on this request; its log says why")
 
-    @app.get("/health/live")
-    async def live() -> JSONResponse:
-        """Liveness: the process answers (a failed load stops it)."""
-        return JSONResponse({"status": "live", "replica": state.replica})
 
-    @app.get("/health/ready")
-    @app.get("/health")
-    async def ready() -> JSONResponse:
-        """Readiness: 200 once the models are loaded and warm, 503 while loading or once failed."""
-        if state.failure is not None:
-            return JSONResponse({"status": "failed", "error": str(state.failure)}, 503)
-        if not state.ready or state.batcher is None:
-            return JSONResponse({"status": "loading"}, 503)
-        return JSONResponse({"status": "ready", "queue": len(state.batcher.queue), "replica": state.replica})
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        if not state.ready:
-            return state.refuse(None, 503, "loading", "the models are still loading", {"Retry-After": "1"})
-        return JSONResponse({"object": "list", "data": [{**state.models, AUTO: await state.auto_choices()}]})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=state.metrics.content_type)
-
-    @app.post("/v1/recommend", response_model=RecommendResponse)
-    async def recommend(body: RecommendRequest, request: Request) -> Any:
-        def respond(query: Query, result: Answer, stats: RecommendStats) -> RecommendResponse:
-            return RecommendResponse(items=result.items, scores=result.scores, decoder=result.decoder,
-                                     requested_decoder=query.decoder, fewer_reason=result.fewer_reason, stats=stats)
-
-        return await state.answer(request, "recommend", lambda service: service.parse(body), respond)
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        def respond(query: Query, result: Answer, stats: RecommendStats) -> Any:
-            choices = [ChatChoice(index=i, message=ChatChoiceMessage(content=identifier), item=item, score=score)
-                       for i, (item, score, identifier) in ranked(result)]
-            answer = ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                                            model=config.model_name, choices=choices, usage=usage(query, choices),
-                                            decoder=result.decoder, fewer_reason=result.fewer_reason, stats=stats)
-            if not body.stream:
-                return answer
-            return event_stream(stream_head(answer, "chat.completion.chunk"),
-                                [{"index": c.index, "delta": c.message.model_dump(), "finish_reason": "stop",
-                                  "item": c.item, "score": c.score} for c in choices])
-
-        return await state.answer(request, "chat", lambda service: service.parse_chat(body), respond)
-
-    @app.post("/v1/completions", response_model=CompletionResponse)
-    async def complete(body: CompletionRequest, request: Request) -> Any:
-        def respond(query: Query, result: Answer, stats: RecommendStats) -> Any:
-            choices = [CompletionChoice(index=i, text=identifier, item=item, score=score)
-                       for i, (item, score, identifier) in ranked(result)]
-            answer = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                                        model=config.model_name, choices=choices, usage=usage(query, choices),
-                                        decoder=result.decoder, fewer_reason=result.fewer_reason, stats=stats)
-            if not body.stream:
-                return answer
-            return event_stream(stream_head(answer, "text_completion"), [choice.model_dump() for choice in choices])
-
-        return await state.answer(request, "completions", lambda service: service.parse_completion(body), respond)
-
-    def usage(query: Query, choices: Sequence[Any]) -> ChatUsage:
-        """Tokens of the prompt and of the items' identifiers answered."""
-        length = int(query.prompt.numel())
-        completion = len(choices) * int(state.models["identifier_length"])
-        return ChatUsage(prompt_tokens=length, completion_tokens=completion, total_tokens=length + completion)
-
+def create_app(config: ServeConfig) -> FastAPI:
+    """The ASGI app serving ``config`` (module doc): its routes (:mod:`recspec.serve.routes`), the
+    service's refusals, the body limit and, with ``config.api_key``, the key check (outermost:
+    checked first)."""
+    state = State(config)
+    app = FastAPI(title="recspec", summary="Exact top-K recommendation with speculative decoding",
+                  lifespan=lifespan)
+    app.state.recspec = state
+    add_refusals(app, state)
+    app.include_router(router)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     if config.api_key:
-        def unauthorized(presented: bool) -> JSONResponse:
-            message = ("the API key is wrong" if presented else
-                       "this server needs an API key: send the header Authorization: Bearer <key>")
-            return state.refuse(None, 401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
-
-        app.add_middleware(RequireKey, key=config.api_key, refuse=unauthorized)  # outermost: checked first
+        app.add_middleware(RequireKey, key=config.api_key, refuse=state.unauthorized)
     return app
 
 
-def ranked(result: Answer) -> Iterator[tuple[int, tuple[str, float, str]]]:
-    """An answer's items best first: ``(rank, (item, score, identifier))``."""
-    return enumerate(zip(result.items, result.scores, result.identifiers))
-
-
-def stream_head(answer: ChatCompletionResponse | CompletionResponse, kind: str) -> dict[str, Any]:
-    """What every streamed event of ``answer`` repeats (OpenAI's chunk fields of ``kind``)."""
-    return {"id": answer.id, "object": kind, "created": answer.created, "model": answer.model,
-            "decoder": answer.decoder, "fewer_reason": answer.fewer_reason}
-
-
-def event_stream(head: dict[str, Any], choices: list[dict[str, Any]]) -> StreamingResponse:
-    """An answer as server-sent events, as OpenAI streams one: an event per item (``head`` with that
-    item's choice), then ``data: [DONE]``."""
-    def events() -> Iterator[str]:
-        for choice in choices:
-            yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def from_environment() -> FastAPI:
+    """The app of the config in the environment, for ``uvicorn --factory
+    recspec.serve.app:from_environment``: :data:`SETTINGS_VARIABLE` holds the config as JSON, as
+    :meth:`ServeConfig.settings` writes it for the decode worker (any other field of
+    :class:`ServeConfig` may be added, ``served_model_name`` or ``max_queue`` say), and
+    :data:`KEY_VARIABLE` the key, as ``recspec serve`` reads it (unset: none asked; empty: refused,
+    as there). Under a bare uvicorn a failed load is not asked to stop the server: /health/ready
+    then says ``failed``."""
+    settings, key = os.environ.get(SETTINGS_VARIABLE), os.environ.get(KEY_VARIABLE)
+    if not settings:
+        raise RecspecError(f"{SETTINGS_VARIABLE} is not set: give it the config as JSON (ServeConfig.settings()), "
+                           f"or serve with `recspec serve`")
+    if key is not None and not key.strip():
+        raise RecspecError(f"{KEY_VARIABLE} is empty; give a key, or unset it to serve without one")
+    return create_app(replace(ServeConfig.from_settings(settings), api_key=key))
 
 
 def _queued_s(pending: Pending) -> float:

@@ -71,17 +71,20 @@ class ServeConfig:
 
     @classmethod
     def from_settings(cls, text: str) -> ServeConfig:
-        """The config :meth:`settings` describes."""
+        """The config :meth:`settings` describes (or any JSON object of its fields, ``target`` at
+        least: the others keep their defaults)."""
         settings: dict[str, Any] = json.loads(text)
-        return cls(**{**settings, "target": Path(settings["target"]), "auto_k": tuple(settings["auto_k"]),
-                      "options": DecodeOptions(**settings["options"])})
+        converted: dict[str, Callable[[Any], Any]] = {"target": Path, "auto_k": tuple,
+                                                      "options": lambda options: DecodeOptions(**options)}
+        return cls(**{name: converted.get(name, lambda value: value)(value) for name, value in settings.items()})
 
 
 def load_service(config: ServeConfig, decoding: bool = True) -> RecommendService:
     """Load the models of ``config`` as a serving :class:`~recspec.serve.service.RecommendService`.
     ``decoding``: it decodes (on ``config.device``, with ``config.threads`` torch threads; an
     ``auto`` service makes its choices for ``config.auto_k`` now, before any request); otherwise it
-    only checks and parses requests for a decode worker (on the CPU, one thread, nothing measured)."""
+    only checks and parses requests for a decode worker (on the CPU, one thread, nothing measured,
+    no model weights loaded: ``Recommender.load``'s ``weights``)."""
     import torch
 
     from recspec.recommend import Recommender
@@ -91,7 +94,7 @@ def load_service(config: ServeConfig, decoding: bool = True) -> RecommendService
     if threads is not None:
         torch.set_num_threads(threads)
     recommender = Recommender.load(config.target, device=device, draft_dir=config.draft, folder_only=True,
-                                   dtype=config.dtype, draft_dtype=config.draft_dtype)
+                                   dtype=config.dtype, draft_dtype=config.draft_dtype, weights=decoding)
     service = RecommendService(recommender, config.decoder, config.options, config.max_batch, serving=True)
     if decoding and service.decoder == AUTO:
         for k in config.auto_k:

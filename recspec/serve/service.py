@@ -211,7 +211,11 @@ class RecommendService:
         """The :class:`Query` of a prompt ``text`` for an OpenAI-style ``request`` (``n`` items)."""
         decoder = self.check_decoder(request.decoder)
         self.check_k(request.n, 0, "n")
-        ids = self.recommender.tokenizer(text, add_special_tokens=False)["input_ids"]
+        try:
+            ids = self.recommender.tokenizer(text, add_special_tokens=False)["input_ids"]
+        except Exception as err:  # a word-level vocabulary without an unknown token: a word it lacks
+            raise BadRequest(f"{param}: this model's tokenizer cannot encode it ({err})", "bad_prompt",
+                             param=param) from None
         limit = MAX_POSITIONS - self.recommender.trie.depth
         if not 1 <= len(ids) <= limit:
             raise BadRequest(f"{param}: {len(ids)} tokens; this model takes 1 to {limit}", "too_long", param=param)

@@ -3,8 +3,9 @@
 In-process, the batcher's decode thread and the event loop share one interpreter lock: a decode
 bound by Python work (a GPU's kernels launched one by one) keeps the event loop waiting each time
 it wants to run. Here the batches go to a worker process that loads the same service
-(:func:`~recspec.serve.config.load_service`) and decodes them; the server's process keeps its own
-copy of the models on the CPU, one thread, only to check and parse requests before they queue.
+(:func:`~recspec.serve.config.load_service`) and decodes them; the server's process loads only what
+checking and parsing requests before they queue needs (the tokenizer, item index and trie, on the
+CPU, one thread; no model weights).
 
 Across the pipe (a ``multiprocessing`` pipe of the ``spawn`` context) only bytes travel,
 ``send_bytes`` / ``recv_bytes``, never a pickle of a request or an answer:
