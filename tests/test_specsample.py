@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call, verify_chain
 from recspec.decoding.text import TextOptions, generate, log_likelihood
-from recspec.decoding.drafters import importance_proposal
+from recspec.decoding.chains import importance_proposal
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from tests.test_speculative import goodness_of_fit, small_llama, total_variation

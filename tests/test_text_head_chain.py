@@ -1,5 +1,5 @@
 """A text head (:mod:`recspec.models.text_head`) as the draft of the chain text decoders
-(:mod:`recspec.decoding.chain_drafts`): speculative sampling with a head draws the target's
+(:mod:`recspec.decoding.chains`): speculative sampling with a head draws the target's
 distribution (chi-square at fixed seeds, random heads over the whole or a reduced vocabulary and a
 briefly trained one, on a tiny random Llama), TopK-ImpSpecDec with a head samples its own
 distribution built from the head's ``q``, the head's cache after a run is the teacher-forced one
@@ -17,10 +17,8 @@ import torch
 
 from recspec.decoding import text
 from recspec.accel.int8 import int8_serves
-from recspec.decoding.chain_drafts import HeadChainDraft
-from recspec.decoding.drafters import importance_proposal
+from recspec.decoding.chains import ChainStats, HeadChainDraft, importance_proposal
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.rounds import ChainStats
 from recspec.decoding.text import TextOptions, generate
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError

@@ -1,6 +1,7 @@
 """Acceptance rules of every speculative decoder: pure functions from what was drafted and what
 the target computed to what is accepted (the round-level verifiers that apply them to a scored
-tree are in :mod:`recspec.decoding.verifiers`; the chain loop applies :func:`verify_chain`).
+tree are in :mod:`recspec.decoding.verifiers`; over text, :class:`~recspec.decoding.text_rounds.TreeVerifier`
+and :class:`~recspec.decoding.chains.ChainVerifier`).
 
 **Trees of beams.** Strict top-K verification (atspeed.txt Alg. 1) needs only
 :func:`match_drafted`: the target's own beam-search step is computed from the scored tree, and the
@@ -364,7 +365,7 @@ def expected_speedup(alpha: float, gamma: int, cost: float, verify_ratio: float 
 
 class TreeAcceptance(Protocol):
     """The acceptance rule of a text token tree scored by the target (the text round loop,
-    :func:`~recspec.decoding.text_rounds.speculative_generate`): pure, vectorised over ``B`` rows of
+    :class:`~recspec.decoding.text_rounds.TreeVerifier`): pure, vectorised over ``B`` rows of
     ``N`` nodes (node 0 the root, the last committed token; ``parents`` int64 ``[B, N]``, ``-1`` at
     the root, else a smaller index; ``logits`` ``[B, N, V]`` the target's after each node).
 

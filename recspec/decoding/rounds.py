@@ -1,5 +1,5 @@
-"""The round loops: :func:`run_rounds` for every tree-speculative decoder (AtSpeed strict and
-relaxed, DSBD), :func:`run_chain` for the chain decoders (speculative sampling, TopK-ImpSpecDec).
+"""The item round loop: :func:`run_rounds` for every tree-speculative decoder over beams (AtSpeed
+strict and relaxed, DSBD; the text decoders' loop is :mod:`recspec.decoding.text_rounds`).
 
 The tree loop is ``draft -> score (one target call) -> verify -> advance / compact``, over two
 small parts:
@@ -28,11 +28,8 @@ from typing import Protocol
 
 import torch
 
-from recspec.decoding.acceptance import verify_chain
 from recspec.decoding.beams import Beams
 from recspec.decoding.cache import require_full_attention
-from recspec.decoding.chain import Chain
-from recspec.decoding.chain_drafts import ChainDraft
 from recspec.decoding.draft_sources import draft_source
 from recspec.decoding.draft_tree import Level, fed_block
 from recspec.decoding.drafting import DraftSource
@@ -91,37 +88,6 @@ class SpecStats:
 
 
 @dataclass
-class ChainStats(SpecStats):
-    """:class:`SpecStats` of the chain methods per prompt
-    (``accepted_steps``: drafted tokens accepted, ``drafted_steps``: tokens drafted,
-    ``tree_nodes``: tokens fed to the target) and ``tried`` (drafted positions whose test ran:
-    up to the first rejection), ``alpha_sum`` (sum over them of the acceptance rate
-    ``sum_x min(q, p / l)``: ``alpha_sum / tried`` estimates Leviathan's ``alpha``), ``tokens``
-    (generated)."""
-
-    tried: torch.Tensor
-    alpha_sum: torch.Tensor
-    tokens: torch.Tensor
-
-    def add_chain_round(self, at: torch.Tensor, accepted: torch.Tensor, alpha: torch.Tensor, taken: torch.Tensor,
-                        lengths: torch.Tensor, width: int, target_calls: int) -> None:
-        """Count one round of the rows ``at`` (int64 index, CPU) that drafted ``width`` tokens
-        (``lengths`` ``[B]`` of them each row's own): ``accepted`` drafts ``[B]``, the
-        per-position acceptance rates ``alpha`` ``[B, width]``, the tokens ``taken`` ``[B]``."""
-        tried = torch.minimum(accepted + 1, lengths)
-        positions = torch.arange(width, device=alpha.device)
-        self.accepted_steps[at] += accepted.float().cpu()
-        self.drafted_steps[at] += lengths.float().cpu()
-        self.tried[at] += tried.float().cpu()
-        self.alpha_sum[at] += (alpha * (positions[None, :] < tried[:, None])).sum(dim=1).cpu()
-        self.target_calls[at] += target_calls
-        self.draft_calls[at] += width
-        self.tree_nodes[at] += width + 1
-        self.rounds[at] += 1
-        self.tokens[at] += taken.float().cpu()
-
-
-@dataclass
 class Clock:
     """Wall time per phase; waits for the device before each reading."""
 
@@ -177,23 +143,6 @@ class LevelDrafter(Protocol):
 
     def propose(self, parent: Level, log_q: torch.Tensor, front: Frontier, depth: torch.Tensor,
                 width: int) -> Level: ...
-
-
-class ChainDrafting(Protocol):
-    """Drafts ``g`` tokens (at most ``gamma``) per row after its pending ``tail`` (int64 ``[B, 2]``)
-    with ``draft`` and returns them (int64 ``[B, g]``) with each row's own chain length (int64
-    ``[B]``, 1..g: the tokens drafted for it), the draft's ``q`` ``[B, g, V]``, the target's ``p``
-    ``[B, g + 1, V]`` (warped) and, if the draft wants them, the target's features at the
-    ``g + 1`` tokens fed to it ``[B, g + 1, H]``, costing ``target_calls`` target calls."""
-
-    gamma: int
-    generator: torch.Generator
-
-    @property
-    def target_calls(self) -> int: ...
-
-    def draft(self, target, target_chain: Chain, draft: ChainDraft, tail: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class Verifier(Protocol):
@@ -327,49 +276,3 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
             front = select_users(front, (~finished).nonzero()[:, 0], caches)
         front, compacted = settle_frontier(verifier.carry(front), caches, compacted)
     clock.charge(stats, started, len(prompts.lengths))
-
-
-def run_chain(target, draft: ChainDraft, prompts: Prompts, drafter: ChainDrafting, lenience: float, limit: int,
-              eos: int | None, stats: ChainStats) -> list[list[int]]:
-    """The chain loop (speculative sampling, TopK-ImpSpecDec) for one batch of prompts (at least
-    3 tokens each): draft up to ``gamma`` tokens, verify them (:func:`~recspec.decoding.acceptance.
-    verify_chain`), keep the accepted ones and the next token, until ``limit`` new tokens or the
-    end token. The target's cache holds a row's text but its last token, so every round feeds the
-    same number of tokens to every row; ``draft`` (a draft LM or a text head,
-    :mod:`recspec.decoding.chain_drafts`) keeps its own state in step. Returns each row's tokens."""
-    batch, device = len(prompts.lengths), prompts.input_ids.device
-    gamma = drafter.gamma  # the most tokens a round drafts (fewer with a dynamic draft length)
-    target_chain, features = Chain.start(target, prompts, 1, draft.wants_features, draft.feature_layers)
-    draft.start(prompts, features)
-    stats.target_calls += 1
-    stats.draft_calls += 1
-    tail = prompts.input_ids[:, -2:]  # each row's last two tokens
-    out = torch.zeros(batch, limit + gamma + 1, dtype=torch.int64, device=device)
-    length = torch.zeros(batch, dtype=torch.int64, device=device)
-    rows = torch.arange(batch, device=device)
-    results: list[list[int]] = [[] for _ in range(batch)]
-    steps = torch.arange(gamma + 1, device=device)
-    while len(rows):
-        drafted, lengths, q, p_all, features = drafter.draft(target, target_chain, draft, tail)
-        verdict = verify_chain(drafted, q, p_all, drafter.generator, lenience, lengths)
-        n, width = verdict.accepted, drafted.shape[1]
-        emitted = torch.cat((drafted, drafted[:, :1]), dim=1).scatter_(1, n[:, None], verdict.token[:, None])
-        take = torch.minimum(n + 1, limit - length)
-        ends = (emitted == eos) & (steps[None, :width + 1] < take[:, None]) if eos is not None else torch.zeros_like(
-            emitted, dtype=torch.bool)
-        take = torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, take)
-        out.scatter_(1, length[:, None] + steps[None, :width + 1], emitted)
-        length = length + take
-        stats.add_chain_round(rows.cpu(), n, verdict.alpha, take, lengths, width, drafter.target_calls)
-        done = (length >= limit) | ends.any(dim=1)
-        target_chain.keep(n + 1)
-        draft.keep(n, emitted, features)
-        tail = torch.cat((tail, emitted), dim=1).gather(1, torch.stack((n + 1, n + 2), dim=1))
-        if bool(done.any()):
-            for row, tokens, size in zip(rows[done].tolist(), out[done].tolist(), length[done].tolist()):
-                results[row] = tokens[:size]
-            keep = (~done).nonzero()[:, 0]
-            target_chain.select(keep)
-            draft.select(keep)
-            tail, out, length, rows = tail[keep], out[keep], length[keep], rows[keep]
-    return results

@@ -1,17 +1,17 @@
 """The text decoders (knowledge generation): plain sampling, speculative sampling,
 TopK-ImpSpecDec, beam sampling and DSBD, over a causal LM and a draft with the same tokenizer (for
-every drafted method, or a text head over the target's features: :mod:`recspec.decoding.chain_drafts`
+every drafted method, or a text head over the target's features: :mod:`recspec.decoding.chains`
 for the chain methods, :class:`~recspec.decoding.draft_sources.TextTreeDraft` for DSBD's trees);
 each method is a few lines of wiring here.
 
 * ``sample``: ancestral sampling from the warped target distribution: beam sampling with one beam
   (:func:`beam_sample`, the same code as ``beam-sample``).
-* ``spec-sample``: the draft samples ``gamma`` tokens (:class:`~recspec.decoding.drafters.
+* ``spec-sample``: the draft samples ``gamma`` tokens (:class:`~recspec.decoding.chains.
   ChainDrafter`), the target scores the pending token and all of them in one call, Leviathan's
-  test keeps a prefix (:func:`~recspec.decoding.acceptance.verify_chain`), in the chain loop
-  :func:`~recspec.decoding.rounds.run_chain`.
+  test keeps a prefix (:class:`~recspec.decoding.chains.ChainVerifier`), in the text round loop
+  :func:`~recspec.decoding.text_rounds.generate_texts`.
 * ``topk-imp``: as ``spec-sample``, each drafted token drawn from the draft's top-K reweighted by
-  ``p / q`` (:func:`~recspec.decoding.drafters.importance_proposal`); the target is run once per
+  ``p / q`` (:func:`~recspec.decoding.chains.importance_proposal`); the target is run once per
   drafted token.
 * ``beam-sample``: the target's beam sampling with ``W`` independent draws per step from the
   warped joint distribution (dsbd.txt Eq. 1), the plain beam loop over
@@ -21,7 +21,7 @@ each method is a few lines of wiring here.
 
 Generation stops at ``max_new_tokens`` or when every beam of a row is finished; outputs are cut
 after their first end token. Chain methods keep rows of different lengths in one batch
-(:class:`~recspec.decoding.chain.Chain`).
+(:class:`~recspec.decoding.text_cache.TextCache`).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ import torch
 from recspec.decoding.acceptance import check_lenience
 from recspec.decoding.beam_search import TreeCache, beam_steps
 from recspec.decoding.beams import Beams, sample_step
-from recspec.decoding.chain_drafts import chain_draft
-from recspec.decoding.drafters import ChainDrafter
+from recspec.decoding.chains import ChainDrafter, ChainStats, ChainVerifier, chain_draft
 from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
 from recspec.decoding.registry import TEXT, Decoder, check_owned, decoder as registered, names, register
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, left_pad, prompt_batches
-from recspec.decoding.rounds import ChainStats, SpecStats, run_chain
+from recspec.decoding.rounds import SpecStats
 from recspec.decoding.scorer import next_log_probs, prefill
 from recspec.decoding.space import FreeText
+from recspec.decoding.text_rounds import generate_texts
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.hub import keep_logits_at
@@ -209,12 +209,15 @@ def _dsbd_texts(target, draft, batch: Prompts, space: FreeText, options: TextOpt
 def _chain_texts(importance: bool):
     def run(target, draft, batch: Prompts, space: FreeText, options: TextOptions, generator: torch.Generator,
             eos: int | None) -> tuple[list[list[int]], ChainStats]:
-        drafter = ChainDrafter(options.warp, options.gamma, generator, options.candidates if importance else None,
-                               options.draft_stop)
-        stats = ChainStats.zeros(len(batch.lengths))
-        texts = run_chain(target, chain_draft(draft), batch, drafter, options.lenience, options.max_new_tokens, eos,
-                          stats)
-        return texts, stats
+        drafter = ChainDrafter(chain_draft(draft), options.warp, options.gamma, generator,
+                               options.candidates if importance else None, options.draft_stop)
+        verifier = ChainVerifier(options.warp, generator, options.lenience)
+        prompts = [row[-length:] for row, length in zip(batch.input_ids.tolist(), batch.lengths.tolist())]
+        texts = [generation.tokens for generation in generate_texts(
+            target, prompts, options.max_new_tokens, frozenset() if eos is None else frozenset({eos}), drafter,
+            verifier, pad_token_id=batch.pad_token_id)]
+        verifier.stats.tokens += torch.tensor([float(len(text)) for text in texts])
+        return texts, verifier.stats
     return run
 
 

@@ -1,54 +1,54 @@
-"""The text round loop: speculative decoding of free text over drafted token trees, for a batch of
-prompts (LASER's retrieval, ReSD, a text head's EAGLE-2 trees, a hybrid of both, spec-sample over
-trees, and plain greedy decoding or plain sampling, which draft nothing).
+"""The text round loop: speculative decoding of free text for a batch of prompts, the one loop of
+every text decoder (LASER's retrieval, ReSD, a text head's EAGLE-2 trees, a hybrid of both,
+spec-sample over trees and over chains, TopK-ImpSpecDec, and plain greedy decoding or plain
+sampling, which draft nothing).
 
-:func:`generate_texts` prefills the prompts once (left-padded), takes the target's own token after
-each (:class:`~recspec.decoding.acceptance.TreeAcceptance`: greedy, relaxed or drawn), and then
-repeats one *round* per target call until every row has an end-of-sequence token or
-``max_new_tokens``:
+:func:`generate_texts` prefills the prompts once (left-padded, :class:`~recspec.decoding.text_cache.
+TextCache`) and then repeats one *round* per target call until every row has an end-of-sequence
+token or ``max_new_tokens``:
 
-1. draft: each row's :class:`TextSession` proposes a token tree after its current text
-   (:class:`DraftTree`, ``N_b - 1`` nodes; none for plain decoding);
-2. score: every row's last committed token (its *root*, not yet in the KV cache) and draft nodes
-   are scored in one forward pass over the batch's cache with tree attention
-   (:func:`~recspec.decoding.scorer.score_tree`); shorter trees are padded with roots that nothing
-   descends from, and each row attends to its own cached positions only;
-3. verify: the acceptance rule passes nodes, and each row keeps the deepest draft path whose
-   tokens all pass (:func:`~recspec.decoding.acceptance.accepted_path`); the accepted tokens and
-   the target's own token after them are committed;
-4. advance: a session that reads features learns the target's at the row's kept positions
-   (:meth:`TextSession.observe`);
-5. compact: the cache keeps each row's accepted path (:func:`~recspec.decoding.cache.compact`,
-   which copies only the tail past what every row keeps); finished rows leave the batch.
+1. draft: the :class:`TextDrafter` proposes a token tree after each row's text (:class:`Draft`:
+   node 0 the row's *root*, its last committed token, not yet in the KV cache; then the drafted
+   nodes; a chain is a tree with one child per node; none for plain decoding);
+2. score: every row's nodes in one forward pass over the batch's cache with tree attention (a
+   drafter that needs the target's distributions while it drafts, TopK-ImpSpecDec's, scores them
+   itself, one call per token, and the loop does not score again); shorter trees are padded with
+   roots that nothing descends from, and each row attends to its own cached positions only;
+3. verify: the :class:`TextVerifier` picks each row's accepted path and the target's own token
+   after it (:class:`TreeVerifier`: greedy, LASER's relaxed rule or exact sampling over a tree;
+   :class:`~recspec.decoding.chains.ChainVerifier`: Leviathan's test of a chain);
+4. advance: the drafter learns what was accepted (a head reads the target's features at the
+   kept positions), the cache keeps each row's path (:meth:`~recspec.decoding.text_cache.
+   TextCache.keep`), and finished rows leave the batch.
 
-A row's tokens depend on its own prompt, drafts and uniforms only, so a batch writes each row's
-text as that prompt alone does (up to the rounding of a batched call against a single one). A
-batch of one runs the very computation of a single request: no padding, every cached position
-visible. With sampling, each row's uniforms (one per text position) come from the generator in
-row order, as requests decoded one after another draw them.
+The prefill either takes the target's own first token (the drafters of trees, ``lag`` 0) or
+leaves the prompt's last token out, so that the first round's root is that token and its draft
+continues the prompt (the chain drafters, ``lag`` 1).
 
-Every step is a Python iteration over decoding steps (and over the rows' drafting sessions, which
-are per-request Python objects: tries, a head's cache); tree masks, positions, verification and
+A row's tokens depend on its own prompt, drafts and random draws only, so a batch writes each
+row's text as that prompt alone does (up to the rounding of a batched call against a single one).
+A batch of one runs the very computation of a single request: no padding, every cached position
+visible.
+
+Every step is a Python iteration over decoding rounds (and, for drafters made of per-request
+sessions, over the rows' sessions: tries, a head's cache); tree masks, positions, verification and
 cache compaction are tensor operations over the whole batch.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from recspec.decoding.acceptance import GreedyAcceptance, TreeAcceptance, accepted_path
-from recspec.decoding.cache import compact, require_full_attention, select_rows
 from recspec.decoding.prompts import Prompts, left_pad
-from recspec.decoding.scorer import score_tree, score_tree_features
+from recspec.decoding.text_cache import TextCache
 from recspec.decoding.tree import ancestor_matrix, node_depths
 from recspec.errors import RecspecError
-from recspec.hub import keep_logits_at, returned_cache
-from recspec.models.text_head import layer_features
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,15 @@ class Generation:
 
     ``tokens``: the generated token ids, the end-of-sequence token included when the model emitted
     it (as ``generate`` returns them); ``calls``: target forward calls, the prefill included;
-    ``accepted``: accepted draft tokens kept in the text (``len(tokens) - calls``: every call
-    commits one token of its own); ``drafted``: draft nodes scored in total;
+    ``accepted``: accepted draft tokens kept in the text (every round commits one token of the
+    target's own after them, and so does a prefill that takes the first token); ``drafted``: draft
+    nodes scored in total (a chain's own: the nodes a row drafted for others not counted);
     ``ceiling_tokens``: tokens the same calls would have produced had every step accepted its
     longest draft branch (``1 + sum(longest branch + 1)`` over steps); ``retrieval_s``: seconds
     spent drafting (retrieving drafts and growing the temporary branches, or a head's calls);
     ``prefill_s``: the first target call (the prompt); ``wall_s``: the whole request, prefill
-    included. A batch shares its prefill and wall seconds: each text gets them divided by the
-    batch size.
+    included. A batch shares its prefill and wall seconds, and each round's drafting seconds:
+    each text gets them divided by the rows they served.
     """
 
     tokens: list[int]
@@ -113,7 +114,7 @@ class Generation:
 
 
 class TextSession:
-    """One request's drafting state, the text loop's drafter: :meth:`propose` drafts a tree after
+    """One request's drafting state (drafted with as :class:`Sessions`): :meth:`propose` drafts a tree after
     the request's text; a session that reads the target's features (``wants_features``: a text
     head's, :mod:`recspec.knowledge.head_draft`) learns from what was accepted through
     :meth:`observe`, which receives the target's features at the positions each call keeps,
@@ -135,23 +136,6 @@ class TextSession:
         """The target's features ``[n, H * (len(feature_layers) + 1)]`` at text positions ``start ..
         start + n - 1``: the prompt after the prefill, the root and the accepted path after every
         round (only where ``wants_features``)."""
-
-
-def prefill_prompts(model, prompts: Prompts, features: bool, layers: Sequence[int] = ()
-                    ) -> tuple[torch.Tensor, object, torch.Tensor | None]:
-    """Run the left-padded prompts once: ``(the logits after each [B, V], cache, the last hidden
-    states [B, P, H] (with the outputs of ``layers`` before them,
-    :func:`~recspec.models.text_head.layer_features`) when ``features``, else None)``; only the
-    last column's logits are computed where the model supports ``logits_to_keep``. An unpadded
-    batch is fed without a mask (the model's own causal attention)."""
-    padded = not bool(prompts.attention_mask.all())
-    out = model(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask if padded else None,
-                position_ids=prompts.position_ids if padded else None, use_cache=True,
-                output_hidden_states=features, **keep_logits_at(model, 1))
-    cache = returned_cache(out)
-    require_full_attention(cache)
-    read = layer_features(model, out.hidden_states, layers) if features else None
-    return out.logits[:, -1], cache, read
 
 
 def finish_text(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -180,93 +164,248 @@ def tree_block(roots: list[int], drafts: list[DraftTree], device: torch.device
     return torch.tensor(tokens, device=device), torch.tensor(parents, device=device)
 
 
+
+@dataclass
+class Draft:
+    """A round's nodes, ``B`` rows of ``N``: ``tokens`` and ``parents`` int64 ``[B, N]`` (node 0 the
+    row's root, parent ``-1``; then its drafted nodes, each parent a smaller index; a row with fewer
+    is padded with roots of token 0 that nothing descends from); ``sizes`` and ``depths`` int64
+    ``[B]``: the nodes the row drafted for itself and its deepest branch. A chain drafter adds the
+    draft's distribution at each drafted node (``q``, float32 ``[B, N - 1, V]``); a drafter that
+    scored the nodes itself gives the target's logits after them (and its features at them, or
+    None) as ``scored`` and its ``calls``."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    sizes: torch.Tensor
+    depths: torch.Tensor
+    q: torch.Tensor | None = None
+    scored: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    calls: int = 1
+    ancestors: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ancestors = ancestor_matrix(self.parents)  # bool [B, N, N]
+
+
+#: What a drafter may feed the target while it drafts: ``n`` tokens per row (int64 ``[B, n]``) in a
+#: chain after everything fed this round; returns the logits after them ``[B, n, V]`` and the
+#: target's features at them (None unless the drafter wants features).
+Scorer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class TextDrafter(Protocol):
+    """The text loop's drafter, over the whole batch: :meth:`start` after the target's prefill
+    (``features``: the target's at the prefilled columns ``[B, P - lag, H]``, None unless
+    ``wants_features``; ``feature_layers`` as :attr:`TextSession.feature_layers`); :meth:`propose`
+    a :class:`Draft` after each row's ``texts`` (prompt and generated tokens; ``budgets``: the
+    deepest branch worth drafting per row; ``score``: see :data:`Scorer`); :meth:`learn` what was
+    accepted (``path`` bool ``[B, N]``, ``own`` int64 ``[B]`` the target's token after it, the
+    target's ``features`` at the nodes or None, ``start`` int64 ``[B]`` the text position of each
+    root); :meth:`select` the rows that stay (int64 index). ``lag``: the prompt tokens the
+    target's prefill leaves for the first round (0: the prefill takes the first token; 1: the
+    first round's root is the prompt's last token); ``drop_hidden``: the target's cache is
+    :class:`~recspec.decoding.text_cache.TextCache` with ``drop_hidden``."""
+
+    lag: int
+    drop_hidden: bool
+    wants_features: bool
+    feature_layers: tuple[int, ...]
+
+    def start(self, prompts: Prompts, features: torch.Tensor | None) -> None: ...
+
+    def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft: ...
+
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
+              start: torch.Tensor) -> None: ...
+
+    def select(self, rows: torch.Tensor) -> None: ...
+
+
+class Sessions:
+    """A :class:`TextDrafter` made of one :class:`TextSession` per request (LASER, ReSD, a head's
+    trees, hybrid): each row's session drafts its tree in Python, the loop scores them together."""
+
+    lag = 0
+    drop_hidden = False
+
+    def __init__(self, sessions: Sequence[TextSession]) -> None:
+        self.sessions = list(sessions)
+        self.wants_features = any(session.wants_features for session in self.sessions)
+        self.feature_layers = next((session.feature_layers for session in self.sessions if session.wants_features),
+                                   ())
+        self.device = torch.device("cpu")
+
+    def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
+        self.device, width = prompts.input_ids.device, prompts.input_ids.shape[1]
+        if features is not None:
+            for row, session in enumerate(self.sessions):
+                if session.wants_features:
+                    session.observe(features[row, width - int(prompts.lengths[row]):], 0)
+
+    def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft:
+        drafts = [session.propose(text, budget) for session, text, budget in zip(self.sessions, texts, budgets)]
+        tokens, parents = tree_block([text[-1] for text in texts], drafts, self.device)
+        return Draft(tokens, parents, torch.tensor([len(draft) for draft in drafts]),
+                     torch.tensor([draft.longest_branch() for draft in drafts]))
+
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
+              start: torch.Tensor) -> None:
+        if features is not None:
+            for row, session in enumerate(self.sessions):
+                if session.wants_features:  # path order: parents precede children
+                    session.observe(features[row, path[row].nonzero()[:, 0]], int(start[row]))
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.sessions = [self.sessions[row] for row in rows.tolist()]
+
+
+class TextVerifier(Protocol):
+    """The text loop's verification, over the whole batch: :meth:`start` before the prefill (``rows``
+    requests of at most ``max_new_tokens``); :meth:`first`: the target's own first token after the
+    prefill's logits ``[B, V]`` (int64 ``[B]``; drafters of ``lag`` 0); :meth:`verify` a scored
+    :class:`Draft` (``logits`` ``[B, N, V]`` after each node; ``generated`` int64 ``[B]``, each
+    row's tokens so far): each row's accepted root path, bool ``[B, N]``, and the target's own token
+    after it, int64 ``[B]``; :meth:`select` the rows that stay (int64 index)."""
+
+    def start(self, rows: int, max_new_tokens: int, device: torch.device) -> None: ...
+
+    def first(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def verify(self, draft: Draft, logits: torch.Tensor, generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def select(self, rows: torch.Tensor) -> None: ...
+
+
+@dataclass
+class TreeVerifier:
+    """A :class:`TextVerifier` applying a :class:`~recspec.decoding.acceptance.TreeAcceptance` to
+    every node and keeping the deepest fully accepted path
+    (:func:`~recspec.decoding.acceptance.accepted_path`). Sampling draws each row's uniforms, one
+    per text position, from ``generator`` (a CPU generator; None: one seeded 0) before decoding,
+    row after row, as requests decoded one after another draw them."""
+
+    acceptance: TreeAcceptance = field(default_factory=GreedyAcceptance)
+    generator: torch.Generator | None = None
+    uniforms: torch.Tensor | None = None  # float64 [B, max_new_tokens] while sampling
+
+    def start(self, rows: int, max_new_tokens: int, device: torch.device) -> None:
+        if self.acceptance.draws:
+            generator = self.generator if self.generator is not None else torch.Generator().manual_seed(0)
+            self.uniforms = torch.stack([torch.rand(max_new_tokens, generator=generator, dtype=torch.float64)
+                                         for _ in range(rows)]).to(device)
+
+    def first(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.acceptance.choices(logits[:, None], None if self.uniforms is None else self.uniforms[:, :1])[:, 0]
+
+    def verify(self, draft: Draft, logits: torch.Tensor, generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the uniforms of the positions the nodes' next tokens fill (sampling)
+        at = None if self.uniforms is None else self.uniforms.gather(1, generated[:, None] +
+                                                                     node_depths(draft.ancestors))
+        choices = self.acceptance.choices(logits, at)
+        last, path = accepted_path(self.acceptance.accept(draft.tokens, draft.parents, logits, choices),
+                                   draft.ancestors)
+        return path, choices.gather(1, last[:, None])[:, 0]
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.uniforms is not None:
+            self.uniforms = self.uniforms[rows]
+
+
+def plain_draft(roots: torch.Tensor) -> Draft:
+    """The draft of plain decoding: each row's root alone (``roots`` int64 ``[B, 1]``)."""
+    none = torch.zeros(len(roots), dtype=torch.int64)
+    return Draft(roots, torch.full_like(roots, -1), none, none)
+
+
 @torch.inference_mode()
 def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int],
-                   sessions: Sequence[TextSession] | None = None,
-                   acceptance: TreeAcceptance = GreedyAcceptance(),
+                   drafter: TextDrafter | Sequence[TextSession] | None = None,
+                   verifier: TextVerifier | TreeAcceptance | None = None,
                    generator: torch.Generator | None = None, pad_token_id: int = 0) -> list[Generation]:
-    """Generate after each of ``prompts`` (token ids, chat template applied) in one batch, row ``b``
-    drafted by ``sessions[b]`` (None: plain decoding) and verified by ``acceptance``; see the module
-    doc. Sessions that want features get the target's at every kept position. Sampling draws each
-    row's uniforms, one per text position, from ``generator`` (a CPU generator; None: one seeded 0)
-    before decoding, row after row. ``pad_token_id`` fills the left padding (never attended to)."""
+    """Generate after each of ``prompts`` (token ids, chat template applied) in one batch, drafted by
+    ``drafter`` (one :class:`TextSession` per prompt: :class:`Sessions`; None: plain decoding) and
+    verified by ``verifier`` (a :class:`~recspec.decoding.acceptance.TreeAcceptance`:
+    :class:`TreeVerifier` with ``generator``; None: greedy); see the module doc. ``pad_token_id``
+    fills the left padding (never attended to)."""
     for prompt in prompts:
         check_prompt(prompt, max_new_tokens)
+    if drafter is not None and not hasattr(drafter, "propose"):
+        drafter = Sessions(drafter)
+    if not hasattr(verifier, "verify"):
+        verifier = TreeVerifier(verifier or GreedyAcceptance(), generator)
     started = time.perf_counter()
     batch = left_pad([torch.tensor(list(prompt)) for prompt in prompts], pad_token_id, model.device)
-    device = batch.input_ids.device
-    uniforms = None
-    if acceptance.draws:
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        uniforms = torch.stack([torch.rand(max_new_tokens, generator=generator, dtype=torch.float64)
-                                for _ in prompts]).to(device)  # [B, max_new_tokens]
-    observing = sessions is not None and any(session.wants_features for session in sessions)
-    layers = next(session.feature_layers for session in sessions if session.wants_features) if observing else ()
-    tick = time.perf_counter()
-    first, cache, prompt_features = prefill_prompts(model, batch, observing, layers)
-    roots = acceptance.choices(first[:, None], None if uniforms is None else uniforms[:, :1])[:, 0].tolist()
-    prefill_s = (time.perf_counter() - tick) / len(prompts)
-    visible = batch.attention_mask.bool()  # [B, W]: the cached positions holding each row's text
-    count = batch.lengths.clone()  # [B]: each row's cached text tokens, the position of its root
-    rows = list(range(len(prompts)))  # the batch's rows, by request
-    width = batch.input_ids.shape[1]
-    if sessions is not None and prompt_features is not None:
-        for row, session in enumerate(sessions):
-            if session.wants_features:
-                session.observe(prompt_features[row, width - len(prompts[row]):], 0)
-    generated, done = map(list, zip(*(finish_text([root], max_new_tokens, eos) for root in roots)))
-    calls, drafted, ceiling, retrieval_s = ([n] * len(prompts) for n in (1, 0, 1, 0.0))
+    device, size = batch.input_ids.device, len(prompts)
+    lag = 0 if drafter is None else drafter.lag
+    observing = drafter is not None and drafter.wants_features
+    layers = drafter.feature_layers if observing else ()
+    verifier.start(size, max_new_tokens, device)
+    target, first, features = TextCache.start(model, batch, lag, observing, layers,
+                                              drafter is not None and drafter.drop_hidden)
+    prefill_s = (time.perf_counter() - started) / size
+    if drafter is not None:
+        drafter.start(batch, features)
+    if lag:
+        generated, done, own = [[] for _ in prompts], [False] * size, [0] * size
+    else:
+        generated, done = map(list, zip(*(finish_text([root], max_new_tokens, eos)
+                                          for root in verifier.first(first).tolist())))
+        own = [1] * size
+    calls, drafted, ceiling, retrieval_s = [1] * size, [0] * size, list(own), [0.0] * size
+    rows = list(range(size))  # the batch's rows, by request
+
+    def score(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return target.feed(model, tokens, None, observing, layers)
+
     while True:
-        if any(done[request] for request in rows):
+        if any(done[request] for request in rows):  # finished rows leave (all of them at the end)
             stay = [i for i, request in enumerate(rows) if not done[request]]
-            if not stay:
+            index = torch.tensor(stay, dtype=torch.int64, device=device)
+            for part in (target, verifier, drafter):
+                if part is not None:
+                    part.select(index)
+            rows = [rows[i] for i in stay]
+            if not rows:
                 break
-            index = torch.tensor(stay, device=device)
-            select_rows(cache, index)
-            visible, count, rows = visible[index], count[index], [rows[i] for i in stay]
-            uniforms = None if uniforms is None else uniforms[index]
         texts = [list(prompts[request]) + generated[request] for request in rows]
-        drafts = [DraftTree([], []) for _ in rows]
-        if sessions is not None:
-            for i, request in enumerate(rows):
-                tick = time.perf_counter()
-                drafts[i] = sessions[request].propose(texts[i], max_new_tokens - len(generated[request]) - 1)
-                retrieval_s[request] += time.perf_counter() - tick
-        tokens, parents = tree_block([text[-1] for text in texts], drafts, device)  # [B, N]
-        ancestors = ancestor_matrix(parents)
-        tree = (model, cache, tokens, ancestors, visible, count)
-        logits, features = score_tree_features(*tree, layers) if observing else (score_tree(*tree), None)
-        # the uniforms of the positions the nodes' next tokens fill (sampling)
-        lengths = torch.tensor([len(generated[request]) for request in rows], device=device)
-        at = None if uniforms is None else uniforms.gather(1, lengths[:, None] + node_depths(ancestors))
-        choices = acceptance.choices(logits, at)
-        last, path = accepted_path(acceptance.accept(tokens, parents, logits, choices), ancestors)
-        positions, filled = compact([cache], torch.cat((torch.ones_like(visible), path), dim=1))
-        visible = torch.cat((visible, path), dim=1).gather(1, positions) & filled
-        kept, own = path.sum(dim=1), choices.gather(1, last[:, None])[:, 0]
-        for i, request in enumerate(rows):
-            nodes = path[i].nonzero()[:, 0]  # path order: parents precede children
-            if features is not None and sessions[request].wants_features:
-                sessions[request].observe(features[i, nodes], int(count[i]))
-            new = tokens[i, nodes[1:]].tolist() + [int(own[i])]
-            calls[request], drafted[request] = calls[request] + 1, drafted[request] + len(drafts[i])
-            ceiling[request] += drafts[i].longest_branch() + 1
-            generated[request], done[request] = finish_text(generated[request] + new, max_new_tokens, eos)
-        count = count + kept
+        tick = time.perf_counter()
+        if drafter is None:
+            draft = plain_draft(torch.tensor([[text[-1]] for text in texts], device=device))
+        else:
+            draft = drafter.propose(texts, [max_new_tokens - len(generated[request]) - 1 for request in rows], score)
+        seconds = (time.perf_counter() - tick) / len(rows)
+        scored = draft.scored
+        logits, fed = scored if scored is not None else target.feed(model, draft.tokens, draft.ancestors, observing,
+                                                                     layers)
+        path, mine = verifier.verify(draft, logits, torch.tensor([len(generated[r]) for r in rows], device=device))
+        if drafter is not None:
+            drafter.learn(draft, path, mine, fed, target.count)
+        target.keep(path)
+        order = torch.sort((~path).to(torch.int8), dim=1, stable=True).indices  # each path first, in order
+        kept, tokens = path.sum(dim=1).tolist(), draft.tokens.gather(1, order).tolist()
+        for i, (request, token, nodes, depth) in enumerate(zip(rows, mine.tolist(), draft.sizes.tolist(),
+                                                               draft.depths.tolist())):
+            calls[request], own[request] = calls[request] + draft.calls, own[request] + 1
+            drafted[request], ceiling[request] = drafted[request] + nodes, ceiling[request] + depth + 1
+            retrieval_s[request] += seconds
+            generated[request], done[request] = finish_text(generated[request] + tokens[i][1:kept[i]] + [token],
+                                                            max_new_tokens, eos)
     wall_s = (time.perf_counter() - started) / len(prompts)
-    return [Generation(tokens=tokens, prompt_tokens=len(prompt), calls=calls[b], accepted=len(tokens) - calls[b],
+    return [Generation(tokens=tokens, prompt_tokens=len(prompt), calls=calls[b], accepted=len(tokens) - own[b],
                        drafted=drafted[b], ceiling_tokens=ceiling[b], retrieval_s=retrieval_s[b], prefill_s=prefill_s,
                        wall_s=wall_s) for b, (prompt, tokens) in enumerate(zip(prompts, generated))]
 
 
-class TextDrafter(Protocol):
+class SessionDrafter(Protocol):
     """What drafts a request: a :class:`TextSession` per prompt (token ids)."""
 
     def session(self, prompt: Sequence[int]) -> TextSession: ...
 
 
 def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
-                         drafter: TextDrafter | None = None, acceptance: TreeAcceptance = GreedyAcceptance(),
+                         drafter: SessionDrafter | None = None, acceptance: TreeAcceptance = GreedyAcceptance(),
                          generator: torch.Generator | None = None) -> Generation:
     """:func:`generate_texts` of one request, drafted by a session of ``drafter`` (None: plain
     decoding)."""

@@ -49,7 +49,7 @@ from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.data import load_dataset
 from recspec.decoding.cost import CallCost
 from recspec.decoding.registry import KNOWLEDGE, Decoder, decoder as registered, names, register
-from recspec.decoding.text_rounds import Generation, TextDrafter, generate_texts
+from recspec.decoding.text_rounds import Generation, SessionDrafter, generate_texts
 from recspec.errors import RecspecError
 from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
 from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, sized_round_cost
@@ -294,7 +294,7 @@ def _text_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet
     if config.method in DRAFTING and pools is None:
         raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
 
-    def drafter(entity: int) -> TextDrafter | None:
+    def drafter(entity: int) -> SessionDrafter | None:
         if pools is None:
             return head
         retrieval = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
