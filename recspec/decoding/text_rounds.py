@@ -319,6 +319,54 @@ def plain_draft(roots: torch.Tensor) -> Draft:
     return Draft(roots, torch.full_like(roots, -1), none, none)
 
 
+@dataclass
+class Ledger:
+    """Each request's text and counters while a batch decodes (what :class:`Generation` reports):
+    ``generated`` tokens, ``done``, target ``calls``, ``own`` (tokens the target chose itself),
+    ``drafted`` nodes, ``ceiling`` tokens, ``retrieval_s``."""
+
+    generated: list[list[int]]
+    done: list[bool]
+    own: list[int]
+    calls: list[int]
+    drafted: list[int]
+    ceiling: list[int]
+    retrieval_s: list[float]
+
+    @staticmethod
+    def start(first: list[int] | None, size: int, max_new_tokens: int, eos: frozenset[int]) -> Ledger:
+        """The ledger after the prefill: ``first``, the target's first token per request, or None
+        when the prefill takes none (a drafter of ``lag`` 1)."""
+        if first is None:
+            generated, done, own = [[] for _ in range(size)], [False] * size, [0] * size
+        else:
+            generated, done = map(list, zip(*(finish_text([root], max_new_tokens, eos) for root in first)))
+            own = [1] * size
+        return Ledger(generated, done, own, [1] * size, [0] * size, list(own), [0.0] * size)
+
+    def commit(self, rows: list[int], draft: Draft, path: torch.Tensor, mine: torch.Tensor, seconds: float,
+               max_new_tokens: int, eos: frozenset[int]) -> None:
+        """Add a verified round to the requests ``rows`` (by batch row): each row's accepted path
+        (``path`` bool ``[B, N]``, in node order) and the target's token after it (``mine`` int64
+        ``[B]``); ``seconds``: each row's share of the drafting."""
+        order = torch.sort((~path).to(torch.int8), dim=1, stable=True).indices  # each path first, in order
+        kept, tokens = path.sum(dim=1).tolist(), draft.tokens.gather(1, order).tolist()
+        for i, (request, token, nodes, depth) in enumerate(zip(rows, mine.tolist(), draft.sizes.tolist(),
+                                                               draft.depths.tolist())):
+            self.calls[request], self.own[request] = self.calls[request] + draft.calls, self.own[request] + 1
+            self.drafted[request] += nodes
+            self.ceiling[request] += depth + 1
+            self.retrieval_s[request] += seconds
+            self.generated[request], self.done[request] = finish_text(
+                self.generated[request] + tokens[i][1:kept[i]] + [token], max_new_tokens, eos)
+
+    def generations(self, prompts: Sequence[Sequence[int]], prefill_s: float, wall_s: float) -> list[Generation]:
+        return [Generation(tokens=tokens, prompt_tokens=len(prompt), calls=self.calls[b],
+                           accepted=len(tokens) - self.own[b], drafted=self.drafted[b], ceiling_tokens=self.ceiling[b],
+                           retrieval_s=self.retrieval_s[b], prefill_s=prefill_s, wall_s=wall_s)
+                for b, (prompt, tokens) in enumerate(zip(prompts, self.generated))]
+
+
 @torch.inference_mode()
 def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int],
                    drafter: TextDrafter | Sequence[TextSession] | None = None,
@@ -347,21 +395,15 @@ def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     prefill_s = (time.perf_counter() - started) / size
     if drafter is not None:
         drafter.start(batch, features)
-    if lag:
-        generated, done, own = [[] for _ in prompts], [False] * size, [0] * size
-    else:
-        generated, done = map(list, zip(*(finish_text([root], max_new_tokens, eos)
-                                          for root in verifier.first(first).tolist())))
-        own = [1] * size
-    calls, drafted, ceiling, retrieval_s = [1] * size, [0] * size, list(own), [0.0] * size
-    rows = list(range(size))  # the batch's rows, by request
+    ledger = Ledger.start(None if lag else verifier.first(first).tolist(), size, max_new_tokens, eos)
+    generated, rows = ledger.generated, list(range(size))  # the batch's rows, by request
 
     def score(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return target.feed(model, tokens, None, observing, layers)
 
     while True:
-        if any(done[request] for request in rows):  # finished rows leave (all of them at the end)
-            stay = [i for i, request in enumerate(rows) if not done[request]]
+        if any(ledger.done[request] for request in rows):  # finished rows leave (all of them at the end)
+            stay = [i for i, request in enumerate(rows) if not ledger.done[request]]
             index = torch.tensor(stay, dtype=torch.int64, device=device)
             for part in (target, verifier, drafter):
                 if part is not None:
@@ -383,19 +425,8 @@ def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         if drafter is not None:
             drafter.learn(draft, path, mine, fed, target.count)
         target.keep(path)
-        order = torch.sort((~path).to(torch.int8), dim=1, stable=True).indices  # each path first, in order
-        kept, tokens = path.sum(dim=1).tolist(), draft.tokens.gather(1, order).tolist()
-        for i, (request, token, nodes, depth) in enumerate(zip(rows, mine.tolist(), draft.sizes.tolist(),
-                                                               draft.depths.tolist())):
-            calls[request], own[request] = calls[request] + draft.calls, own[request] + 1
-            drafted[request], ceiling[request] = drafted[request] + nodes, ceiling[request] + depth + 1
-            retrieval_s[request] += seconds
-            generated[request], done[request] = finish_text(generated[request] + tokens[i][1:kept[i]] + [token],
-                                                            max_new_tokens, eos)
-    wall_s = (time.perf_counter() - started) / len(prompts)
-    return [Generation(tokens=tokens, prompt_tokens=len(prompt), calls=calls[b], accepted=len(tokens) - own[b],
-                       drafted=drafted[b], ceiling_tokens=ceiling[b], retrieval_s=retrieval_s[b], prefill_s=prefill_s,
-                       wall_s=wall_s) for b, (prompt, tokens) in enumerate(zip(prompts, generated))]
+        ledger.commit(rows, draft, path, mine, seconds, max_new_tokens, eos)
+    return ledger.generations(prompts, prefill_s, (time.perf_counter() - started) / size)
 
 
 class SessionDrafter(Protocol):
