@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from recspec.bench.report import machine, markdown_table, reuse_freed_memory, write_results
-from recspec.knowledge.job import HF, LASER, KnowledgeConfig, KnowledgeTask, run_job
+from recspec.knowledge.job import AR, HF, LASER, KnowledgeConfig, KnowledgeTask, run_job
 from recspec.knowledge.store import read_rows
 from recspec.knowledge.verify import Verification
 
@@ -36,13 +36,17 @@ HERE = Path(__file__).resolve().parents[1]
 GREEDY, RELAXED = Verification("greedy"), Verification("relaxed")
 
 
-def variants(batch: int, nodes: list[int]) -> dict[str, KnowledgeConfig]:
+def variants(batch: int, nodes: list[int], head: Path | None) -> dict[str, KnowledgeConfig]:
     """The job's variants by label (``nodes``: also greedy LASER at batch ``batch`` with draft trees
-    of at most that many nodes per row)."""
+    of at most that many nodes per row; ``head``: a text head folder, also greedy decoding drafted
+    by its trees and greedy LASER with them, hybrid, at batch ``batch``)."""
     laser = KnowledgeConfig(side="user", method=LASER, verification=GREEDY)
     smaller = {f"laser-greedy b{batch}@{n}": replace(laser, batch_size=batch,
                                                      retrieval=replace(laser.retrieval, max_nodes=n)) for n in nodes}
-    if nodes:
+    if head is not None:
+        smaller |= {f"head b{batch}": replace(laser, method=AR, batch_size=batch, draft=str(head)),
+                    f"laser-greedy + head b{batch}": replace(laser, batch_size=batch, draft=str(head))}
+    if smaller:
         return {f"hf b{batch}": replace(laser, method=HF, batch_size=batch), **smaller}
     return {
         f"hf b{batch}": replace(laser, method=HF, batch_size=batch),
@@ -58,7 +62,7 @@ def one_run(task: KnowledgeTask, config: KnowledgeConfig, pool: Path, users: int
     """(tokens/s, AAL, texts by user) of one whole job."""
     out = scratch / f"{time.perf_counter_ns()}.db"
     started = time.perf_counter()
-    summary = run_job(task, config, out, pool=None if config.method == HF else pool, limit=users, progress=False)
+    summary = run_job(task, config, out, pool=None if config.method in (HF, AR) else pool, limit=users, progress=False)
     seconds = time.perf_counter() - started
     texts = {row.entity: row.tokens for row in read_rows(out)}
     out.unlink()
@@ -76,6 +80,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, action="append", default=[],
                         help="Only batched generate and greedy LASER at the batch size with trees of at most this "
                              "many nodes per row (repeatable).")
+    parser.add_argument("--head", type=Path, help="A text head folder (adds its trees and LASER's hybrid with them).")
     parser.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results")
     parser.add_argument("--name", default="knowledge-batch")
     args = parser.parse_args()
@@ -83,7 +88,7 @@ def main() -> None:
     reuse_freed_memory()
     task = KnowledgeTask()
     configs = {label: replace(config, max_new_tokens=args.max_new_tokens)
-               for label, config in variants(args.batch_size, args.nodes).items()}
+               for label, config in variants(args.batch_size, args.nodes, args.head).items()}
     rates: dict[str, list[float]] = {label: [] for label in configs}
     aal: dict[str, float] = {}
     texts: dict[str, dict[str, list[int]]] = {}
@@ -108,6 +113,7 @@ def main() -> None:
     results = {"benchmark": "knowledge-batch", "machine": machine(), "users": args.users,
                "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                "threads": args.threads, "pool": str(args.pool), "pool_texts": sum(1 for _ in read_rows(args.pool)),
+               "head": None if args.head is None else str(args.head),
                "rows": rows}
     table = markdown_table(
         ["variant", "tokens/s", "x hf batched", "x batch 1", "AAL", "= batch 1", "= hf"],

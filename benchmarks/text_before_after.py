@@ -1,6 +1,8 @@
 """The text decoders under two source trees of recspec, side by side: the chain decoders
-(speculative sampling with a draft of the target's layers or a text head, TopK-ImpSpecDec) and
-LASER's knowledge job (greedy and relaxed, batch 1 and batch B), on the same models and prompts.
+(speculative sampling with a draft of the target's layers or a text head, TopK-ImpSpecDec),
+LASER's knowledge job (greedy and relaxed, batch 1 and batch B) and, with ``--head`` (a text head
+folder for SmolLM2), the job's greedy decoding drafted by the head's trees (batch 1 and batch B)
+and LASER's hybrid of retrieval and the head (batch B), on the same models and prompts.
 
 ``python benchmarks/text_before_after.py --before /path/to/old/checkout --pool runs/know/user-old.db``
 runs this script's worker under the old tree, then under this one (``PYTHONPATH`` picks the tree,
@@ -57,23 +59,30 @@ def cases(args: argparse.Namespace) -> dict:
         chosen = TextOptions(max_new_tokens=args.max_new_tokens, seed=5, **options)
         return lambda: generate(method, target, drafts[draft], prompts, chosen, pad, eos, batch_size=batch).tokens
 
-    def laser(verification: str, batch: int) -> callable:
-        config = KnowledgeConfig(side="user", method=LASER, verification=Verification(verification),
-                                 batch_size=batch, max_new_tokens=args.max_new_tokens)
+    def laser(verification: str, batch: int, method: str = LASER, head: Path | None = None) -> callable:
+        config = KnowledgeConfig(side="user", method=method, verification=Verification(verification),
+                                 batch_size=batch, max_new_tokens=args.max_new_tokens,
+                                 draft=None if head is None else str(head))
 
         def run() -> list[list[int]]:
             with tempfile.TemporaryDirectory() as scratch:
                 out = Path(scratch) / "texts.db"
-                run_job(task, config, out, pool=args.pool, limit=args.users, progress=False)
+                run_job(task, config, out, pool=args.pool if method == LASER else None, limit=args.users,
+                        progress=False)
                 return [row.tokens for row in read_rows(out)]
         return run
 
-    return {"spec-sample layers b1": chain("spec-sample", "layers", 1),
+    runs = {"spec-sample layers b1": chain("spec-sample", "layers", 1),
             f"spec-sample layers b{len(prompts)}": chain("spec-sample", "layers", len(prompts)),
             f"spec-sample head b{len(prompts)}": chain("spec-sample", "head", len(prompts), gamma=3),
             f"topk-imp layers b{len(prompts)}": chain("topk-imp", "layers", len(prompts), gamma=2, candidates=5),
             "laser-greedy b1": laser("greedy", 1), f"laser-greedy b{args.batch_size}": laser("greedy", args.batch_size),
             f"laser b{args.batch_size}": laser("relaxed", args.batch_size)}
+    if args.head is not None:
+        runs.update({"head trees b1": laser("greedy", 1, "ar", args.head),
+                     f"head trees b{args.batch_size}": laser("greedy", args.batch_size, "ar", args.head),
+                     f"laser-greedy + head b{args.batch_size}": laser("greedy", args.batch_size, LASER, args.head)})
+    return runs
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -82,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    runs = cases(args)
+    runs = {label: run for label, run in cases(args).items() if not args.case or label in args.case}
     next(iter(runs.values()))()
     rows = {}
     for label, run in runs.items():
@@ -98,6 +107,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="The old source tree (a checkout).")
     parser.add_argument("--pool", type=Path, required=True, help="Old-part user store (LASER's pools).")
+    parser.add_argument("--head", type=Path, help="A text head folder for SmolLM2 (adds the head's cases).")
+    parser.add_argument("--case", action="append", default=[], help="Time only this case (repeatable; default all).")
     parser.add_argument("--draft-layers", default="0-5,29")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -117,6 +128,10 @@ def main() -> None:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--pool", str(args.pool.resolve()),
                "--draft-layers", args.draft_layers, "--users", str(args.users), "--batch-size", str(args.batch_size),
                "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+    if args.head is not None:
+        command += ["--head", str(args.head.resolve())]
+    for case in args.case:
+        command += ["--case", case]
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for _ in range(args.rounds):
         for label, tree in trees.items():
@@ -134,13 +149,16 @@ def main() -> None:
                      "runs": {tree: [run[case]["tokens_per_s"] for run in values] for tree, values in runs.items()}})
     results = {"benchmark": "text-before-after", "machine": machine(), "before": str(trees["before"]),
                "rounds": args.rounds, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-               "users": args.users, "batch_size": args.batch_size, "draft_layers": args.draft_layers, "rows": rows}
+               "users": args.users, "batch_size": args.batch_size, "draft_layers": args.draft_layers,
+               "head": None if args.head is None else str(args.head), "rows": rows}
     table = markdown_table(["case", "before tok/s", "after tok/s", "after / before", "same texts"],
                            [[r["case"], f"{r['before_tokens_per_s']:.1f}", f"{r['after_tokens_per_s']:.1f}",
                              f"{r['ratio']:.2f}", str(r["same_texts"])] for r in rows])
     markdown = (f"# Text decoders before and after\n\nSmolLM2-135M-Instruct; chains: 6 prompts, a draft of layers "
                 f"{args.draft_layers} or an untrained text head, seed 5; LASER: the knowledge job over the first "
-                f"{args.users} new-part users with pools from `{args.pool.name}`; at most {args.max_new_tokens} new "
+                f"{args.users} new-part users with pools from `{args.pool.name}`"
+                + ("" if args.head is None else f", the head cases drafted by the text head `{args.head.name}`")
+                + f"; at most {args.max_new_tokens} new "
                 f"tokens; median of {args.rounds} alternating rounds, {args.threads} threads.\n\n{table}\n")
     write_results(args.out, args.name, results, markdown)
     print(markdown)

@@ -32,6 +32,7 @@ from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.decoding.draft_tree import Level
 from recspec.decoding.drafters import TopNDrafter
 from recspec.decoding.frontier import Frontier
+from recspec.decoding.head_trees import HeadDrafter, HeadTreeConfig, round_cost
 from recspec.decoding.item_prior import ItemDraft
 from recspec.decoding.target_prior import PRIOR_WEIGHTS, TargetPrior, is_prior_dir
 from recspec.decoding.prefix import shared_columns
@@ -43,6 +44,7 @@ from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
 from recspec.models.checkpoint import trained_model_dir, weights_fingerprint
 from recspec.models.head import HEAD_WEIGHTS, HeadDraft, head_dir, is_head_dir
+from recspec.models.text_head import TextHeadDraft
 
 
 #: Records kept in memory instead of in the model folders, by the path each would have there.
@@ -124,6 +126,19 @@ def call_cost(model, model_dir: str | Path, prompt_len: int, repeats: int = 10,
                         lambda: replace(measure_cost_model(model, prompt_len, repeats), padded=padded).to_json(),
                         remeasure, records)
     return CallCost.from_json(value)
+
+
+#: Text tokens before a round that a head's cost-sized trees are costed at (a knowledge prompt of
+#: ~360 tokens and part of its text; a call's cost hardly depends on it at these lengths).
+COST_CONTEXT = 384
+
+
+def sized_round_cost(model, model_dir: str | Path, head: TextHeadDraft, tree: HeadTreeConfig) -> CallCost:
+    """The cost model of ``head``'s rounds in ``tree``s for ``model`` (loaded from ``model_dir``):
+    :func:`~recspec.decoding.head_trees.round_cost` of the model's call cost (kept beside it by
+    :func:`call_cost`) and the head's drafting (timed now), at :data:`COST_CONTEXT` tokens."""
+    target = call_cost(model, model_dir, COST_CONTEXT)
+    return round_cost(target, HeadDrafter(head, tree).round_seconds(COST_CONTEXT))
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from recspec.errors import RecspecError
+from recspec.serve.access import KEY_VARIABLE
 
 #: Commands moved out of the package into the repository's lab (``python -m benchmarks.lab NAME``,
 #: not installed), by group: for one release, running one says where it went instead of "No such
@@ -733,7 +734,7 @@ def serve_command(
     replicas: Annotated[Optional[int], typer.Option(help="--engine ray: replicas of the service, each with its "
                                                           "own batcher and --threads cores (default 1).")] = None,
     address: AddressOpt = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="RECSPEC_API_KEY", show_envvar=True,
+    api_key: Annotated[Optional[str], typer.Option(envvar=KEY_VARIABLE, show_envvar=True,
                                                    help="Require Authorization: Bearer KEY on every route but "
                                                         "/health*, /metrics.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model's name in /v1/models and answers "
@@ -763,7 +764,7 @@ def serve_command(
 
     require_extra("serve", "recspec serve")
     if api_key is not None and not api_key.strip():
-        raise RecspecError("--api-key (or RECSPEC_API_KEY) is empty; give a key, or unset it to serve without one")
+        raise RecspecError(f"--api-key (or {KEY_VARIABLE}) is empty; give a key, or unset it to serve without one")
     warning = exposure_warning(host, api_key)
     if warning:
         typer.echo(warning, err=True)
@@ -1267,7 +1268,7 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
                       head_depth: int, head_nodes: int, fixed_tree: bool):
     """The job of `knowledge generate` and the base of `bench knowledge`'s variants (the keywords:
     :data:`KNOWLEDGE`)."""
-    from recspec.knowledge.head_draft import HeadTreeConfig
+    from recspec.decoding.head_trees import HeadTreeConfig
     from recspec.knowledge.job import LASER, KnowledgeConfig
     from recspec.knowledge.retrieval import RetrievalConfig
     from recspec.knowledge.verify import Verification

@@ -16,7 +16,8 @@ from recspec.bench.knowledge import run_knowledge as bench_knowledge
 from recspec.cli import main
 from recspec.errors import RecspecError
 from recspec.decoding.text_rounds import DraftTree
-from recspec.knowledge.head_draft import HeadTreeConfig, merge_trees
+from recspec.decoding.head_trees import HeadTreeConfig
+from recspec.knowledge.decode import merge_trees
 from recspec.knowledge.job import KnowledgeConfig, run_job
 from recspec.knowledge.store import read_rows, read_settings
 from recspec.knowledge.verify import Verification

@@ -30,11 +30,11 @@ DECODING = (
     ("registry", "warp", "categorical", "support", "cache", "tree", "space", "beams", "cost", "tree_plan"),
     ("prompts", "prefix"),
     ("scorer",),
-    ("beam_search", "hf_reference", "text_cache", "draft_tree"),
+    ("beam_search", "hf_reference", "text_cache", "head_cache", "draft_tree"),
     ("frontier", "acceptance", "drafting"),
     ("drafters", "draft_sources", "item_prior", "target_prior"),
     ("rounds", "text_rounds"),
-    ("verifiers", "chains"),
+    ("verifiers", "chains", "head_trees"),
     ("speculative_beam", "dsbd"),
     ("text",),
 )

@@ -22,11 +22,11 @@ from recspec.decoding.scorer import score_tree_features
 from recspec.decoding.tree import ancestor_matrix
 from recspec.errors import RecspecError
 from recspec.fileio import record_checksums, write_json_atomic
-from recspec.decoding.text_rounds import DraftTree, speculative_generate
-from recspec.knowledge.decode import RetrievalDrafter, eos_ids
+from recspec.decoding.text_rounds import Draft, DraftTree, Sessions, generate_texts, speculative_generate
+from recspec.knowledge.decode import HybridDrafter, RetrievalDrafter, eos_ids
 from recspec.decoding.cost import CallCost
-from recspec.knowledge.head_draft import (HeadDrafter, HeadSession, HeadTreeConfig, HybridDrafter, node_budget,
-                                          select)
+from recspec.decoding.head_trees import HeadDrafter, HeadTreeConfig, HeadTrees, node_budget, select
+from recspec.decoding.prompts import left_pad
 from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import RetrievalConfig
 from recspec.knowledge.stream import stream_split
@@ -84,24 +84,63 @@ def greedy(lm, ml100k) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [speculative_generate(model, p, MAX_NEW, eos).tokens for p in prompts]
 
 
-class Recorded(HeadDrafter):
-    """A head drafter that keeps its sessions and the trees they proposed."""
+class KeptTrees(HeadTrees):
+    """A batch of one's head trees that keep the head's cache as the request leaves the batch:
+    ``final``, its keys and values ``[1, kv, T, d]`` and the inputs read."""
 
-    sessions: list[HeadSession]
+    final: tuple[torch.Tensor, torch.Tensor, int]
+
+    def select(self, rows: torch.Tensor) -> None:
+        if len(rows) == 0:
+            keys, values = self.cache.past
+            assert self.cache.text is not None and bool(self.cache.text.visible.all())
+            self.final = keys, values, int(self.cache.text.count[0])
+        super().select(rows)
+
+
+class RecordedTrees(KeptTrees):
+    """A batch's head trees that keep every tree they drafted (in ``drawn``)."""
+
+    drawn: list[DraftTree]
+
+    def trees(self, budgets, chosen_rows=None):
+        tokens, parents, sizes, depths = super().trees(budgets, chosen_rows)
+        self.drawn += [DraftTree(row[:size], up[:size])
+                       for row, up, size in zip(tokens.tolist(), parents.tolist(), sizes.tolist())]
+        return tokens, parents, sizes, depths
+
+
+class Recorded(HeadDrafter):
+    """A head drafter that keeps its batches and the trees they drafted."""
+
+    batches: list[HeadTrees]
     trees: list[DraftTree]
 
-    def session(self, prompt):
-        session = super().session(prompt)
-        self.sessions, self.trees = [*getattr(self, "sessions", []), session], getattr(self, "trees", [])
-        propose = session.propose
+    def batch(self, prompts):
+        trees = RecordedTrees(self.head, self.config, self.cost)
+        self.batches, self.trees = [*getattr(self, "batches", []), trees], getattr(self, "trees", [])
+        trees.drawn = self.trees
+        return trees
 
-        def recorded(text: list[int], max_depth: int) -> DraftTree:
-            tree = propose(text, max_depth)
-            self.trees.append(tree)
-            return tree
 
-        session.propose = recorded  # type: ignore[method-assign]
-        return session
+class OracleTrees(KeptTrees):
+    """Head trees replaced by ``oracle``'s after the head has read the text (see
+    :class:`OracleDrafter`)."""
+
+    oracle: OracleDrafter
+
+    def propose(self, texts, budgets, score) -> Draft:
+        self.catch_up(texts)
+        text, oracle = texts[0], self.oracle
+        done = len(text) - len(oracle.prompt)
+        right = oracle.reference[done:done + min(3, budgets[0])]
+        pairs = [((token + 1) % 49152, token) if oracle.right_second else (token, (token + 1) % 49152)
+                 for token in right]
+        parents = [-1, -1][:2 * len(right)] + [2 * (i - 1) + oracle.right_second
+                                                for i in range(1, len(right)) for _ in range(2)]
+        sessions = Sessions([])
+        sessions.device = self.head.ids.device
+        return sessions.draft(texts, [DraftTree([token for pair in pairs for token in pair], parents)])
 
 
 class OracleDrafter(HeadDrafter):
@@ -112,25 +151,19 @@ class OracleDrafter(HeadDrafter):
     def __init__(self, head: TextHeadDraft, prompt: list[int], reference: list[int], right_second: bool = False):
         super().__init__(head)
         self.prompt, self.reference, self.right_second = prompt, reference, right_second
-        self.last: HeadSession | None = None
+        self.last: HeadTrees | None = None
 
-    def session(self, prompt):
-        session = super().session(prompt)
-        read = session.read
+    def batch(self, prompts):
+        trees = OracleTrees(self.head, self.config, self.cost)
+        trees.oracle = self
+        self.last = trees
+        return trees
 
-        def propose(text: list[int], max_depth: int) -> DraftTree:
-            read(text)
-            done = len(text) - len(self.prompt)
-            right = self.reference[done:done + min(3, max_depth)]
-            pairs = [((token + 1) % 49152, token) if self.right_second else (token, (token + 1) % 49152)
-                     for token in right]
-            parents = [-1, -1][:2 * len(right)] + [2 * (i - 1) + self.right_second
-                                                    for i in range(1, len(right)) for _ in range(2)]
-            return DraftTree([token for pair in pairs for token in pair], parents)
 
-        session.propose = propose  # type: ignore[method-assign]
-        self.last = session
-        return session
+def cached(trees: HeadTrees) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A finished batch of one's head cache (:class:`KeptTrees`)."""
+    assert isinstance(trees, KeptTrees)
+    return trees.final
 
 
 def teacher_cache(model, head: TextHeadDraft, text: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,11 +534,11 @@ def test_greedy_with_a_head_is_greedy_decoding(which, runs, lm, greedy, smollm2_
     for prompt, reference in zip(prompts, references):
         generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter)
         assert generation.tokens == reference
-        session = drafter.sessions[-1]
+        own_keys, own_values, length = cached(drafter.batches[-1])
         keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
-        assert session.cache is not None and len(prompt) <= session.length <= keys.shape[2]
-        torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=tolerance, atol=tolerance)
-        torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=tolerance, atol=tolerance)
+        assert len(prompt) <= length <= keys.shape[2] and own_keys.shape[2] == length
+        torch.testing.assert_close(own_keys, keys[:, :, :length], rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(own_values, values[:, :, :length], rtol=tolerance, atol=tolerance)
     allowed = set(bound.ids.tolist())
     assert sum(map(len, drafter.trees)) > 0
     for tree in drafter.trees:
@@ -582,19 +615,33 @@ def test_accepted_drafts_keep_the_head_cache_in_step(lm, greedy) -> None:
     drafter = OracleDrafter(bound, prompt=prompt, reference=reference)
     generation = speculative_generate(model, prompt, MAX_NEW, eos, drafter)
     assert generation.tokens == reference and generation.calls < MAX_NEW // 2
-    session = drafter.last
-    assert session is not None and session.cache is not None
+    assert drafter.last is not None
+    own_keys, own_values, length = cached(drafter.last)
     keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
-    torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(own_keys, keys[:, :, :length], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(own_values, values[:, :, :length], rtol=1e-4, atol=1e-4)
 
 
 def test_select_keeps_the_most_probable_nodes_as_a_tree() -> None:
     # candidates: two roots, their children, a grandchild; scores never above the parent's
     scores = torch.tensor([-0.1, -0.5, -0.3, -0.1, -2.0, -0.2])
     parents = torch.tensor([-1, -1, 0, 0, 1, 3])
-    tree = select(scores, torch.arange(10, 16), parents, 4)
+    tree = chosen(scores, torch.arange(10, 16), parents, 4)
     assert tree.tokens == [10, 13, 15, 12] and tree.parents == [-1, 0, 1, 0]
+    # a batch: each row its own tree, a row with fewer candidates (-inf) filled after its own
+    levels = torch.tensor([[1, 1, 2, 2, 2, 3], [1, 1, 2, 2, 2, 3]])
+    tokens, ups, sizes, depths = select(torch.stack((scores, scores.masked_fill(torch.arange(6) > 1, -torch.inf))),
+                                        torch.arange(10, 16).expand(2, -1), parents.expand(2, -1), levels, 4)
+    assert tokens.tolist() == [[10, 13, 15, 12], [10, 11, 0, 0]] and ups.tolist() == [[-1, 0, 1, 0], [-1, -1, -1, -1]]
+    assert sizes.tolist() == [4, 2] and depths.tolist() == [3, 1]
+
+
+def chosen(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, nodes: int,
+           cost: CallCost | None = None) -> DraftTree:
+    """:func:`select` of one row's candidates (all on level 1: levels do not change the choice)."""
+    picked, ups, sizes, _ = select(scores[None], tokens[None], parents[None], torch.ones_like(tokens)[None], nodes,
+                                   cost)
+    return DraftTree(picked[0, :int(sizes[0])].tolist(), ups[0, :int(sizes[0])].tolist())
 
 
 def test_node_budget_maximises_expected_tokens_per_second() -> None:
@@ -613,9 +660,9 @@ def test_node_budget_maximises_expected_tokens_per_second() -> None:
     assert node_budget(ranked, CallCost(0.001, 0.01)) == 1  # nodes dearer than the call itself
     scores = torch.tensor([-0.1, -0.5, -0.3, -0.1, -2.0, -0.2])
     parents = torch.tensor([-1, -1, 0, 0, 1, 3])
-    whole = select(scores, torch.arange(10, 16), parents, 6)
+    whole = chosen(scores, torch.arange(10, 16), parents, 6)
     for cost in (CallCost(0.05, 0.001), CallCost(0.01, 0.004), CallCost(0.001, 0.01)):
-        sized = select(scores, torch.arange(10, 16), parents, 6, cost)
+        sized = chosen(scores, torch.arange(10, 16), parents, 6, cost)
         n = node_budget(torch.sort(scores, descending=True).values, cost)
         assert sized.tokens == whole.tokens[:n] and sized.parents == whole.parents[:n]
 
@@ -634,9 +681,9 @@ def test_padded_calls_verify_their_free_nodes() -> None:
         fixed = float(torch.rand(1, generator=generator)) * 0.1
         plain = CallCost(fixed, float(torch.rand(1, generator=generator)) * 0.005)
         padded = replace(plain, padded=True)
-        whole = select(scores, torch.arange(count), parents, 15)
-        budget = len(select(scores, torch.arange(count), parents, 15, plain).tokens)
-        filled = select(scores, torch.arange(count), parents, 15, padded)
+        whole = chosen(scores, torch.arange(count), parents, 15)
+        budget = len(chosen(scores, torch.arange(count), parents, 15, plain).tokens)
+        filled = chosen(scores, torch.arange(count), parents, 15, padded)
         expected = min(15, count) if 9 <= budget <= 14 else budget
         assert len(filled.tokens) == expected
         assert filled.tokens == whole.tokens[:expected] and filled.parents == whole.parents[:expected]
@@ -674,15 +721,15 @@ def test_pruned_growth_is_full_growth(runs, lm, greedy, smollm2_dir) -> None:
             with torch.inference_mode():
                 features = model(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states[-1][0]
                 for cut in range(len(prompt), len(text), 2):
-                    session = HeadSession(bound, replace(config, prune=False), cost)
-                    session.observe(features[:cut], 0)
+                    grown = HeadTrees(bound, replace(config, prune=False), cost)
+                    grown.start(left_pad([torch.tensor(text[:cut])], 0, features.device), features[None, :cut])
                     counting = True
-                    guessed = session.read(text[:cut + 1])
-                    full = session.grow(guessed, config.depth)
+                    grown.catch_up([text[:cut + 1]])
+                    full = grown.trees([config.depth])
                     counting = False
-                    session.config = config
-                    pruned = session.grow(guessed, config.depth)
-                    assert pruned.tokens == full.tokens and pruned.parents == full.parents
+                    grown.config = config
+                    pruned = grown.trees([config.depth])
+                    assert all(torch.equal(a, b) for a, b in zip(pruned, full))
                     trees += 1
     assert trees >= 90
     assert calls[False] < calls[True] - trees  # the full growth's count includes each read
@@ -701,10 +748,26 @@ def test_gated_hybrid_reads_skipped_rounds_later(runs, lm, greedy, smollm2_dir) 
     for prompt, reference in zip(prompts, references):
         generation = speculative_generate(model, prompt, MAX_NEW, eos, hybrid)
         assert generation.tokens == reference
-        session = head.sessions[-1]
+        own_keys, own_values, length = cached(head.batches[-1])
         keys, values = teacher_cache(model, bound, prompt + generation.tokens[:-1])
-        torch.testing.assert_close(session.cache[0], keys[:, :, :session.length], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(session.cache[1], values[:, :, :session.length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(own_keys, keys[:, :, :length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(own_values, values[:, :, :length], rtol=1e-4, atol=1e-4)
         calls += generation.calls - 1
     proposals = len(head.trees)
     assert 0 < proposals < calls
+
+
+def test_a_batch_of_head_and_hybrid_trees_is_each_request_alone(runs, lm, greedy, smollm2_dir) -> None:
+    """Four requests decoded together, the head drafting every row's tree in the same calls (cost-
+    sized and pruned; beside retrieval, gated), write each request's greedy text with the calls,
+    accepted and drafted nodes of that request decoded alone."""
+    model, _, eos = lm
+    prompts, references = greedy
+    bound = TextHeadDraft(load_text_head(runs[0], smollm2_dir).eval(), model)
+    head = HeadDrafter(bound, HeadTreeConfig(width=3, depth=4, nodes=10), CallCost(0.05, 0.002))
+    for drafter in (head, HybridDrafter(RetrievalDrafter(None, RetrievalConfig()), head)):
+        alone = [speculative_generate(model, prompt, MAX_NEW, eos, drafter) for prompt in prompts]
+        together = generate_texts(model, prompts, MAX_NEW, eos, drafter.batch(prompts))
+        assert [g.tokens for g in together] == [g.tokens for g in alone] == references
+        assert [(g.calls, g.accepted, g.drafted) for g in together] == [(g.calls, g.accepted, g.drafted) for g in alone]
+        assert sum(g.accepted for g in together) > 0

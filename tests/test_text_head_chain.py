@@ -167,11 +167,13 @@ class Recording(HeadChainDraft):
         self.final: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def select(self, rows: torch.Tensor) -> None:
-        layer, kept = self.chain.cache.layers[0], set(rows.tolist())
+        cached = self.cache.text
+        assert cached is not None
+        layer, kept = cached.cache.layers[0], set(rows.tolist())
         for i, row in enumerate(self.rows):
             if i not in kept:
-                seen = self.chain.visible[i]
-                assert int(seen.sum()) == int(self.chain.count[i])
+                seen = cached.visible[i]
+                assert int(seen.sum()) == int(cached.count[i])
                 self.final[row] = layer.keys[i][:, seen], layer.values[i][:, seen]
         self.rows = [self.rows[i] for i in rows.tolist()]
         super().select(rows)

@@ -18,7 +18,7 @@ from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.decoding.acceptance import SampledAcceptance, chosen_accept
 from recspec.decoding.text_rounds import generate_texts, speculative_generate
-from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig
+from recspec.decoding.head_trees import HeadDrafter, HeadTreeConfig
 from recspec.knowledge.job import KnowledgeConfig
 from recspec.knowledge.sampled import sample_texts
 from recspec.knowledge.verify import Verification
@@ -113,7 +113,7 @@ def test_tree_sampling_in_a_batch_draws_each_prompts_own_text(lm, ml100k) -> Non
     head = TextHeadDraft(new_text_head(model, torch.arange(4096), seed=3).eval(), model)
     drafter = HeadDrafter(head, HeadTreeConfig(width=3, depth=4, nodes=10))
     alone = sample_texts(model, prompts, MAX_NEW, eos, Warp(1.0), seed=5, drafter=drafter)
-    batched = generate_texts(model, prompts, MAX_NEW, eos, [drafter.session(prompt) for prompt in prompts],
+    batched = generate_texts(model, prompts, MAX_NEW, eos, drafter.batch(prompts),
                              SampledAcceptance(Warp(1.0)), torch.Generator().manual_seed(5))
     assert [g.tokens for g in batched] == [g.tokens for g in alone]
     assert [(g.calls, g.drafted) for g in batched] == [(g.calls, g.drafted) for g in alone]

@@ -45,13 +45,13 @@ from recspec.bench.report import markdown_table, reuse_freed_memory, write_resul
 from recspec.decoding.acceptance import expected_speedup, expected_tokens_per_call
 from recspec.decoding.cache import drop_tail
 from recspec.decoding.cost import median_seconds
+from recspec.decoding.head_trees import HeadDrafter
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.text import (BEAM_SAMPLE, DSBD, SAMPLE, SPEC_SAMPLE, TOPK_IMP, Generated, TextOptions, generate,
                                    log_likelihood)
 from recspec.decoding.warp import Warp
 from recspec.errors import RecspecError
 from recspec.eval.metrics import recall_ndcg
-from recspec.knowledge.head_draft import HeadDrafter
 from recspec.knowledge.sampled import generate_tree, tree_drafter
 from recspec.hub import load_tokenizer, resolve_model_dir, with_cache
 from recspec.models.hf import load_causal_lm

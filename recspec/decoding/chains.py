@@ -23,21 +23,16 @@ EAGLE):
   drafts; None unless ``wants_features``);
 * ``select(rows)``: keep the rows ``rows`` (int64 index).
 
-**A head's chain.** Input ``t`` of a text head (:mod:`recspec.models.text_head`) is the target's
-feature ``f_t`` with the next token ``x_{t+1}``, at position ``t``; its output guesses ``f_{t+1}``,
-whose log-probs over the draft vocabulary give ``x_{t+2}``. With a row's text ``x_0 .. x_{L-1}``
-the target's chain holds all but ``x_{L-1}``, so its features ``f_0 .. f_{L-2}`` are known, and
-the head's cache (a :class:`~recspec.decoding.text_cache.TextCache` over a one-layer ``DynamicCache``)
-holds exactly the inputs ``0 .. L - 2`` with those true features; ``guessed`` is its output at the
-last one (the guess of ``f_{L-1}``), whose log-probs are the draft's ``q`` of ``x_L``. A round:
+**A head's chain.** A text head's cache (:class:`~recspec.decoding.head_cache.HeadCache`) holds
+the true inputs of each row's text but its last token, and its output at the last of them gives
+the draft's ``q`` of the round's first token. A round:
 
-* drafts ``x_L`` from ``guessed``, then each further token from the head fed its own guess and the
-  token just drafted at the next position (EAGLE's drafting in feature space): ``gamma - 1`` head
-  calls over one input per row;
-* at the verdict, drops those drafted inputs and feeds the target's features at the positions it
+* drafts that token, then each further token from the head fed its own guess and the token just
+  drafted at the next position (EAGLE's drafting in feature space): ``gamma - 1`` head calls over
+  one input per row;
+* at the verdict, drops those drafted inputs and reads the target's features at the positions it
   fed this round, each with the text token after it (the accepted drafts, then the emitted
-  token), in one head call, keeping the first ``accepted + 1`` per row: the cache again holds the
-  true inputs only, and ``guessed`` is the output at the last of them.
+  token), in one head call, keeping the first ``accepted + 1`` per row.
 
 So a round costs ``gamma`` head calls, as a draft LM's costs ``gamma`` calls. ``q`` is the head's
 distribution over its draft vocabulary, zero (log-probability ``-inf``) on every other token of
@@ -77,13 +72,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
 from recspec.decoding.acceptance import verify_chain
 from recspec.decoding.categorical import categorical
+from recspec.decoding.head_cache import HeadCache
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.rounds import SpecStats
-from recspec.decoding.scorer import next_log_probs, prompt_rows
+from recspec.decoding.scorer import next_log_probs
 from recspec.decoding.text_cache import TextCache
 from recspec.decoding.text_rounds import Draft, Scorer
 from recspec.decoding.warp import Warp
@@ -135,12 +130,11 @@ class ModelChainDraft:
 
 @dataclass
 class HeadChainDraft:
-    """A text head bound to the target (see the module doc): its chain over the true inputs and
-    ``guessed`` ``[B, H]``, its output at each row's newest input."""
+    """A text head bound to the target, drafting from its :class:`~recspec.decoding.head_cache.
+    HeadCache` (see the module doc)."""
 
     head: TextHeadDraft
-    chain: TextCache = field(init=False)
-    guessed: torch.Tensor = field(init=False)
+    cache: HeadCache = field(init=False)
     wants_features = True
 
     @property
@@ -151,45 +145,32 @@ class HeadChainDraft:
         """Read every prompt's inputs: the target's features at its columns but the last, each with
         the prompt's next token, in one head call."""
         assert features is not None, "a head drafts from the target's features"
+        self.cache = HeadCache(self.head, drop_hidden=True)
         columns = features.shape[1]
-        real = prompts.attention_mask[:, :columns]
-        guessed, keys, values = self.head.step(self.head.read(features), prompts.input_ids[:, 1:],
-                                               prompts.position_ids[:, :columns], prompt_rows(real))
-        self.chain = TextCache(DynamicCache(ddp_cache_data=[(keys, values)]), real.bool(), prompts.lengths - 1,
-                               drop_hidden=True)
-        self.guessed = guessed[:, -1]
+        self.cache.read(features, prompts.input_ids[:, 1:], prompts.attention_mask[:, :columns].bool())
 
     def log_q_first(self, tail: torch.Tensor) -> torch.Tensor:
         return self.log_q()
 
     def log_q_after(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.guessed = self.feed(self.guessed[:, None], tokens)[:, -1]
+        assert self.cache.guessed is not None
+        self.cache.guessed = self.cache.feed_chain(self.cache.guessed[:, None], tokens)[:, -1]
         return self.log_q()
 
     def keep(self, accepted: torch.Tensor, emitted: torch.Tensor, features: torch.Tensor | None) -> None:
         assert features is not None, "a head drafts from the target's features"
-        self.chain.keep_first(torch.zeros_like(accepted))  # the drafted inputs leave
-        guessed = self.feed(self.head.read(features), emitted)
-        self.chain.keep_first(accepted + 1)
-        self.guessed = guessed.gather(1, accepted[:, None, None].expand(-1, 1, guessed.shape[2]))[:, 0]
+        self.cache.drop_drafts()
+        self.cache.read(features, emitted, torch.arange(emitted.shape[1], device=emitted.device)[None, :]
+                        <= accepted[:, None])
 
     def select(self, rows: torch.Tensor) -> None:
-        self.chain.select(rows)
-        self.guessed = self.guessed[rows]
-
-    def feed(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed ``n`` inputs per row after its cached ones: ``features`` ``[B, n, H]`` with the next
-        ``tokens`` (int64 ``[B, n]``); returns the head's guesses ``[B, n, H]``."""
-        visible, positions = self.chain.extend(tokens.shape[1])
-        layer = self.chain.cache.layers[0]
-        guessed, keys, values = self.head.step(features, tokens, positions, visible, (layer.keys, layer.values))
-        layer.update(keys, values)
-        return guessed
+        self.cache.select(rows)
 
     def log_q(self) -> torch.Tensor:
-        """The draft's log-probs at ``guessed`` over the target's vocabulary, float32 ``[B, V]``:
-        ``-inf`` outside the head's draft vocabulary."""
-        return self.head.vocabulary_log_probs(self.guessed)
+        """The draft's log-probs at the head's newest guess over the target's vocabulary, float32
+        ``[B, V]``: ``-inf`` outside the head's draft vocabulary."""
+        assert self.cache.guessed is not None
+        return self.head.vocabulary_log_probs(self.cache.guessed)
 
 
 def chain_draft(draft) -> ModelChainDraft | HeadChainDraft:

@@ -31,8 +31,8 @@ A batch of one runs the very computation of a single request: no padding, every 
 visible.
 
 Every step is a Python iteration over decoding rounds (and, for drafters made of per-request
-sessions, over the rows' sessions: tries, a head's cache); tree masks, positions, verification and
-cache compaction are tensor operations over the whole batch.
+sessions, over the rows' sessions: retrieval's tries); a head's drafting, tree masks, positions,
+verification and cache compaction are tensor operations over the whole batch.
 """
 
 from __future__ import annotations
@@ -114,28 +114,12 @@ class Generation:
 
 
 class TextSession:
-    """One request's drafting state (drafted with as :class:`Sessions`): :meth:`propose` drafts a tree after
-    the request's text; a session that reads the target's features (``wants_features``: a text
-    head's, :mod:`recspec.knowledge.head_draft`) learns from what was accepted through
-    :meth:`observe`, which receives the target's features at the positions each call keeps,
-    before the next :meth:`propose`. Sessions that need nothing back keep the defaults."""
-
-    wants_features = False
+    """One request's drafting state, drafted with as :class:`Sessions`: :meth:`propose` drafts a
+    tree after the request's text."""
 
     def propose(self, text: list[int], max_depth: int) -> DraftTree:
         """A draft tree, at most ``max_depth`` deep, after ``text`` (prompt and generated tokens)."""
         raise NotImplementedError
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target's decoder layers whose outputs the features carry before its top feature
-        (:func:`~recspec.models.text_head.layer_features`; empty: the top feature alone)."""
-        return ()
-
-    def observe(self, features: torch.Tensor, start: int) -> None:
-        """The target's features ``[n, H * (len(feature_layers) + 1)]`` at text positions ``start ..
-        start + n - 1``: the prompt after the prefill, the root and the accepted path after every
-        round (only where ``wants_features``)."""
 
 
 def finish_text(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -197,7 +181,8 @@ Scorer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 class TextDrafter(Protocol):
     """The text loop's drafter, over the whole batch: :meth:`start` after the target's prefill
     (``features``: the target's at the prefilled columns ``[B, P - lag, H]``, None unless
-    ``wants_features``; ``feature_layers`` as :attr:`TextSession.feature_layers`); :meth:`propose`
+    ``wants_features``; ``feature_layers``: the target's decoder layers whose outputs the features
+    carry before its top feature, :func:`~recspec.models.text_head.layer_features`); :meth:`propose`
     a :class:`Draft` after each row's ``texts`` (prompt and generated tokens; ``budgets``: the
     deepest branch worth drafting per row; ``score``: see :data:`Scorer`); :meth:`learn` what was
     accepted (``path`` bool ``[B, N]``, ``own`` int64 ``[B]`` the target's token after it, the
@@ -223,38 +208,34 @@ class TextDrafter(Protocol):
 
 
 class Sessions:
-    """A :class:`TextDrafter` made of one :class:`TextSession` per request (LASER, ReSD, a head's
-    trees, hybrid): each row's session drafts its tree in Python, the loop scores them together."""
+    """A :class:`TextDrafter` made of one :class:`TextSession` per request (LASER's and ReSD's
+    retrieval): each row's session drafts its tree in Python, the loop scores them together."""
 
     lag = 0
     drop_hidden = False
+    wants_features = False
+    feature_layers = ()
 
     def __init__(self, sessions: Sequence[TextSession]) -> None:
         self.sessions = list(sessions)
-        self.wants_features = any(session.wants_features for session in self.sessions)
-        self.feature_layers = next((session.feature_layers for session in self.sessions if session.wants_features),
-                                   ())
         self.device = torch.device("cpu")
 
     def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
-        self.device, width = prompts.input_ids.device, prompts.input_ids.shape[1]
-        if features is not None:
-            for row, session in enumerate(self.sessions):
-                if session.wants_features:
-                    session.observe(features[row, width - int(prompts.lengths[row]):], 0)
+        self.device = prompts.input_ids.device
 
     def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft:
-        drafts = [session.propose(text, budget) for session, text, budget in zip(self.sessions, texts, budgets)]
-        tokens, parents = tree_block([text[-1] for text in texts], drafts, self.device)
-        return Draft(tokens, parents, torch.tensor([len(draft) for draft in drafts]),
-                     torch.tensor([draft.longest_branch() for draft in drafts]))
+        return self.draft(texts, [session.propose(text, budget)
+                                  for session, text, budget in zip(self.sessions, texts, budgets)])
+
+    def draft(self, texts: list[list[int]], trees: list[DraftTree]) -> Draft:
+        """The round's :class:`Draft` of each row's tree ``trees`` after its text ``texts``."""
+        tokens, parents = tree_block([text[-1] for text in texts], trees, self.device)
+        return Draft(tokens, parents, torch.tensor([len(tree) for tree in trees]),
+                     torch.tensor([tree.longest_branch() for tree in trees]))
 
     def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
               start: torch.Tensor) -> None:
-        if features is not None:
-            for row, session in enumerate(self.sessions):
-                if session.wants_features:  # path order: parents precede children
-                    session.observe(features[row, path[row].nonzero()[:, 0]], int(start[row]))
+        """Sessions read nothing back: each grows its own state from the text it is given."""
 
     def select(self, rows: torch.Tensor) -> None:
         self.sessions = [self.sessions[row] for row in rows.tolist()]
@@ -429,17 +410,16 @@ def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     return ledger.generations(prompts, prefill_s, (time.perf_counter() - started) / size)
 
 
-class SessionDrafter(Protocol):
-    """What drafts a request: a :class:`TextSession` per prompt (token ids)."""
+class BatchDrafter(Protocol):
+    """What drafts for a batch of prompts (token ids): a :class:`TextDrafter` per batch."""
 
-    def session(self, prompt: Sequence[int]) -> TextSession: ...
+    def batch(self, prompts: Sequence[Sequence[int]]) -> TextDrafter: ...
 
 
 def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos: frozenset[int],
-                         drafter: SessionDrafter | None = None, acceptance: TreeAcceptance = GreedyAcceptance(),
+                         drafter: BatchDrafter | None = None, acceptance: TreeAcceptance = GreedyAcceptance(),
                          generator: torch.Generator | None = None) -> Generation:
-    """:func:`generate_texts` of one request, drafted by a session of ``drafter`` (None: plain
-    decoding)."""
+    """:func:`generate_texts` of one request, drafted by ``drafter`` (None: plain decoding)."""
     check_prompt(prompt, max_new_tokens)
-    sessions = None if drafter is None else [drafter.session(prompt)]
-    return generate_texts(model, [prompt], max_new_tokens, eos, sessions, acceptance, generator)[0]
+    batch = None if drafter is None else drafter.batch([prompt])
+    return generate_texts(model, [prompt], max_new_tokens, eos, batch, acceptance, generator)[0]

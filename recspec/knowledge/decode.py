@@ -1,7 +1,8 @@
 """Knowledge generation's own wiring: LASER's retrieval drafter (:class:`RetrievalDrafter`: a
 permanent pool trie plus the request's temporary branches, one :class:`DraftSession` per request)
 for the text round loop (:mod:`recspec.decoding.text_rounds`, where plain greedy decoding, plain
-sampling and every drafted method run), and the transformers baselines.
+sampling and every drafted method run), retrieval and a text head's trees in one tree per round
+(:class:`HybridDrafter`), and the transformers baselines.
 
 Each round the session grows its temporary branches by the text added since the last round and
 retrieves a draft tree (:func:`~recspec.knowledge.retrieval.retrieve`); the loop scores it in one
@@ -18,8 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from recspec.decoding.prompts import left_pad
-from recspec.decoding.text_rounds import DraftTree, Generation, TextSession, check_prompt
+from recspec.decoding.head_trees import HeadDrafter, HeadTrees
+from recspec.decoding.prompts import Prompts, left_pad
+from recspec.decoding.text_rounds import Draft, DraftTree, Generation, Scorer, Sessions, TextSession, check_prompt
 from recspec.errors import RecspecError
 from recspec.hub import eos_token_ids
 from recspec.knowledge.retrieval import RetrievalConfig, retrieve
@@ -42,6 +44,9 @@ class RetrievalDrafter:
     def session(self, prompt: Sequence[int]) -> DraftSession:
         return DraftSession(self, prompt)
 
+    def batch(self, prompts: Sequence[Sequence[int]]) -> Sessions:
+        return Sessions([self.session(prompt) for prompt in prompts])
+
 
 class DraftSession(TextSession):
     """One request's drafting state: the temporary trie (dropped with the session)."""
@@ -58,6 +63,75 @@ class DraftSession(TextSession):
         self.temporary.extend(text, self.known)
         self.known = len(text)
         return retrieve(self.tries, text, self.config, max_depth)
+
+
+def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:
+    """The union of two draft trees after the same text: ``first``'s nodes in its order, then the
+    nodes of ``second`` whose path ``first`` lacks (their parents renumbered); a path in both is
+    kept once. Parents still precede their children."""
+    index: dict[tuple[int, int], int] = {(parent, token): i for i, (token, parent)
+                                         in enumerate(zip(first.tokens, first.parents))}
+    tokens, parents = list(first.tokens), list(first.parents)
+    where: list[int] = []  # second's node -> merged node
+    for token, parent in zip(second.tokens, second.parents):  # a tree of at most a few dozen nodes
+        key = (where[parent] if parent >= 0 else -1, token)
+        if key not in index:
+            index[key] = len(tokens)
+            tokens.append(token)
+            parents.append(key[0])
+        where.append(index[key])
+    return DraftTree(tokens, parents)
+
+
+class HybridDrafter:
+    """Retrieval drafting (``retrieval``) and a text head (``head``) in one tree per round
+    (:class:`HybridTrees`)."""
+
+    def __init__(self, retrieval: RetrievalDrafter, head: HeadDrafter) -> None:
+        self.retrieval, self.head = retrieval, head
+
+    def batch(self, prompts: Sequence[Sequence[int]]) -> HybridTrees:
+        return HybridTrees(self.retrieval.batch(prompts), self.head.batch(prompts))
+
+
+class HybridTrees:
+    """A batch's retrieval sessions and a head's trees side by side, a
+    :class:`~recspec.decoding.text_rounds.TextDrafter`: the head keeps the target's features every
+    round; retrieval proposes, and the head too for the rows whose retrieved tree is less than its
+    ``gate`` deep (every row without one), their trees merged. The head reads what it kept only
+    in the rounds it drafts (every row's, in one call), and drafts for those rows only."""
+
+    lag = 0
+    drop_hidden = False
+    wants_features = True
+
+    def __init__(self, retrieval: Sessions, head: HeadTrees) -> None:
+        self.retrieval, self.head = retrieval, head
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
+
+    def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
+        self.retrieval.start(prompts, features)
+        self.head.start(prompts, features)
+
+    def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft:
+        trees = [session.propose(text, budget) for session, text, budget in zip(self.retrieval.sessions, texts, budgets)]
+        gate = self.head.config.gate
+        wanted = [gate is None or tree.longest_branch() < gate for tree in trees]
+        if any(wanted):
+            drafted = self.head.trees_for(texts, budgets, wanted)
+            trees = [tree if own is None else merge_trees(tree, own) for tree, own in zip(trees, drafted)]
+        return self.retrieval.draft(texts, trees)
+
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
+              start: torch.Tensor) -> None:
+        self.head.learn(draft, path, own, features, start)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.retrieval.select(rows)
+        self.head.select(rows)
 
 
 @torch.inference_mode()

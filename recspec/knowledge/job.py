@@ -11,7 +11,7 @@ Methods:
 
 * ``ar``: recspec's plain greedy loop (:func:`~recspec.decoding.text_rounds.generate_texts`
   without drafts); with ``draft`` (a text head, ``recspec distill --head``) greedy speculative
-  decoding drafted by the head's trees (:mod:`recspec.knowledge.head_draft`), the same text;
+  decoding drafted by the head's trees (:mod:`recspec.decoding.head_trees`), the same text;
 * ``hf``: transformers ``generate``, greedy, a left-padded batch of requests per call;
 * ``prompt-lookup``: transformers prompt lookup decoding (``prompt_lookup_num_tokens``), greedy;
 * ``resd``: REST-style retrieval drafting from one global pool of earlier knowledge (plus the
@@ -25,7 +25,7 @@ old-part pools). Each batch is persisted in one transaction, so a crash loses at
 flight, and a batch drafts from the pools as they stand when it starts.
 
 ``resd`` and ``laser`` with ``draft`` draft hybrid trees: the retrieved continuations and the
-head's branches in one tree per step (:class:`~recspec.knowledge.head_draft.HybridDrafter`).
+head's branches in one tree per step (:class:`~recspec.knowledge.decode.HybridTrees`).
 
 Earlier knowledge (the pools) is the old-part store of the same side, model, prompt version and
 split, passed as ``pool``. Generating the old part itself with ``resd`` or ``laser`` and no
@@ -47,12 +47,13 @@ from tqdm.auto import tqdm
 
 from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.data import load_dataset
+from recspec.calibration import sized_round_cost
 from recspec.decoding.cost import CallCost
+from recspec.decoding.head_trees import HeadDrafter, HeadTreeConfig
 from recspec.decoding.registry import KNOWLEDGE, Decoder, decoder as registered, names, register
-from recspec.decoding.text_rounds import Generation, SessionDrafter, generate_texts
+from recspec.decoding.text_rounds import Generation, Sessions, TextDrafter, generate_texts
 from recspec.errors import RecspecError
-from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
-from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, HybridDrafter, sized_round_cost
+from recspec.knowledge.decode import HybridTrees, RetrievalDrafter, eos_ids, hf_generate
 from recspec.knowledge.pools import PoolSet
 from recspec.knowledge.prompts import PROMPT_VERSION, item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import MAX_DEPTH, MAX_NODES, RetrievalConfig
@@ -236,7 +237,7 @@ class KnowledgeTask:
 
     def head_drafter(self, config: KnowledgeConfig) -> HeadDrafter:
         """The drafter of ``config``'s text head; its trees sized from the cost model of a round
-        (:func:`~recspec.knowledge.head_draft.sized_round_cost`) when the tree is ``sized`` and
+        (:func:`~recspec.calibration.sized_round_cost`) when the tree is ``sized`` and
         verification greedy."""
         assert config.draft is not None
         head, tree = self.head(config.draft, config.head_int8), config.head_tree
@@ -294,16 +295,15 @@ def _text_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet
     if config.method in DRAFTING and pools is None:
         raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
 
-    def drafter(entity: int) -> SessionDrafter | None:
+    def drafter(entities: list[int], prompts: list[list[int]]) -> TextDrafter | None:
         if pools is None:
-            return head
-        retrieval = RetrievalDrafter(pools.trie_for(entity), config.retrieval)
-        return retrieval if head is None else HybridDrafter(retrieval, head)
+            return None if head is None else head.batch(prompts)
+        retrieval = Sessions([RetrievalDrafter(pools.trie_for(entity), config.retrieval).session(prompt)
+                              for entity, prompt in zip(entities, prompts)])
+        return retrieval if head is None else HybridTrees(retrieval, head.batch(prompts))
 
     def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
-        drafters = [drafter(entity) for entity in entities]
-        sessions = None if drafters[0] is None else [d.session(p) for d, p in zip(drafters, prompts)]
-        return generate_texts(model, prompts, budget, eos, sessions, rule)
+        return generate_texts(model, prompts, budget, eos, drafter(entities, prompts), rule)
 
     return generate
 

@@ -2,7 +2,7 @@
 spec-sample --tree``).
 
 The prompts are decoded in batches by :func:`~recspec.decoding.text_rounds.generate_texts` with the
-head's EAGLE-2 trees (:class:`~recspec.knowledge.head_draft.HeadDrafter`, each round's tree sized
+head's EAGLE-2 trees (:class:`~recspec.decoding.head_trees.HeadDrafter`, each round's tree sized
 by the measured cost model, :func:`tree_drafter`) and sampling verification
 (:class:`~recspec.decoding.acceptance.SampledAcceptance`: the target's own draw at every node, from one uniform per text
 position). A level is accepted with the target's probability of the drafted siblings (not
@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from recspec.calibration import sized_round_cost
 from recspec.decoding.acceptance import SampledAcceptance
+from recspec.decoding.head_trees import HeadDrafter, HeadTreeConfig
 from recspec.decoding.text import Generated, TextOptions
 from recspec.decoding.text_rounds import Generation, generate_texts
 from recspec.decoding.warp import Warp
-from recspec.knowledge.head_draft import HeadDrafter, HeadTreeConfig, sized_round_cost
 from recspec.models.text_head import TextHeadDraft
 
 
@@ -47,8 +48,8 @@ def sample_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, e
     generations: list[Generation] = []
     for start in range(0, len(prompts), batch_size):
         part = prompts[start:start + batch_size]
-        sessions = None if drafter is None else [drafter.session(prompt) for prompt in part]
-        generations += generate_texts(model, part, max_new_tokens, eos, sessions, acceptance, generator)
+        batch = None if drafter is None else drafter.batch(part)
+        generations += generate_texts(model, part, max_new_tokens, eos, batch, acceptance, generator)
     return generations
 
 

@@ -13,6 +13,10 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+#: The environment variable that holds the service's API key (``recspec serve --api-key``'s, and
+#: :func:`~recspec.serve.app.from_environment`'s).
+KEY_VARIABLE = "RECSPEC_API_KEY"
+
 #: Paths answered without a key: what probes and scrapers call, which carry no user data.
 OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics"})
 #: The header value a request must carry is ``Bearer KEY``; this scheme, in any case.
@@ -58,5 +62,5 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The one-line warning for serving on ``host`` without a key beyond this machine (None if not)."""
     if api_key or loopback(host):
         return None
-    return (f"warning: --host {host} serves beyond this machine and no --api-key (or RECSPEC_API_KEY) is set: "
+    return (f"warning: --host {host} serves beyond this machine and no --api-key (or {KEY_VARIABLE}) is set: "
             f"anyone who can reach it may use it")

@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException
 from recspec.errors import RecspecError
 from recspec.models.checkpoint import weights_fingerprint
 from recspec.models.tokenizer import index_fingerprint
-from recspec.serve.access import RequireKey
+from recspec.serve.access import KEY_VARIABLE, RequireKey
 from recspec.serve.batcher import DynamicBatcher, Overloaded, Pending
 from recspec.serve.config import ServeConfig, load_service
 from recspec.serve.metrics import ServiceMetrics
@@ -59,9 +59,9 @@ from recspec.serve.worker import DecodeWorker, WorkerGone
 
 log = logging.getLogger("recspec.serve")
 
-#: The environment variables :func:`from_environment` reads: the config as JSON, and the API key
-#: (the variable ``recspec serve --api-key`` reads too).
-SETTINGS_VARIABLE, KEY_VARIABLE = "RECSPEC_SERVE_SETTINGS", "RECSPEC_API_KEY"
+#: The environment variable :func:`from_environment` reads the config from, as JSON (the API key:
+#: :data:`~recspec.serve.access.KEY_VARIABLE`).
+SETTINGS_VARIABLE = "RECSPEC_SERVE_SETTINGS"
 
 #: The message of a body that is not JSON the service can read.
 MALFORMED = "the body is not valid JSON; send one JSON object as UTF-8 text"
