@@ -135,7 +135,8 @@ class Load:
         log.append((outcome, time.perf_counter() - started, size))
 
     def client(self, connections: int) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                              keepalive_expiry=CLIENT_KEEPALIVE_S)
         return httpx.AsyncClient(base_url=self.url, timeout=120, limits=limits)
 
     async def closed(self, concurrency: int, requests: int, max_seconds: float) -> dict[str, Any]:
@@ -367,6 +368,10 @@ def _plot(path: Path, cells: list[dict]) -> None:
     save_figure(figure, path)
 
 
+#: Seconds a client keeps an idle connection: well under the server's keep-alive timeout (uvicorn's
+#: 5 s), so that no request is sent on a connection the server is closing at that moment (which
+#: ends in "server disconnected", a request lost that the server never saw).
+CLIENT_KEEPALIVE_S = 1.0
 #: The mix of a soak's requests, kind: share (module doc of :func:`run_soak`).
 SOAK_MIX = {"good": 0.70, "bad_json": 0.06, "unknown_items": 0.06, "huge_body": 0.06, "disconnect": 0.06,
             "deadline": 0.06}
