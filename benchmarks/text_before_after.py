@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, help="The old source tree (a checkout).")
+    parser.add_argument("--before", type=Path, required=True, help="The old source tree (a checkout).")
     parser.add_argument("--pool", type=Path, required=True, help="Old-part user store (LASER's pools).")
     parser.add_argument("--head", type=Path, help="A text head folder for SmolLM2 (adds the head's cases).")
     parser.add_argument("--case", action="append", default=[], help="Time only this case (repeatable; default all).")

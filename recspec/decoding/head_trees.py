@@ -59,7 +59,7 @@ import torch
 from recspec.decoding.cost import CallCost, median_seconds
 from recspec.decoding.head_cache import HeadCache
 from recspec.decoding.prompts import Prompts, left_pad
-from recspec.decoding.text_rounds import Draft, DraftTree, Scorer
+from recspec.decoding.text_rounds import Draft, DraftTree, Scorer, path_first
 from recspec.errors import RecspecError
 from recspec.models.text_head import TextHeadDraft
 
@@ -260,7 +260,7 @@ class HeadTrees:
         assert features is not None, "a head drafts from the target's features"
         kept = path.sum(dim=1)
         count = int(kept.max())
-        order = torch.sort((~path).to(torch.int8), dim=1, stable=True).indices[:, :count]  # each path first
+        order = path_first(path)[:, :count]
         new = features.gather(1, order[:, :, None].expand(-1, -1, features.shape[2]))
         real = torch.arange(count, device=path.device)[None, :] < kept[:, None]
         if self.pending is not None:

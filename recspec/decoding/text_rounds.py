@@ -224,8 +224,11 @@ class Sessions:
         self.device = prompts.input_ids.device
 
     def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft:
-        return self.draft(texts, [session.propose(text, budget)
-                                  for session, text, budget in zip(self.sessions, texts, budgets)])
+        return self.draft(texts, self.proposals(texts, budgets))
+
+    def proposals(self, texts: list[list[int]], budgets: list[int]) -> list[DraftTree]:
+        """Each row's session's tree after its text ``texts``, at most ``budgets`` deep."""
+        return [session.propose(text, budget) for session, text, budget in zip(self.sessions, texts, budgets)]
 
     def draft(self, texts: list[list[int]], trees: list[DraftTree]) -> Draft:
         """The round's :class:`Draft` of each row's tree ``trees`` after its text ``texts``."""
@@ -300,6 +303,12 @@ def plain_draft(roots: torch.Tensor) -> Draft:
     return Draft(roots, torch.full_like(roots, -1), none, none)
 
 
+def path_first(path: torch.Tensor) -> torch.Tensor:
+    """Each row's nodes with its accepted root path first, in node order (parents before
+    children), then the others: int64 ``[B, N]`` from ``path`` bool ``[B, N]``."""
+    return torch.sort((~path).to(torch.int8), dim=1, stable=True).indices
+
+
 @dataclass
 class Ledger:
     """Each request's text and counters while a batch decodes (what :class:`Generation` reports):
@@ -330,7 +339,7 @@ class Ledger:
         """Add a verified round to the requests ``rows`` (by batch row): each row's accepted path
         (``path`` bool ``[B, N]``, in node order) and the target's token after it (``mine`` int64
         ``[B]``); ``seconds``: each row's share of the drafting."""
-        order = torch.sort((~path).to(torch.int8), dim=1, stable=True).indices  # each path first, in order
+        order = path_first(path)
         kept, tokens = path.sum(dim=1).tolist(), draft.tokens.gather(1, order).tolist()
         for i, (request, token, nodes, depth) in enumerate(zip(rows, mine.tolist(), draft.sizes.tolist(),
                                                                draft.depths.tolist())):

@@ -117,7 +117,7 @@ class HybridTrees:
         self.head.start(prompts, features)
 
     def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft:
-        trees = [session.propose(text, budget) for session, text, budget in zip(self.retrieval.sessions, texts, budgets)]
+        trees = self.retrieval.proposals(texts, budgets)
         gate = self.head.config.gate
         wanted = [gate is None or tree.longest_branch() < gate for tree in trees]
         if any(wanted):
