@@ -258,14 +258,15 @@ KNOWLEDGE = _Group(
     max_new_tokens=(int, 128),
     groups=(int, 5, "k-means groups of the collaborative pools."),
     min_interactions=(int, 10, "Router: collaborative pool from this many interactions."),
-    draft_nodes=(int, 16, "Draft tree nodes (at most 64)."), draft_depth=(int, 12, "Draft tree depth (at most 12)."),
+    draft_nodes=(int, 16, "Draft tree nodes (at most 64; greedy: at most, as many as the cost model says pay)."),
+    draft_depth=(int, 12, "Draft tree depth (at most 12)."),
     max_suffix=(int, 4, "Longest context suffix matched in the pools."),
     head_width=(int, 4, "--draft: children per expanded node and nodes expanded per level."),
     head_depth=(int, 5, "--draft: levels of the head's tree."),
     head_nodes=(int, 15, "--draft: nodes of the head's tree (greedy: at most; each round verifies as many as the "
                          "cost model says pay)."),
-    fixed_tree=(bool, False, "--draft, greedy: always verify --head-nodes nodes instead of sizing each tree from the "
-                             "cost model."))
+    fixed_tree=(bool, False, "Greedy: always verify --draft-nodes (LASER, ReSD) or --head-nodes (--draft) nodes "
+                             "instead of sizing the trees from the cost model."))
 
 
 def _positive(**values: Optional[int]) -> None:
@@ -1274,7 +1275,8 @@ def _knowledge_config(side: str, part: str, method: str, verify: Optional[str], 
     from recspec.knowledge.verify import Verification
 
     verification = Verification(verify or ("relaxed" if method == LASER else "greedy"), k, p)
-    retrieval = RetrievalConfig(max_nodes=draft_nodes, max_depth=draft_depth, max_suffix=max_suffix)
+    retrieval = RetrievalConfig(max_nodes=draft_nodes, max_depth=draft_depth, max_suffix=max_suffix,
+                                sized=not fixed_tree)
     return KnowledgeConfig(side=side, part=part, method=method, verification=verification,
                            max_new_tokens=max_new_tokens, grouping=grouping, groups=groups,
                            min_interactions=min_interactions, retrieval=retrieval, max_history=max_history,

@@ -13,7 +13,7 @@ from recspec.accel import packed_attention, small_rows
 from recspec.accel.packed_attention import ATTENTION_VERSION
 from recspec.accel.small_rows import PRODUCTS_VERSION, use_small_row_products
 from recspec.calibration import calibration_path, call_cost
-from recspec.decoding.cost import CallCost, fit_call_cost
+from recspec.decoding.cost import CallCost, batch_nodes, fit_call_cost
 from recspec.errors import RecspecError
 from recspec.fileio import read_json, write_json_atomic
 
@@ -33,6 +33,25 @@ def test_fit_recovers_a_line_and_stays_non_negative() -> None:
     assert [cost.free_tokens(n) for n in (1, 10, 21)] == [1, 10, 21]
     with pytest.raises(RecspecError, match="two or more token counts"):
         fit_call_cost([4, 4], [0.1, 0.2])
+
+
+def test_batch_nodes_maximise_a_batchs_expected_tokens_per_second() -> None:
+    """The node count is the exhaustive argmax over ``n`` of (B + the rows' chances of the first n
+    nodes) / C(B (n + 1)); a batch of rows sizes its trees smaller than one of those rows alone,
+    since it pays every node of every row."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows, width = (int(v) for v in torch.randint(1, 17, (2,), generator=generator))
+        chances = torch.sort(torch.rand(rows, width, generator=generator), dim=1, descending=True).values
+        chances[torch.rand(rows, width, generator=generator) < 0.2] = 0.0  # shorter trees: no chance past them
+        cost = CallCost(float(torch.rand(1, generator=generator)) * 0.1, float(torch.rand(1, generator=generator)) * 0.01)
+        rates = [(rows + float(chances[:, :n].sum())) / cost.call_s(rows * (n + 1)) for n in range(width + 1)]
+        assert batch_nodes(chances, cost) == max(range(width + 1), key=lambda n: (rates[n], -n))
+    row, cost = torch.tensor([[0.9, 0.5, 0.1]]), CallCost(1.0, 0.1)
+    assert batch_nodes(row, cost) == 2  # rates 0.91, 1.58, 1.85, 1.79
+    assert batch_nodes(row.expand(16, 3), cost) == 1  # rates 6.15, 7.24, 6.62, 5.76
+    assert batch_nodes(row, CallCost(1.0, 10.0)) == 0  # nodes dearer than what they bring
+    assert batch_nodes(torch.zeros(4, 0), cost) == 0
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from recspec.errors import RecspecError
-from recspec.decoding.text_rounds import generate_texts, speculative_generate
+from recspec.decoding.cost import CallCost
+from recspec.decoding.text_rounds import Sessions, generate_texts, speculative_generate
 from recspec.knowledge.decode import RetrievalDrafter, eos_ids, hf_generate
 from recspec.knowledge.prompts import item_prompt_ids, user_prompt_ids
 from recspec.knowledge.retrieval import RetrievalConfig
@@ -122,22 +123,45 @@ def test_greedy_speculative_decoding_is_greedy_decoding(lm, prompts, greedy, nod
     assert sum(map(len, outputs)) / calls > 1.3
 
 
-def test_laser_greedy_in_a_batch_writes_each_prompts_own_text(lm, prompts, greedy) -> None:
+@pytest.fixture(scope="module")
+def pooled(prompts, greedy) -> tuple[RetrievalDrafter, list[list[int]]]:
+    """LASER's default drafter over a pool of the last prompts' greedy texts, and four prompts of
+    different lengths (items and a user) to decode in one batch."""
+    config = RetrievalConfig()
+    pool = TokenTrie(config.window)
+    pool.add_all(greedy[4:])
+    chosen = [*prompts[:3], prompts[10]]
+    assert len({len(prompt) for prompt in chosen}) > 1
+    return RetrievalDrafter(pool, config), chosen
+
+
+def test_laser_greedy_in_a_batch_writes_each_prompts_own_text(lm, pooled) -> None:
     """Four prompts of different lengths (left-padded) decoded together by LASER's greedy drafting
     in the text round loop write exactly the texts, target calls and drafts of each prompt decoded
     alone: every row drafts, verifies and keeps its own path."""
     model, _, eos = lm
-    config = RetrievalConfig()
-    pool = TokenTrie(config.window)
-    pool.add_all(greedy[4:])
-    drafter = RetrievalDrafter(pool, config)
-    chosen = [*prompts[:3], prompts[10]]
-    assert len({len(prompt) for prompt in chosen}) > 1
+    drafter, chosen = pooled
     alone = [speculative_generate(model, prompt, MAX_NEW, eos, drafter) for prompt in chosen]
     batched = generate_texts(model, chosen, MAX_NEW, eos, [drafter.session(prompt) for prompt in chosen])
     assert [g.tokens for g in batched] == [g.tokens for g in alone]
     assert [(g.calls, g.drafted) for g in batched] == [(g.calls, g.drafted) for g in alone]
     assert sum(g.accepted for g in batched) > 0
+
+
+def test_sized_trees_in_a_batch_write_the_greedy_texts_with_fewer_nodes(lm, pooled) -> None:
+    """LASER's greedy trees cut each round to the batch's cost-sized node count (Sessions with a
+    call cost) write the texts of unsized trees: a dear node cuts the trees to fewer drafted nodes,
+    a free one keeps them whole (the same drafts, calls and texts)."""
+    model, _, eos = lm
+    drafter, chosen = pooled
+
+    def run(cost: CallCost | None) -> list:
+        return generate_texts(model, chosen, MAX_NEW, eos, Sessions([drafter.session(p) for p in chosen], cost))
+
+    whole, free, dear = run(None), run(CallCost(0.05, 0.0)), run(CallCost(0.05, 0.004))
+    assert [g.tokens for g in free] == [g.tokens for g in dear] == [g.tokens for g in whole]
+    assert [(g.calls, g.drafted) for g in free] == [(g.calls, g.drafted) for g in whole]
+    assert sum(g.drafted for g in dear) < sum(g.drafted for g in whole) and sum(g.accepted for g in dear) > 0
 
 
 def test_the_cache_goes_under_the_keyword_the_installed_model_takes(lm, prompts, greedy) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recspec.decoding.text_rounds import DraftTree
 from recspec.knowledge.retrieval import RetrievalConfig, retrieve
 from recspec.knowledge.trie import ROOT, TokenTrie
 
@@ -53,6 +54,8 @@ def test_retrieval_is_best_first_by_frequency_within_limits() -> None:
     # after "5 6": 7 (3 times), then 7-8 (2), then ties of count 1 -> 3 nodes: 7, 8 (under 7), and one count-1 node
     assert draft.tokens[:2] == [7, 8] and draft.parents[:2] == [-1, 0]
     assert len(draft) == 3
+    assert draft.chances == [3 / 4, 2 / 4, 1 / 4]  # of the 4 occurrences of "5 6": 7, 7-8, a count-1 path
+    assert draft.first(2) == DraftTree([7, 8], [-1, 0], [3 / 4, 2 / 4])
     assert all(p < i for i, p in enumerate(draft.parents))
     deep = retrieve([trie], [5, 6], RetrievalConfig(max_nodes=64, max_depth=2, max_suffix=2))
     assert deep.longest_branch() == 2
@@ -68,5 +71,6 @@ def test_retrieval_backs_off_to_shorter_suffixes_and_merges_tries() -> None:
     # "7 2 3" never occurs; "2 3" does in both tries: 5 (count 2) ranks before 4 (count 1)
     draft = retrieve([pool, temporary], [7, 2, 3], config)
     assert draft.tokens[0] == 5 and 4 in draft.tokens
+    assert draft.chances[0] == 2 / 3 and draft.chances[draft.tokens.index(4)] == 1 / 3  # "2 3": 3 occurrences
     assert retrieve([pool], [42], config).tokens == []
     assert retrieve([pool], [1, 2], config, max_depth=0).tokens == []

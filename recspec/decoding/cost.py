@@ -61,6 +61,18 @@ class CallCost:
                    tuple((int(n), float(s)) for n, s in values["samples"]), bool(values.get("padded", False)))
 
 
+def batch_nodes(chances: torch.Tensor, cost: CallCost) -> int:
+    """The draft nodes per row, ``n`` in ``0 .. N``, that a batch's round verifies at the highest
+    expected tokens per second: ``chances`` float ``[B, N]``, each row's nodes' estimated chances of
+    acceptance in tree order (0 past its last node; a prefix of a row's nodes is a tree). A round
+    of ``n`` nodes per row emits ``B + sum_b sum_{i < n} chances[b, i]`` tokens (every row's own
+    token after its accepted path) and feeds ``B * (n + 1)`` (the roots too) at ``cost``."""
+    rows, width = chances.shape
+    emitted = rows + torch.cat((chances.new_zeros(1), chances.sum(dim=0).cumsum(dim=0))).double()
+    fed = rows * torch.arange(1, width + 2, dtype=torch.float64)
+    return int(torch.argmax(emitted / (cost.fixed_s + cost.per_token_s * fed)))
+
+
 def fit_call_cost(tokens: Sequence[int], seconds: Sequence[float]) -> CallCost:
     """Least-squares ``F + r * n`` through the measured ``(tokens, seconds)`` pairs (at least two
     distinct token counts), with ``F`` and ``r`` kept non-negative (a fit whose slope comes out

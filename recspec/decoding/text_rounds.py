@@ -45,6 +45,7 @@ from typing import Protocol
 import torch
 
 from recspec.decoding.acceptance import GreedyAcceptance, TreeAcceptance, accepted_path
+from recspec.decoding.cost import CallCost, batch_nodes
 from recspec.decoding.prompts import Prompts, left_pad
 from recspec.decoding.text_cache import TextCache
 from recspec.decoding.tree import ancestor_matrix, node_depths
@@ -54,13 +55,21 @@ from recspec.errors import RecspecError
 @dataclass(frozen=True)
 class DraftTree:
     """``N`` draft nodes: ``tokens[i]`` and ``parents[i]`` in ``[-1, i)`` (``-1``: continues the
-    current text directly); best-first order, so every parent precedes its children."""
+    current text directly); best-first order, so every parent precedes its children. ``chances``
+    (None: not estimated): each node's estimated chance that verification accepts the path to it
+    (retrieval: the share of the matched suffix's occurrences that continue with that path)."""
 
     tokens: list[int]
     parents: list[int]
+    chances: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def first(self, nodes: int) -> DraftTree:
+        """The tree of the first ``nodes`` nodes (a tree: parents come first)."""
+        chances = None if self.chances is None else self.chances[:nodes]
+        return DraftTree(self.tokens[:nodes], self.parents[:nodes], chances)
 
     def longest_branch(self) -> int:
         """Depth of the deepest node (0 for an empty draft)."""
@@ -209,22 +218,32 @@ class TextDrafter(Protocol):
 
 class Sessions:
     """A :class:`TextDrafter` made of one :class:`TextSession` per request (LASER's and ReSD's
-    retrieval): each row's session drafts its tree in Python, the loop scores them together."""
+    retrieval): each row's session drafts its tree in Python, the loop scores them together. With
+    ``cost`` (the target's call cost), every round's trees are cut to the node count per row that
+    the cost model favours for the batch (:func:`~recspec.decoding.cost.batch_nodes`, from the
+    trees' ``chances``): a batch feeds every row as many nodes as its largest tree, so the trees
+    are sized together."""
 
     lag = 0
     drop_hidden = False
     wants_features = False
     feature_layers = ()
 
-    def __init__(self, sessions: Sequence[TextSession]) -> None:
-        self.sessions = list(sessions)
+    def __init__(self, sessions: Sequence[TextSession], cost: CallCost | None = None) -> None:
+        self.sessions, self.cost = list(sessions), cost
         self.device = torch.device("cpu")
 
     def start(self, prompts: Prompts, features: torch.Tensor | None) -> None:
         self.device = prompts.input_ids.device
 
     def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft:
-        return self.draft(texts, self.proposals(texts, budgets))
+        trees = self.proposals(texts, budgets)
+        if self.cost is not None and all(tree.chances is not None for tree in trees):
+            width = max(len(tree) for tree in trees)
+            chances = torch.tensor([tree.chances + [0.0] * (width - len(tree)) for tree in trees])
+            nodes = batch_nodes(chances.reshape(len(trees), width), self.cost)
+            trees = [tree.first(nodes) for tree in trees]
+        return self.draft(texts, trees)
 
     def proposals(self, texts: list[list[int]], budgets: list[int]) -> list[DraftTree]:
         """Each row's session's tree after its text ``texts``, at most ``budgets`` deep."""

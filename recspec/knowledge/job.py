@@ -36,7 +36,7 @@ the greedy decoding's text).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from recspec.accel.int8 import INT8_PRODUCTS_VERSION, int8_serves
 from recspec.data import load_dataset
-from recspec.calibration import sized_round_cost
+from recspec.calibration import COST_CONTEXT, call_cost, sized_round_cost
 from recspec.decoding.cost import CallCost
 from recspec.decoding.head_trees import HeadDrafter, HeadTreeConfig
 from recspec.decoding.registry import KNOWLEDGE, Decoder, decoder as registered, names, register
@@ -138,7 +138,7 @@ class KnowledgeConfig:
                                     "verify": self.verification.describe(), "max_new_tokens": self.max_new_tokens,
                                     "max_history": self.max_history, "max_prompt_tokens": self.max_prompt_tokens}
         if self.verification.kind == "relaxed":
-            settings["pools"] = {"grouping": self.pool_grouping, "retrieval": asdict(self.retrieval)}
+            settings["pools"] = {"grouping": self.pool_grouping, "retrieval": self.retrieval.shape()}
             if self.draft is not None:  # the head's weights and precision by KnowledgeTask.store_settings
                 settings["head_tree"] = self.head_tree.shape()
             if self.pool_grouping != "global":
@@ -248,6 +248,14 @@ class KnowledgeTask:
             self._round_costs[key] = sized_round_cost(self.model, self.model_dir, head, tree)
         return HeadDrafter(head, tree, self._round_costs[key])
 
+    def retrieval_cost(self, config: KnowledgeConfig) -> CallCost | None:
+        """The target's call cost that sizes ``config``'s retrieval trees (kept beside the model by
+        :func:`~recspec.calibration.call_cost`), or None where they are not sized: not ``sized``,
+        or a relaxed text, which depends on the tree."""
+        if not config.retrieval.sized or config.verification.kind != "greedy" or config.draft is not None:
+            return None
+        return call_cost(self.model, self.model_dir, COST_CONTEXT)
+
     def pool_texts(self, config: KnowledgeConfig, pool: Path) -> dict[int, list[int]]:
         """Entity -> tokens of the old-part store ``pool``, after checking it fits this job."""
         settings, expected = read_settings(pool), self.store_settings(config)
@@ -294,12 +302,13 @@ def _text_generator(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet
     model, budget, eos, rule = task.model, config.max_new_tokens, task.eos, config.verification.rule
     if config.method in DRAFTING and pools is None:
         raise RecspecError(f"method {config.method} drafts from pools: build them with build_pools")
+    cost = task.retrieval_cost(config) if pools is not None else None
 
     def drafter(entities: list[int], prompts: list[list[int]]) -> TextDrafter | None:
         if pools is None:
             return None if head is None else head.batch(prompts)
         retrieval = Sessions([RetrievalDrafter(pools.trie_for(entity), config.retrieval).session(prompt)
-                              for entity, prompt in zip(entities, prompts)])
+                              for entity, prompt in zip(entities, prompts)], cost)
         return retrieval if head is None else HybridTrees(retrieval, head.batch(prompts))
 
     def generate(entities: list[int], prompts: list[list[int]]) -> list[Generation]:
@@ -336,14 +345,15 @@ def local_runner(task: KnowledgeTask, config: KnowledgeConfig, pools: PoolSet | 
 
 @dataclass
 class JobSummary:
-    """What a job did in this call: requests, tokens, seconds (generation only, and pool
-    building), target calls and accepted draft tokens."""
+    """What a job did in this call: requests, tokens, seconds (generation, of which the prompts'
+    prefill, and pool building), target calls and accepted draft tokens."""
 
     requests: int = 0
     skipped: int = 0
     tokens: int = 0
     calls: int = 0
     wall_s: float = 0.0
+    prefill_s: float = 0.0
     retrieval_s: float = 0.0
     pool_build_s: float = 0.0
 
@@ -352,13 +362,15 @@ class JobSummary:
         self.tokens += len(generation.tokens)
         self.calls += generation.calls
         self.wall_s += generation.wall_s
+        self.prefill_s += generation.prefill_s
         self.retrieval_s += generation.retrieval_s
 
     def line(self) -> str:
         if not self.requests:
             return f"nothing to do ({self.skipped} already in the store)"
         return (f"{self.requests} generated ({self.skipped} already stored): {self.tokens} tokens in "
-                f"{self.wall_s:.1f} s, {self.tokens / self.wall_s:.1f} tokens/s, AAL {self.tokens / self.calls:.2f} "
+                f"{self.wall_s:.1f} s ({self.prefill_s:.1f} s of prefill), {self.tokens / self.wall_s:.1f} tokens/s, "
+                f"AAL {self.tokens / self.calls:.2f} "
                 f"tokens per target call, ART {1e3 * self.retrieval_s / self.requests:.1f} ms per request, "
                 f"pools built in {self.pool_build_s:.1f} s")
 

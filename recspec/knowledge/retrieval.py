@@ -10,8 +10,12 @@ the next shorter suffix and adds that suffix's continuations (merging equal path
 token (laser.txt section 3.3, following Lookahead: long suffixes first for relevance, shorter ones
 to fill the tree).
 
-The result is a :class:`~recspec.decoding.text_rounds.DraftTree` in best-first order (parents before children), which the
-decoder turns into a tree-attention forward pass with :mod:`recspec.decoding.tree`.
+The result is a :class:`~recspec.decoding.text_rounds.DraftTree` in best-first order (parents
+before children), which the decoder turns into a tree-attention forward pass with
+:mod:`recspec.decoding.tree`. Each node carries its *chance*: the share of its suffix's occurrences
+in the tries that continue with the node's path (the pool's n-gram estimate of the path's
+probability), by which a batch's trees are sized against the target's cost
+(:class:`~recspec.decoding.text_rounds.Sessions`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,19 @@ MAX_DEPTH = 12
 class RetrievalConfig:
     """Draft tree limits: ``max_nodes`` (at most 64) nodes, ``max_depth`` (at most 12) tokens
     deep, suffixes of at most ``max_suffix`` tokens. The defaults are the best measured on a CPU,
-    where every draft node costs a share of a target call, so small, well-ranked trees win."""
+    where every draft node costs a share of a target call, so small, well-ranked trees win.
+    ``sized``: greedy rounds verify, of each row's ``max_nodes``, as many as the target's cost
+    model says pay for the batch (:class:`~recspec.decoding.text_rounds.Sessions`); relaxed
+    verification, whose text depends on the tree, always drafts ``max_nodes``."""
 
     max_nodes: int = 16
     max_depth: int = MAX_DEPTH
     max_suffix: int = 4
+    sized: bool = True
+
+    def shape(self) -> dict[str, int]:
+        """The limits that shape a tree (a relaxed text depends on them)."""
+        return {"max_nodes": self.max_nodes, "max_depth": self.max_depth, "max_suffix": self.max_suffix}
 
     @property
     def window(self) -> int:
@@ -51,24 +63,28 @@ def retrieve(tries: Sequence[TokenTrie], context: Sequence[int], config: Retriev
     depth_limit = min(config.max_depth, max_depth if max_depth is not None else config.max_depth)
     tokens: list[int] = []
     parents: list[int] = []
+    chances: list[float] = []
     index: dict[tuple[int, int], int] = {}
     if depth_limit < 1:
-        return DraftTree(tokens, parents)
+        return DraftTree(tokens, parents, chances)
     for length in range(min(config.max_suffix, len(context)), 0, -1):
         suffix = context[len(context) - length:]
         starts = [trie.walk(suffix) for trie in tries]
         if any(node is not None for node in starts):
-            _best_first(tries, starts, depth_limit, config.max_nodes, tokens, parents, index)
+            _best_first(tries, starts, depth_limit, config.max_nodes, tokens, parents, chances, index)
             if len(tokens) >= config.max_nodes:
                 break
-    return DraftTree(tokens, parents)
+    return DraftTree(tokens, parents, chances)
 
 
 def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limit: int, max_nodes: int,
-                tokens: list[int], parents: list[int], index: dict[tuple[int, int], int]) -> None:
+                tokens: list[int], parents: list[int], chances: list[float], index: dict[tuple[int, int], int]
+                ) -> None:
     """Add the most frequent continuations below ``starts`` (one node per trie, None where the
-    suffix is absent) to the draft (``tokens``, ``parents``, and ``index``: (parent, token) ->
-    draft node), until it holds ``max_nodes`` nodes or the subtree is exhausted."""
+    suffix is absent) to the draft (``tokens``, ``parents``, ``chances``: a new node's count over
+    the suffix's; ``index``: (parent, token) -> draft node), until it holds ``max_nodes`` nodes or
+    the subtree is exhausted."""
+    occurrences = sum(trie.counts[node] for trie, node in zip(tries, starts) if node is not None)
     heap: list[tuple[int, int, int, int, int, list[int | None]]] = []
     order = 0
 
@@ -90,11 +106,12 @@ def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limi
 
     push_children(-1, 1, starts)
     while heap and len(tokens) < max_nodes:
-        _, _, draft_parent, token, depth, children = heapq.heappop(heap)
+        count, _, draft_parent, token, depth, children = heapq.heappop(heap)
         node = index.get((draft_parent, token))
         if node is None:
             node = index[(draft_parent, token)] = len(tokens)
             tokens.append(token)
             parents.append(draft_parent)
+            chances.append(-count / occurrences)
         if depth < depth_limit:
             push_children(node, depth + 1, children)
