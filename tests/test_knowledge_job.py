@@ -114,6 +114,21 @@ def test_drafted_jobs_in_batches_write_the_texts_of_one_at_a_time(task, old_stor
     assert all(len(tokens) >= 1 for tokens in texts[1].values())
 
 
+def test_greedy_trees_are_sized_and_a_relaxed_store_records_their_shape_only(task) -> None:
+    """Greedy retrieval is sized from the target's call cost unless told not to; relaxed
+    verification (its text depends on the tree) and a head's hybrid never are. A relaxed store
+    records the limits that shape a tree, not the switch, so a store from before sizing resumes."""
+    laser = KnowledgeConfig(method="laser", verification=GREEDY)
+    cost = task.retrieval_cost(laser)
+    assert cost is not None and cost.fixed_s > 0 and cost.per_token_s > 0
+    fixed = replace(laser, retrieval=replace(laser.retrieval, sized=False))
+    relaxed = replace(laser, verification=Verification("relaxed"))
+    assert task.retrieval_cost(fixed) is task.retrieval_cost(relaxed) is task.retrieval_cost(
+        replace(laser, draft="a-head-folder")) is None
+    assert relaxed.settings()["pools"]["retrieval"] == {"max_nodes": 16, "max_depth": 12, "max_suffix": 4}
+    assert replace(relaxed, retrieval=fixed.retrieval).settings() == relaxed.settings()
+
+
 def test_a_store_of_other_settings_is_refused(task, old_store, monkeypatch) -> None:
     with pytest.raises(RecspecError, match="max_new_tokens=6, this job has max_new_tokens=7"):
         run_job(task, replace(OLD_ITEMS, max_new_tokens=7), old_store, limit=1, progress=False)
