@@ -241,7 +241,7 @@ class Sessions:
         if self.cost is not None and all(tree.chances is not None for tree in trees):
             width = max(len(tree) for tree in trees)
             chances = torch.tensor([tree.chances + [0.0] * (width - len(tree)) for tree in trees])
-            nodes = batch_nodes(chances.reshape(len(trees), width), self.cost)
+            nodes = batch_nodes(chances, self.cost)
             trees = [tree.first(nodes) for tree in trees]
         return self.draft(texts, trees)
 

@@ -251,7 +251,7 @@ class KnowledgeTask:
     def retrieval_cost(self, config: KnowledgeConfig) -> CallCost | None:
         """The target's call cost that sizes ``config``'s retrieval trees (kept beside the model by
         :func:`~recspec.calibration.call_cost`), or None where they are not sized: not ``sized``,
-        or a relaxed text, which depends on the tree."""
+        a relaxed text (it depends on the tree), or beside a head (the hybrid's merged trees)."""
         if not config.retrieval.sized or config.verification.kind != "greedy" or config.draft is not None:
             return None
         return call_cost(self.model, self.model_dir, COST_CONTEXT)
