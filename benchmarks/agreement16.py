@@ -207,7 +207,7 @@ def text_agreement(dtype: str, prompts: int, max_new_tokens: int, batch: int, de
         ours = [generation.tokens for start in range(0, len(texts), size)
                 for generation in generate_texts(
                     model, texts[start:start + size], max_new_tokens, eos,
-                    None if drafter is None else [drafter.session(text) for text in texts[start:start + size]])]
+                    None if drafter is None else drafter.batch(texts[start:start + size]))]
         gaps = [divergence_gap(model, text, a, b) for text, a, b in zip(texts, ours, reference)
                 if a != b and a[:min(len(a), len(b))] != b[:min(len(a), len(b))]]
         ended = sum(a != b for a, b in zip(ours, reference)) - len(gaps)  # one text a prefix of the other

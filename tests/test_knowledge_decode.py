@@ -142,7 +142,7 @@ def test_laser_greedy_in_a_batch_writes_each_prompts_own_text(lm, pooled) -> Non
     model, _, eos = lm
     drafter, chosen = pooled
     alone = [speculative_generate(model, prompt, MAX_NEW, eos, drafter) for prompt in chosen]
-    batched = generate_texts(model, chosen, MAX_NEW, eos, [drafter.session(prompt) for prompt in chosen])
+    batched = generate_texts(model, chosen, MAX_NEW, eos, drafter.batch(chosen))
     assert [g.tokens for g in batched] == [g.tokens for g in alone]
     assert [(g.calls, g.drafted) for g in batched] == [(g.calls, g.drafted) for g in alone]
     assert sum(g.accepted for g in batched) > 0

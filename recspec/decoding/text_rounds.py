@@ -378,18 +378,16 @@ class Ledger:
 
 @torch.inference_mode()
 def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int],
-                   drafter: TextDrafter | Sequence[TextSession] | None = None,
+                   drafter: TextDrafter | None = None,
                    verifier: TextVerifier | TreeAcceptance | None = None,
                    generator: torch.Generator | None = None, pad_token_id: int = 0) -> list[Generation]:
     """Generate after each of ``prompts`` (token ids, chat template applied) in one batch, drafted by
-    ``drafter`` (one :class:`TextSession` per prompt: :class:`Sessions`; None: plain decoding) and
+    ``drafter`` (a batch's, :meth:`BatchDrafter.batch`; None: plain decoding) and
     verified by ``verifier`` (a :class:`~recspec.decoding.acceptance.TreeAcceptance`:
     :class:`TreeVerifier` with ``generator``; None: greedy); see the module doc. ``pad_token_id``
     fills the left padding (never attended to)."""
     for prompt in prompts:
         check_prompt(prompt, max_new_tokens)
-    if drafter is not None and not hasattr(drafter, "propose"):
-        drafter = Sessions(drafter)
     if not hasattr(verifier, "verify"):
         verifier = TreeVerifier(verifier or GreedyAcceptance(), generator)
     started = time.perf_counter()

@@ -106,12 +106,12 @@ def _best_first(tries: Sequence[TokenTrie], starts: list[int | None], depth_limi
 
     push_children(-1, 1, starts)
     while heap and len(tokens) < max_nodes:
-        count, _, draft_parent, token, depth, children = heapq.heappop(heap)
+        negated_count, _, draft_parent, token, depth, children = heapq.heappop(heap)
         node = index.get((draft_parent, token))
         if node is None:
             node = index[(draft_parent, token)] = len(tokens)
             tokens.append(token)
             parents.append(draft_parent)
-            chances.append(-count / occurrences)
+            chances.append(-negated_count / occurrences)
         if depth < depth_limit:
             push_children(node, depth + 1, children)
