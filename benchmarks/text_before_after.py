@@ -125,7 +125,8 @@ def main() -> None:
     from recspec.bench.report import machine, markdown_table, write_results
 
     trees = {"before": args.before.resolve(), "after": HERE}
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--pool", str(args.pool.resolve()),
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--before", str(trees["before"]),
+               "--pool", str(args.pool.resolve()),
                "--draft-layers", args.draft_layers, "--users", str(args.users), "--batch-size", str(args.batch_size),
                "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     if args.head is not None:

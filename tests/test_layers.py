@@ -25,13 +25,14 @@ LAB = ROOT.parent / "benchmarks" / "lab"
 #: The one product module that imports ``recspec.bench``: its commands run the kept benchmarks.
 BENCH_USERS = ("recspec.cli",)
 #: Inside ``recspec.decoding``, lowest first (README, Code layout): primitives, the model calls,
-#: the plain beam loop, the speculative parts, the round loops and verifiers, each method's wiring.
+#: the plain beam loop, the speculative parts and the engine's round loop, its searches over items
+#: and text and the verifiers, each method's wiring.
 DECODING = (
     ("registry", "warp", "categorical", "support", "cache", "tree", "space", "beams", "cost", "tree_plan"),
     ("prompts", "prefix"),
     ("scorer",),
     ("beam_search", "hf_reference", "text_cache", "head_cache", "draft_tree"),
-    ("frontier", "acceptance", "drafting"),
+    ("frontier", "acceptance", "drafting", "engine"),
     ("drafters", "draft_sources", "item_prior", "target_prior"),
     ("rounds", "text_rounds"),
     ("verifiers", "chains", "head_trees"),

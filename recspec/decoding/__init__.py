@@ -6,8 +6,9 @@ sampling and speculative beam search) and the text decoders share one layer laid
   ``scorer``; KV-cache selection and compaction: ``cache``;
 * the plain beam loop and the item decoders built on it: ``beam_search`` (and the Hugging Face
   peer, ``hf_reference``);
-* speculative decoding: the round loops (over item beams: ``rounds``; over text, batched, trees
-  and chains: ``text_rounds``, with its rows' cache ``text_cache``), the drafters (``drafters``,
+* speculative decoding: the round loop (``engine``) and its searches (over item beams:
+  ``rounds``; over text, batched, trees and chains: ``text_rounds``, with its rows' cache
+  ``text_cache``), the drafters (``drafters``,
   their log-probs ``drafting`` and ``draft_sources``; the chain decoders' ``chains``), the
   verifiers (``verifiers``, ``text_rounds``' ``TreeVerifier``, ``chains``' ``ChainVerifier``)
   and their acceptance rules (``acceptance``), the round's token tree (``draft_tree``) and

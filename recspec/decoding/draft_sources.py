@@ -1,7 +1,7 @@
 """What gives a round's drafter its log-probabilities: a draft model with a KV cache of its own
 (:class:`ModelDraft`), or a feature-level head over the target's hidden states
-(:class:`FeatureDraft`, :mod:`recspec.models.head`). The round loop
-(:func:`~recspec.decoding.rounds.run_rounds`) talks to either through the same calls
+(:class:`FeatureDraft`, :mod:`recspec.models.head`). The search over item beams
+(:class:`~recspec.decoding.rounds.ItemSearch`) talks to either through the same calls
 (:class:`~recspec.decoding.drafting.DraftSource`; ``feed_last`` and ``scored`` default to nothing):
 
 * ``start(prompts)``: before the first round; the draft's log-probs at the root ``[B, 1, V]``,

@@ -1,6 +1,6 @@
 """Drafters: each proposes one level of a round's token tree from the level before it and the
 draft model's log-probabilities at its nodes (the :class:`~recspec.decoding.rounds.LevelDrafter`
-interface; :func:`~recspec.decoding.rounds.draft_levels` feeds the draft and stacks the levels).
+interface; :meth:`~recspec.decoding.rounds.ItemSearch.draft` feeds the draft and stacks the levels).
 
 * :class:`TopNDrafter`: the top ``N`` children (strict verification, atspeed.txt Eq. 1), ranked
   by the *target's* exact score of the round's level-0 beam plus the draft's log-probabilities of

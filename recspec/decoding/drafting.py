@@ -1,5 +1,5 @@
-"""What gives a tree round's drafter its log-probabilities (the round loop,
-:func:`~recspec.decoding.rounds.run_rounds`): :class:`DraftSource`, implemented by a draft model, a
+"""What gives a tree round's drafter its log-probabilities (the search over item beams,
+:class:`~recspec.decoding.rounds.ItemSearch`): :class:`DraftSource`, implemented by a draft model, a
 feature head, a text head (:mod:`recspec.decoding.draft_sources`), the item prior
 (:mod:`recspec.decoding.item_prior`) and the target's prior (:mod:`recspec.decoding.target_prior`).
 

@@ -1,8 +1,10 @@
-"""The item round loop: :func:`run_rounds` for every tree-speculative decoder over beams (AtSpeed
-strict and relaxed, DSBD; the text decoders' loop is :mod:`recspec.decoding.text_rounds`).
+"""Item rounds: the engine's search over beams (:class:`ItemSearch`, run by :func:`run_rounds`)
+for every tree-speculative decoder over beams (AtSpeed strict and relaxed, DSBD; the text
+decoders' search is :mod:`recspec.decoding.text_rounds`; the loop is
+:func:`recspec.decoding.engine.run`).
 
-The tree loop is ``draft -> score (one target call) -> verify -> advance / compact``, over two
-small parts:
+A round is ``draft -> score (one target call) -> verify -> advance / compact``, over two small
+parts:
 
 * a :class:`LevelDrafter` proposes one level of the round's token tree from the level before it and
   the draft model's log-probabilities there (top-N, sampled, beam-sampled; later a draft head);
@@ -10,7 +12,7 @@ small parts:
   was accepted (strict top-K, relaxed sampling, DSBD's layer verification), says which users are
   finished and which beams go on to the next round.
 
-:func:`run_rounds` is the loop (one batch of left-padded prompts). The draft is prefilled once;
+:func:`run_rounds` runs one batch of left-padded prompts. The draft is prefilled once;
 the target gets the prompt in the same call as the first round's tree, so with a perfect draft
 the whole search costs the target one call. Both models are fed the same levels, so their KV
 caches keep the same layout and are compacted by the same gather once enough dead positions have
@@ -21,9 +23,8 @@ are counted as it goes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -32,11 +33,11 @@ from recspec.decoding.beams import Beams
 from recspec.decoding.cache import require_full_attention
 from recspec.decoding.draft_sources import draft_source
 from recspec.decoding.draft_tree import Level, fed_block
-from recspec.decoding.drafting import DraftSource
+from recspec.decoding.engine import Clock, run
 from recspec.decoding.frontier import (Frontier, advance, level_zero, root_frontier, select_users,
                                        settle_frontier)
 from recspec.decoding.prompts import Prompts
-from recspec.decoding.prefix import OpenCache, open_cache
+from recspec.decoding.prefix import open_cache
 from recspec.decoding.scorer import forward_features, forward_opened, forward_visible, next_log_probs
 
 
@@ -82,35 +83,16 @@ class SpecStats:
         self.tree_nodes[rows] += float(tree_nodes)
         self.rounds[rows] += 1
 
+    def charge(self, clock: Clock, total: float, users: int) -> None:
+        """Divide ``clock``'s phase seconds and the rest of the ``total`` seconds (overhead) among
+        the batch's ``users``."""
+        for phase, seconds in clock.seconds.items():
+            getattr(self, f"{phase}_s")[:] += seconds / users
+        self.overhead_s += (total - sum(clock.seconds.values())) / users
+
     def summary(self) -> dict[str, float]:
         """Means over users (AS@K and the rest)."""
         return {f.name: float(getattr(self, f.name).mean()) for f in fields(self)}
-
-
-@dataclass
-class Clock:
-    """Wall time per phase; waits for the device before each reading."""
-
-    device: torch.device
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "draft", "verify"), 0.0))
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def add(self, phase: str, since: float) -> float:
-        now = self.now()
-        self.seconds[phase] += now - since
-        return now
-
-    def charge(self, stats: SpecStats, started: float, users: int) -> None:
-        """Divide the phases' seconds and the rest since ``started`` (overhead) among the batch's
-        ``users`` in ``stats``."""
-        total = self.now() - started
-        for phase, seconds in self.seconds.items():
-            getattr(stats, f"{phase}_s")[:] += seconds / users
-        stats.overhead_s += (total - sum(self.seconds.values())) / users
 
 
 def drafted_per_row(depth: torch.Tensor, max_depth: int, drafted: int) -> torch.Tensor:
@@ -185,45 +167,107 @@ def shape_round(drafter: LevelDrafter, first: bool, root_drafted: bool, remainin
     return RoundShape(widths, len(widths) < remaining - 1 and (len(widths) > 0 or not first))
 
 
-def draft_levels(source: DraftSource, level0: Level, root_log_q: torch.Tensor | None, front: Frontier,
-                 drafter: LevelDrafter, widths: tuple[int, ...], feed_last: bool) -> list[Level]:
-    """Levels ``0 .. len(widths)`` of this round's tree, level ``j`` of ``widths[j - 1]`` nodes.
-    The draft source gives the log-probs at each level it drafts from (level 0 not in the first
-    round: ``root_log_q`` ``[B, 1, V]`` are its prefill's) and, if ``feed_last``, takes the last
-    level too, so that a draft cache holds what the target's will."""
-    levels = [level0]
-    for j, width in enumerate(widths, start=1):
-        log_q = root_log_q if j == 1 and root_log_q is not None else source.log_probs(levels, front)
-        levels.append(drafter.propose(levels[-1], log_q, front, front.depth + j, width))
-    if feed_last:
-        source.feed_last(levels)
-    return levels
+class ItemSearch:
+    """The item rounds of one batch under the engine (:func:`~recspec.decoding.engine.run`): each
+    row a user's beams (:class:`~recspec.decoding.frontier.Frontier`), drafted level by level by
+    ``drafter`` from the log-probs of ``draft``'s source, scored by ``target`` and verified by
+    ``verifier`` (see :func:`run_rounds`). Built, it has prefilled the draft (``root_log_q``: its
+    log-probs at the root; None when the first round drafts nothing) and opened the target's cache
+    for the prompts (``start``; the prompt itself is fed with the first round)."""
 
+    def __init__(self, target, draft, prompts: Prompts, space, gamma: int | None, drafter: LevelDrafter,
+                 verifier: Verifier, stats: SpecStats, finish: Callable[[torch.Tensor, Frontier], None],
+                 clock: Clock) -> None:
+        self.target, self.prompts, self.space, self.gamma, self.drafter = target, prompts, space, gamma, drafter
+        self.verifier, self.stats, self.finish, self.clock = verifier, stats, finish, clock
+        self.source = draft_source(draft)
+        self.root_log_q = self.source.start(prompts)
+        self.start = open_cache(target, prompts)
+        stats.draft_calls += self.root_log_q is not None
+        self.caches = (self.start.cache, *self.source.caches)
+        self.front = root_frontier(prompts, space)
+        self.compacted = prompts.input_ids.shape[1]  # the cache width past which positions may be dead
+        self.first = True
+        self.shape = RoundShape((), False)
 
-def score_levels(target, start: OpenCache, levels: list[Level], prompts: Prompts | None, features: bool,
-                 layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's log-probs at every node of ``levels``: float32 ``[B, sum n, V]``, and if
-    ``features`` its features at every position it was fed (:func:`~recspec.decoding.draft_tree.
-    fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]`` (else None;
-    wider with ``layers``: :func:`~recspec.models.text_head.layer_features`).
-    ``start``: the target's cache as opened for the prompts (:func:`~recspec.decoding.prefix.
-    open_cache`), grown by every round. In the first round (``prompts`` given) the prompt is fed
-    in the same call, after the columns ``start`` holds and before levels 1.., and row 0 of the
-    log-probs is the prompt's last position (level 0, the root)."""
-    *block, keep = fed_block(levels, prompts)
-    if prompts is not None:
-        logits, hidden = forward_opened(target, start, *block, keep, features, layers)
+    def draft(self) -> list[Level]:
+        """Levels ``0 .. len(widths)`` of the round's tree, as many and as wide as :func:`shape_round`
+        says. The draft source gives the log-probs at each level it drafts from (level 0 not in the
+        first round: ``root_log_q``, its prefill's) and, if the shape says so, takes the last level
+        too, so that a draft cache holds what the target's will."""
+        front, first = self.front, self.first
+        self.shape = shape_round(self.drafter, first, self.root_log_q is not None,
+                                 self.space.depth - int(front.depth.min()), self.gamma)
+        levels = [level_zero(front, self.prompts if first else None)]
+        for j, width in enumerate(self.shape.widths, start=1):
+            log_q = self.root_log_q if j == 1 and first and self.root_log_q is not None else \
+                self.source.log_probs(levels, front)
+            levels.append(self.drafter.propose(levels[-1], log_q, front, front.depth + j, width))
+        if self.shape.feed_last:
+            self.source.feed_last(levels)
+        return levels
+
+    def score(self, levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's log-probs at every node of ``levels``, float32 ``[B, sum n, V]``, and, if the
+        source wants them, its features at every position it was fed (:func:`~recspec.decoding.
+        draft_tree.fed_block`: in the first round the prompt's too, before the nodes) ``[B, F, H]``
+        (else None; wider with the source's ``feature_layers``). The target's cache grows from
+        ``start`` (as opened for the prompts); in the first round the prompt is fed in the same
+        call, after the columns ``start`` holds and before levels 1.., and row 0 of the log-probs
+        is the prompt's last position (level 0, the root)."""
+        features, layers = self.source.wants_features, self.source.feature_layers
+        *block, keep = fed_block(levels, self.prompts if self.first else None)
+        if self.first:
+            logits, hidden = forward_opened(self.target, self.start, *block, keep, features, layers)
+            for cache in self.caches:
+                require_full_attention(cache)
+        elif features:
+            logits, hidden = forward_features(self.target, self.start.cache, *block, keep_last=keep,
+                                              all_features=True, layers=layers)
+        else:
+            logits, hidden = forward_visible(self.target, self.start.cache, *block, keep_last=keep), None
         return next_log_probs(logits), hidden
-    if features:
-        logits, hidden = forward_features(target, start.cache, *block, keep_last=keep, all_features=True,
-                                          layers=layers)
-        return next_log_probs(logits), hidden
-    return next_log_probs(forward_visible(target, start.cache, *block, keep_last=keep)), None
+
+    def verify(self, levels: list[Level], scored: tuple[torch.Tensor, torch.Tensor | None]) -> RoundOutcome:
+        return self.verifier.verify(self.front, levels, scored[0])
+
+    def advance(self, levels: list[Level], scored: tuple[torch.Tensor, torch.Tensor | None],
+                outcome: RoundOutcome) -> torch.Tensor:
+        """The beams after the round (a feature head first reads the target's features: drafting
+        time), its statistics counted; returns the users now finished."""
+        front, first, features = self.front, self.first, scored[1]
+        state = None
+        if features is not None:
+            mark = self.clock.now()
+            state = self.source.scored(levels, features, self.prompts if first else None, front, outcome.beams,
+                                       outcome.parent_at)
+            self.clock.add("draft", mark)
+        own_drafted = drafted_per_row(front.depth, self.space.depth, len(self.shape.widths))
+        self.front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, state)
+        self.stats.add_round(front.users.cpu(), own_drafted, outcome.counters,
+                             self.shape.draft_calls(first, self.root_log_q is not None, bool(self.source.caches)),
+                             sum(level.width for level in levels[first:]))
+        self.first = False
+        return self.verifier.finished(self.front)
+
+    def settle(self, finished: torch.Tensor) -> bool:
+        """Hand the finished users to ``finish``, drop them, and compact the caches if due (nothing
+        before the first round: no user is finished, and the caches hold the prompts as opened)."""
+        if self.first:
+            return True
+        if bool(finished.any()):
+            self.finish(self.front.users[finished], select_users(self.front, finished.nonzero()[:, 0], ()))
+            if bool(finished.all()):
+                return False
+            self.front = select_users(self.front, (~finished).nonzero()[:, 0], self.caches)
+        self.front, self.compacted = settle_frontier(self.verifier.carry(self.front), self.caches, self.compacted)
+        return True
 
 
 def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafter: LevelDrafter, verifier: Verifier,
                stats: SpecStats, finish: Callable[[torch.Tensor, Frontier], None]) -> None:
-    """Speculative rounds for one batch until every user is finished (see the module doc).
+    """Speculative rounds for one batch until every user is finished (see the module doc), on the
+    engine (:class:`ItemSearch`).
 
     ``draft``: a draft causal LM or a draft head (:func:`~recspec.decoding.draft_sources.draft_source`;
     a head's first round drafts nothing: the target's prefill gives level 1 and its features);
@@ -234,45 +278,7 @@ def run_rounds(target, draft, prompts: Prompts, space, gamma: int | None, drafte
     """
     clock = Clock(prompts.input_ids.device)
     started = clock.now()
-    source = draft_source(draft)
-    root_log_q = source.start(prompts)
-    start = open_cache(target, prompts)
-    caches = (start.cache, *source.caches)
+    search = ItemSearch(target, draft, prompts, space, gamma, drafter, verifier, stats, finish, clock)
     clock.add("prefill", started)
-    front = root_frontier(prompts, space)
-    root_drafted = root_log_q is not None
-    stats.draft_calls += root_drafted
-    compacted = prompts.input_ids.shape[1]  # the cache width past which positions may be dead
-    first = True
-    while True:
-        plan = shape_round(drafter, first, root_drafted, space.depth - int(front.depth.min()), gamma)
-        users = front.users.cpu()
-        own_drafted = drafted_per_row(front.depth, space.depth, len(plan.widths))
-        mark = clock.now()
-        levels = draft_levels(source, level_zero(front, prompts if first else None),
-                              root_log_q if first else None, front, drafter, plan.widths, plan.feed_last)
-        mark = clock.add("draft", mark)
-        log_p, features = score_levels(target, start, levels, prompts if first else None, source.wants_features,
-                                       source.feature_layers)
-        if first:
-            for cache in caches:
-                require_full_attention(cache)
-        outcome = verifier.verify(front, levels, log_p)
-        mark = clock.add("verify", mark)
-        state = None
-        if features is not None:
-            state = source.scored(levels, features, prompts if first else None, front, outcome.beams,
-                                  outcome.parent_at)
-            clock.add("draft", mark)
-        front = advance(front, levels, outcome.beams, outcome.parent_at, outcome.steps, state)
-        stats.add_round(users, own_drafted, outcome.counters, plan.draft_calls(first, root_drafted, bool(source.caches)),
-                        sum(level.width for level in levels[first:]))
-        first = False
-        finished = verifier.finished(front)
-        if bool(finished.any()):
-            finish(front.users[finished], select_users(front, finished.nonzero()[:, 0], ()))
-            if bool(finished.all()):
-                break
-            front = select_users(front, (~finished).nonzero()[:, 0], caches)
-        front, compacted = settle_frontier(verifier.carry(front), caches, compacted)
-    clock.charge(stats, started, len(prompts.lengths))
+    run(search, clock, torch.zeros(len(prompts.lengths), dtype=torch.bool))
+    stats.charge(clock, clock.now() - started, len(prompts.lengths))

@@ -1,11 +1,13 @@
-"""The text round loop: speculative decoding of free text for a batch of prompts, the one loop of
-every text decoder (LASER's retrieval, ReSD, a text head's EAGLE-2 trees, a hybrid of both,
-spec-sample over trees and over chains, TopK-ImpSpecDec, and plain greedy decoding or plain
-sampling, which draft nothing).
+"""Text rounds: the engine's search over text (:class:`TextSearch`, run by :func:`generate_texts`),
+speculative decoding of free text for a batch of prompts by every text decoder (LASER's
+retrieval, ReSD, a text head's EAGLE-2 trees, a hybrid of both, spec-sample over trees and over
+chains, TopK-ImpSpecDec, and plain greedy decoding or plain sampling, which draft nothing); the
+loop is :func:`recspec.decoding.engine.run`, the item decoders' search
+:mod:`recspec.decoding.rounds`.
 
 :func:`generate_texts` prefills the prompts once (left-padded, :class:`~recspec.decoding.text_cache.
-TextCache`) and then repeats one *round* per target call until every row has an end-of-sequence
-token or ``max_new_tokens``:
+TextCache`) and then the engine repeats one *round* per target call until every row has an
+end-of-sequence token or ``max_new_tokens``:
 
 1. draft: the :class:`TextDrafter` proposes a token tree after each row's text (:class:`Draft`:
    node 0 the row's *root*, its last committed token, not yet in the KV cache; then the drafted
@@ -37,7 +39,6 @@ verification and cache compaction are tensor operations over the whole batch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,6 +47,7 @@ import torch
 
 from recspec.decoding.acceptance import GreedyAcceptance, TreeAcceptance, accepted_path
 from recspec.decoding.cost import CallCost, batch_nodes
+from recspec.decoding.engine import Clock, run
 from recspec.decoding.prompts import Prompts, left_pad
 from recspec.decoding.text_cache import TextCache
 from recspec.decoding.tree import ancestor_matrix, node_depths
@@ -376,6 +378,67 @@ class Ledger:
                 for b, (prompt, tokens) in enumerate(zip(prompts, self.generated))]
 
 
+class TextSearch:
+    """The text rounds of one batch under the engine (:func:`~recspec.decoding.engine.run`), its
+    prompts prefilled into ``target``: each row one request's text (``rows``: the requests still
+    decoding, by batch row), drafted by ``drafter`` (None: plain decoding), scored in ``target``,
+    verified by ``verifier``, and written to ``ledger`` (see :func:`generate_texts`)."""
+
+    def __init__(self, model, prompts: Sequence[Sequence[int]], target: TextCache, drafter: TextDrafter | None,
+                 verifier: TextVerifier, ledger: Ledger, max_new_tokens: int, eos: frozenset[int],
+                 clock: Clock) -> None:
+        self.model, self.prompts, self.target, self.drafter, self.verifier = model, prompts, target, drafter, verifier
+        self.ledger, self.max_new_tokens, self.eos, self.clock = ledger, max_new_tokens, eos, clock
+        self.observing = drafter is not None and drafter.wants_features
+        self.layers = drafter.feature_layers if self.observing else ()
+        self.rows, self.device = list(range(len(prompts))), target.visible.device
+
+    def feed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The :data:`Scorer` a drafter may call: ``tokens`` fed in a chain after this round's."""
+        return self.target.feed(self.model, tokens, None, self.observing, self.layers)
+
+    def draft(self) -> Draft:
+        generated = self.ledger.generated
+        texts = [list(self.prompts[request]) + generated[request] for request in self.rows]
+        if self.drafter is None:
+            return plain_draft(torch.tensor([[text[-1]] for text in texts], device=self.device))
+        budgets = [self.max_new_tokens - len(generated[request]) - 1 for request in self.rows]
+        return self.drafter.propose(texts, budgets, self.feed)
+
+    def score(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if draft.scored is not None:  # the drafter scored its nodes itself
+            return draft.scored
+        return self.target.feed(self.model, draft.tokens, draft.ancestors, self.observing, self.layers)
+
+    def verify(self, draft: Draft, scored: tuple[torch.Tensor, torch.Tensor | None]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        generated = torch.tensor([len(self.ledger.generated[request]) for request in self.rows],
+                                 device=self.device)
+        return self.verifier.verify(draft, scored[0], generated)
+
+    def advance(self, draft: Draft, scored: tuple[torch.Tensor, torch.Tensor | None],
+                outcome: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The drafter learns what was accepted, the cache keeps each row's path, the ledger its
+        tokens (and its share of the round's drafting seconds); returns the rows now finished."""
+        path, mine = outcome
+        if self.drafter is not None:
+            self.drafter.learn(draft, path, mine, scored[1], self.target.count)
+        self.target.keep(path)
+        self.ledger.commit(self.rows, draft, path, mine, self.clock.last["draft"] / len(self.rows),
+                           self.max_new_tokens, self.eos)
+        return torch.tensor([self.ledger.done[request] for request in self.rows])
+
+    def settle(self, finished: torch.Tensor) -> bool:
+        """The finished rows leave the cache, the verifier and the drafter."""
+        if bool(finished.any()):
+            stay = (~finished).nonzero()[:, 0]
+            for part in (self.target, self.verifier, self.drafter):
+                if part is not None:
+                    part.select(stay.to(self.device))
+            self.rows = [self.rows[i] for i in stay.tolist()]
+        return bool(self.rows)
+
+
 @torch.inference_mode()
 def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int],
                    drafter: TextDrafter | None = None,
@@ -390,50 +453,21 @@ def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         check_prompt(prompt, max_new_tokens)
     if not hasattr(verifier, "verify"):
         verifier = TreeVerifier(verifier or GreedyAcceptance(), generator)
-    started = time.perf_counter()
+    clock = Clock(model.device)
+    started = clock.now()
     batch = left_pad([torch.tensor(list(prompt)) for prompt in prompts], pad_token_id, model.device)
-    device, size = batch.input_ids.device, len(prompts)
-    lag = 0 if drafter is None else drafter.lag
+    size, lag = len(prompts), 0 if drafter is None else drafter.lag
     observing = drafter is not None and drafter.wants_features
-    layers = drafter.feature_layers if observing else ()
-    verifier.start(size, max_new_tokens, device)
-    target, first, features = TextCache.start(model, batch, lag, observing, layers,
+    verifier.start(size, max_new_tokens, batch.input_ids.device)
+    target, first, features = TextCache.start(model, batch, lag, observing, drafter.feature_layers if observing else (),
                                               drafter is not None and drafter.drop_hidden)
-    prefill_s = (time.perf_counter() - started) / size
+    prefill_s = (clock.add("prefill", started) - started) / size
     if drafter is not None:
         drafter.start(batch, features)
     ledger = Ledger.start(None if lag else verifier.first(first).tolist(), size, max_new_tokens, eos)
-    generated, rows = ledger.generated, list(range(size))  # the batch's rows, by request
-
-    def score(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return target.feed(model, tokens, None, observing, layers)
-
-    while True:
-        if any(ledger.done[request] for request in rows):  # finished rows leave (all of them at the end)
-            stay = [i for i, request in enumerate(rows) if not ledger.done[request]]
-            index = torch.tensor(stay, dtype=torch.int64, device=device)
-            for part in (target, verifier, drafter):
-                if part is not None:
-                    part.select(index)
-            rows = [rows[i] for i in stay]
-            if not rows:
-                break
-        texts = [list(prompts[request]) + generated[request] for request in rows]
-        tick = time.perf_counter()
-        if drafter is None:
-            draft = plain_draft(torch.tensor([[text[-1]] for text in texts], device=device))
-        else:
-            draft = drafter.propose(texts, [max_new_tokens - len(generated[request]) - 1 for request in rows], score)
-        seconds = (time.perf_counter() - tick) / len(rows)
-        scored = draft.scored
-        logits, fed = scored if scored is not None else target.feed(model, draft.tokens, draft.ancestors, observing,
-                                                                     layers)
-        path, mine = verifier.verify(draft, logits, torch.tensor([len(generated[r]) for r in rows], device=device))
-        if drafter is not None:
-            drafter.learn(draft, path, mine, fed, target.count)
-        target.keep(path)
-        ledger.commit(rows, draft, path, mine, seconds, max_new_tokens, eos)
-    return ledger.generations(prompts, prefill_s, (time.perf_counter() - started) / size)
+    run(TextSearch(model, prompts, target, drafter, verifier, ledger, max_new_tokens, eos, clock), clock,
+        torch.tensor(ledger.done))
+    return ledger.generations(prompts, prefill_s, (clock.now() - started) / size)
 
 
 class BatchDrafter(Protocol):
