@@ -1,5 +1,6 @@
 """The text decoders under two source trees of recspec, side by side: the chain decoders
-(speculative sampling with a draft of the target's layers or a text head, TopK-ImpSpecDec),
+(speculative sampling with a draft of the target's layers or a text head, TopK-ImpSpecDec), DSBD
+over text (beam sampling drafted by the target's layers) and plain beam sampling,
 LASER's knowledge job (greedy and relaxed, batch 1 and batch B) and, with ``--head`` (a text head
 folder for SmolLM2), the job's greedy decoding drafted by the head's trees (batch 1 and batch B)
 and LASER's hybrid of retrieval and the head (batch B), on the same models and prompts.
@@ -55,9 +56,9 @@ def cases(args: argparse.Namespace) -> dict:
     pad, eos = tokenizer.pad_token_id or 0, tokenizer.eos_token_id
     task = KnowledgeTask()
 
-    def chain(method: str, draft: str, batch: int, **options) -> callable:
-        chosen = TextOptions(max_new_tokens=args.max_new_tokens, seed=5, **options)
-        return lambda: generate(method, target, drafts[draft], prompts, chosen, pad, eos, batch_size=batch).tokens
+    def chain(method: str, draft: str | None, batch: int, **options) -> callable:
+        chosen, model = TextOptions(max_new_tokens=args.max_new_tokens, seed=5, **options), drafts.get(draft)
+        return lambda: generate(method, target, model, prompts, chosen, pad, eos, batch_size=batch).tokens
 
     def laser(verification: str, batch: int, method: str = LASER, head: Path | None = None) -> callable:
         config = KnowledgeConfig(side="user", method=method, verification=Verification(verification),
@@ -76,6 +77,8 @@ def cases(args: argparse.Namespace) -> dict:
             f"spec-sample layers b{len(prompts)}": chain("spec-sample", "layers", len(prompts)),
             f"spec-sample head b{len(prompts)}": chain("spec-sample", "head", len(prompts), gamma=3),
             f"topk-imp layers b{len(prompts)}": chain("topk-imp", "layers", len(prompts), gamma=2, candidates=5),
+            f"dsbd layers b{len(prompts)}": chain("dsbd", "layers", len(prompts), gamma=2),
+            f"beam-sample b{len(prompts)}": chain("beam-sample", None, len(prompts)),
             "laser-greedy b1": laser("greedy", 1), f"laser-greedy b{args.batch_size}": laser("greedy", args.batch_size),
             f"laser b{args.batch_size}": laser("relaxed", args.batch_size)}
     if args.head is not None:
