@@ -2,7 +2,7 @@
 (:class:`ModelDraft`), or a feature-level head over the target's hidden states
 (:class:`FeatureDraft`, :mod:`recspec.models.head`). The search over item beams
 (:class:`~recspec.decoding.rounds.ItemSearch`) talks to either through the same calls
-(:class:`~recspec.decoding.drafting.DraftSource`; ``feed_last`` and ``scored`` default to nothing):
+(:class:`~recspec.decoding.drafting.DraftSource`; ``feed_last`` and ``learn`` default to nothing):
 
 * ``start(prompts)``: before the first round; the draft's log-probs at the root ``[B, 1, V]``,
   or None when the first round drafts nothing (a head: level 1 then comes exactly from the
@@ -10,7 +10,7 @@
 * ``log_probs(levels, front)``: the draft's log-probs ``[B, n, V]`` at the nodes of
   ``levels[-1]``, the round's newest level (``levels[0]`` is the round's level 0);
 * ``feed_last(levels)``: the round's last level, so that a draft cache holds what the target's will;
-* ``scored(levels, features, prompts, front, beams, parent_at)``: after the target's call and its
+* ``learn(levels, features, prompts, front, beams, parent_at)``: after the target's call and its
   verification, its features at every position it was fed ``[B, F, H]`` (the prompt's too in the
   first round, ``prompts`` given) with the round's ``front`` and the new ``beams``, whose parents are
   the fed nodes ``parent_at`` (int64 ``[B, K]``); returns what each new beam carries into the next
@@ -33,7 +33,7 @@ column before it in the prompt, the parent node in a tree): the input that guess
 maps column for column). The first real prompt token has no parent: its column holds a
 placeholder that no input ever sees (after the first compaction it is column 0). While drafting,
 deeper levels take the head's own guesses at their parents, and those inputs live for the round
-only. Once the target has scored and verified the round, :meth:`TextTreeDraft.scored` makes one
+only. Once the target has scored and verified the round, :meth:`TextTreeDraft.learn` makes one
 head call over every node the target was fed past level 0, with the target's true features at
 their parents, in the target's column order (the head's cache again holds only true features, and
 the round loop compacts and narrows it with the target's), and over each new beam's input (the
@@ -115,7 +115,7 @@ class FeatureDraft(DraftSource):
         self.guessed = [*self.guessed[:j], feature]
         return self.head.log_probs(feature)
 
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+    def learn(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
         if prompts is not None and self.head.attends:  # the first round: the prompt's columns come first
             self.context = (features[:, :prompts.input_ids.shape[1]], prompts.attention_mask.bool())
@@ -144,9 +144,9 @@ class ModelHeadDraft(DraftSource):
         self.model.cache = None
         return self.head.log_probs(levels, front)
 
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+    def learn(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
-        return self.head.scored(levels, features, prompts, front, beams, parent_at)
+        return self.head.learn(levels, features, prompts, front, beams, parent_at)
 
 
 @dataclass
@@ -176,7 +176,7 @@ class TextTreeDraft(DraftSource):
         return None
 
     def log_probs(self, levels: list[Level], front: Frontier) -> torch.Tensor:
-        if len(levels) == 1:  # a new round: level 0's inputs were computed ahead, by the last scored()
+        if len(levels) == 1:  # a new round: level 0's inputs were computed ahead, by the last learn()
             guessed, keys, values = self.unpacked(front)
             self.keys, self.values, self.guessed = [keys], [values], [guessed]
             return self.head.vocabulary_log_probs(guessed)
@@ -192,7 +192,7 @@ class TextTreeDraft(DraftSource):
         self.guessed.append(guessed)
         return self.head.vocabulary_log_probs(guessed)
 
-    def scored(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
+    def learn(self, levels: list[Level], features: torch.Tensor, prompts: Prompts | None, front: Frontier,
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
         """One head call (see the module doc): append to the cache the head's inputs of every column
         the target was just fed past level 0 (in the first round: the prompt's), with the target's
@@ -234,7 +234,7 @@ class TextTreeDraft(DraftSource):
                           values[:, :, fed:].transpose(1, 2).flatten(2)), dim=2)
 
     def unpacked(self, front: Frontier) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The inputs of ``front``'s pending beams computed ahead by :meth:`scored`: guesses ``[B, K,
+        """The inputs of ``front``'s pending beams computed ahead by :meth:`learn`: guesses ``[B, K,
         H]``, keys and values ``[B, kv, K, d]``."""
         state, config = front.draft_state, self.head.head.config
         if state is None:

@@ -239,7 +239,7 @@ class ItemSearch:
         state = None
         if features is not None:
             mark = self.clock.now()
-            state = self.source.scored(levels, features, self.prompts if first else None, front, outcome.beams,
+            state = self.source.learn(levels, features, self.prompts if first else None, front, outcome.beams,
                                        outcome.parent_at)
             self.clock.add("draft", mark)
         own_drafted = drafted_per_row(front.depth, self.space.depth, len(self.shape.widths))
