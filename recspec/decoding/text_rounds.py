@@ -379,19 +379,30 @@ class Ledger:
 
 
 class TextSearch:
-    """The text rounds of one batch under the engine (:func:`~recspec.decoding.engine.run`), its
-    prompts prefilled into ``target``: each row one request's text (``rows``: the requests still
-    decoding, by batch row), drafted by ``drafter`` (None: plain decoding), scored in ``target``,
-    verified by ``verifier``, and written to ``ledger`` (see :func:`generate_texts`)."""
+    """The text rounds of one batch under the engine (:func:`~recspec.decoding.engine.run`): each
+    row one request's text (``rows``: the requests still decoding, by batch row), drafted by
+    ``drafter`` (None: plain decoding), scored in ``target`` (the rows' :class:`~recspec.decoding.
+    text_cache.TextCache`), verified by ``verifier``, and written to ``ledger`` (see
+    :func:`generate_texts`). Built, it has prefilled the prompts (left-padded with
+    ``pad_token_id``; the seconds in ``clock``'s ``prefill``) and started the drafter."""
 
-    def __init__(self, model, prompts: Sequence[Sequence[int]], target: TextCache, drafter: TextDrafter | None,
-                 verifier: TextVerifier, ledger: Ledger, max_new_tokens: int, eos: frozenset[int],
-                 clock: Clock) -> None:
-        self.model, self.prompts, self.target, self.drafter, self.verifier = model, prompts, target, drafter, verifier
-        self.ledger, self.max_new_tokens, self.eos, self.clock = ledger, max_new_tokens, eos, clock
+    def __init__(self, model, prompts: Sequence[Sequence[int]], drafter: TextDrafter | None, verifier: TextVerifier,
+                 max_new_tokens: int, eos: frozenset[int], clock: Clock, pad_token_id: int) -> None:
+        self.model, self.prompts, self.drafter, self.verifier = model, prompts, drafter, verifier
+        self.max_new_tokens, self.eos, self.clock = max_new_tokens, eos, clock
         self.observing = drafter is not None and drafter.wants_features
         self.layers = drafter.feature_layers if self.observing else ()
-        self.rows, self.device = list(range(len(prompts))), target.visible.device
+        started = clock.now()
+        batch = left_pad([torch.tensor(list(prompt)) for prompt in prompts], pad_token_id, model.device)
+        size, lag = len(prompts), 0 if drafter is None else drafter.lag
+        self.rows, self.device = list(range(size)), batch.input_ids.device
+        verifier.start(size, max_new_tokens, self.device)
+        self.target, first, features = TextCache.start(model, batch, lag, self.observing, self.layers,
+                                                        drafter is not None and drafter.drop_hidden)
+        clock.add("prefill", started)
+        if drafter is not None:
+            drafter.start(batch, features)
+        self.ledger = Ledger.start(None if lag else verifier.first(first).tolist(), size, max_new_tokens, eos)
 
     def feed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The :data:`Scorer` a drafter may call: ``tokens`` fed in a chain after this round's."""
@@ -455,19 +466,10 @@ def generate_texts(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         verifier = TreeVerifier(verifier or GreedyAcceptance(), generator)
     clock = Clock(model.device)
     started = clock.now()
-    batch = left_pad([torch.tensor(list(prompt)) for prompt in prompts], pad_token_id, model.device)
-    size, lag = len(prompts), 0 if drafter is None else drafter.lag
-    observing = drafter is not None and drafter.wants_features
-    verifier.start(size, max_new_tokens, batch.input_ids.device)
-    target, first, features = TextCache.start(model, batch, lag, observing, drafter.feature_layers if observing else (),
-                                              drafter is not None and drafter.drop_hidden)
-    prefill_s = (clock.add("prefill", started) - started) / size
-    if drafter is not None:
-        drafter.start(batch, features)
-    ledger = Ledger.start(None if lag else verifier.first(first).tolist(), size, max_new_tokens, eos)
-    run(TextSearch(model, prompts, target, drafter, verifier, ledger, max_new_tokens, eos, clock), clock,
-        torch.tensor(ledger.done))
-    return ledger.generations(prompts, prefill_s, (clock.now() - started) / size)
+    search = TextSearch(model, prompts, drafter, verifier, max_new_tokens, eos, clock, pad_token_id)
+    run(search, clock, torch.tensor(search.ledger.done))
+    return search.ledger.generations(prompts, clock.seconds["prefill"] / len(prompts),
+                                     (clock.now() - started) / len(prompts))
 
 
 class BatchDrafter(Protocol):
