@@ -2,11 +2,11 @@
 
 A change that must keep speed level is measured against the code before it on the same models,
 in one run: ``python benchmarks/before_after.py --before /path/to/old/checkout --target T
---draft D``. Each round runs `recspec bench compare` under the old tree, then under this one
-(``PYTHONPATH`` picks the tree, the interpreter is this one), the rounds alternate so that drift
-of the machine falls on both alike, and the result gives each decoder's median users/s under
-each tree and their ratio (after / before), with whether every round returned the same items as
-the first decoder. Writes ``NAME.json`` and ``NAME.md`` under ``--out``.
+--draft D``. Each round runs `recspec bench compare` under both trees (the tree goes first on the
+path, checked; the interpreter is this one), which tree runs first alternating from round to round
+so that drift of the machine falls on both alike; the result gives each decoder's median users/s
+under each tree and their ratio (after / before), with whether every round returned the same items
+as the first decoder. Writes ``NAME.json`` and ``NAME.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ from pathlib import Path
 from recspec.bench.report import markdown_table, write_results
 
 HERE = Path(__file__).resolve().parents[1]
+#: The command line's program under a tree: ``python -c`` puts the working folder first on the path,
+#: ahead of ``PYTHONPATH``, so the tree goes first explicitly and the package imported is checked.
+CHILD = ("import sys; sys.path.insert(0, {tree!r}); import recspec; from pathlib import Path; "
+         "assert Path(recspec.__file__).resolve().is_relative_to({tree!r}), recspec.__file__; "
+         "from recspec.cli import main; main()")
 
 
 def compare(tree: Path, args: argparse.Namespace, out: Path, name: str) -> list[dict]:
     """The rows of one `recspec bench compare` run under ``tree``."""
-    command = [sys.executable, "-c", "from recspec.cli import main; main()", "bench", "compare",
+    command = [sys.executable, "-c", CHILD.format(tree=str(tree)), "bench", "compare",
                "--target", args.target, "--k", str(args.k), "--batch-size", str(args.batch_size),
                "--users", str(args.users), "--repeats", str(args.repeats), "--out", str(out), "--name", name,
                *(["--draft", args.draft] if args.draft else []),
@@ -55,8 +60,8 @@ def main() -> None:
     rates: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     same: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for round_ in range(args.rounds):
-            for label, tree in trees.items():
+        for round_ in range(args.rounds):  # the trees' order alternates, so a drifting machine favours neither
+            for label, tree in list(trees.items())[::1 if round_ % 2 == 0 else -1]:
                 for row in compare(tree, args, Path(scratch), f"{label}-{round_}"):
                     rates[label].setdefault(row["decoder"], []).append(row["users_per_s"])
                     same[row["decoder"]] = same.get(row["decoder"], True) and row["same_items"]

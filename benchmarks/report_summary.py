@@ -61,7 +61,7 @@ ORDER = ("demo", "decode", "dropin", "reference-targets", "heads-auto", "spec", 
          "cost", "align", "sampling", "knowledge", "text-heads", "serving", "service-load", "ray", "training",
          "llm-target", "prefix", "short-prompt", "precision", "ids", "rows", "row-major", "onednn",
          "packed-attention", "packed-weights", "fused", "kernel", "int8-logits", "int8-layer", "dsbd-compaction",
-         "dsbd-vocab", "dsbd-reread", "engine", "release")
+         "dsbd-vocab", "dsbd-reread", "engine", "release", "trim")
 
 #: The demo's result files (`make demo` writes them under runs/demo; copied here when measured).
 DEMO_RESULTS = ("demo-hf-batch1", "demo-hf-batch16")

@@ -221,7 +221,8 @@ def measure_acceptance(recommender, draft, prompts, k: int, choices: tuple[int, 
 def decoding_key(recommender) -> dict[str, Any]:
     """What a timing of the loaded models depends on: the target's and the draft's weights and
     :func:`measurement_key`."""
-    return {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender),
+    return {"target_sha256": weights_fingerprint(recommender.folder),
+            **draft_identity(recommender.draft_dirs, recommender.draft_name),
             **measurement_key(next(recommender.model.parameters()).device), **precision_key(recommender.model),
             **({"draft_" + name: value for name, value in precision_key(recommender.draft).items()}
                if isinstance(recommender.draft, torch.nn.Module) else {})}
@@ -249,18 +250,14 @@ def draft_identity(folders: Sequence[Path], named: str | None = None) -> dict[st
     return identity
 
 
-def loaded_draft_identity(recommender) -> dict[str, str]:
-    """:func:`draft_identity` of a loaded recommender's draft."""
-    return draft_identity(recommender.draft_dirs, recommender.draft_name)
-
-
 def acceptance_tables(recommender, k: int, choices: tuple[int, ...], users: int = 128,
                       remeasure: bool = False, records: Memory | None = None) -> tuple[Acceptance, Acceptance]:
     """The loaded draft's acceptance per round level and width (first round, later rounds) on the
     first ``users`` validation users, kept in the target's folder as ``acceptance-k<K>.json``
     (or in ``records``: :func:`kept_record`) while target, draft, K, widths and users match."""
-    key = {"target_sha256": weights_fingerprint(recommender.folder), **loaded_draft_identity(recommender), "k": k,
-           "choices": list(choices), "users": users, **precision_key(recommender.model)}
+    key = {"target_sha256": weights_fingerprint(recommender.folder),
+           **draft_identity(recommender.draft_dirs, recommender.draft_name), "k": k, "choices": list(choices),
+           "users": users, **precision_key(recommender.model)}
     def measure() -> dict[str, Any]:
         prompts = recommender.encoder.prompts(recommender.examples("valid", users))
         return measure_acceptance(recommender, recommender.draft, prompts, k, choices)

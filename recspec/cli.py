@@ -847,7 +847,7 @@ def generate_command(
 ) -> None:
     """Generate text (e.g. user / item profiles) with a sampling decoder, speculative or not."""
     from recspec.data import load_dataset
-    from recspec.decoding.text import TextOptions, check_request, default_gamma, log_likelihood
+    from recspec.decoding.text import TextOptions, check_request, default_gamma, generate, log_likelihood
     from recspec.decoding.warp import Warp
     from recspec.fileio import check_output_file
     from recspec.hub import resolve_model_dir
@@ -875,7 +875,8 @@ def generate_command(
         if tree:
             result = _tree_generate(model, target, draft_model, prompts, options, tokenizer, batch_size)
         else:
-            result = _chain_generate(method, model, draft_model, prompts, options, tokenizer, batch_size)
+            result = generate(method, model, draft_model, prompts, options, tokenizer.pad_token_id,
+                              tokenizer.eos_token_id, batch_size)
         quality = log_likelihood(model, prompts, result.tokens, tokenizer.pad_token_id).tolist() if score else None
     _write_texts(out, messages, result, tokenizer, quality, method)
 
@@ -892,14 +893,6 @@ def _text_models(target: str, draft: str | None, draft_layers: str | None, draft
     draft_model = text_draft_model(model, draft, draft_layers, resolve_model_dir(target),
                                    dtype=precisions.draft.dtype) if drafted else None
     return tokenizer, model, draft_model
-
-
-def _chain_generate(method: str, model, draft, prompts, options, tokenizer, batch_size: int):
-    """``method`` in the chain loop (:func:`recspec.decoding.text.generate`), ``batch_size`` prompts per batch."""
-    from recspec.decoding.text import generate
-
-    return generate(method, model, draft, prompts, options, tokenizer.pad_token_id, tokenizer.eos_token_id,
-                    batch_size)
 
 
 def _write_texts(out: Path, messages: list[str], result, tokenizer, quality: list[float] | None, method: str) -> None:
@@ -1049,7 +1042,7 @@ def calibrate_command(
     length match) and, with --k, the draft's acceptance (acceptance-k<K>.json beside the target)."""
     import torch
 
-    from recspec.auto import WIDTH_FACTORS
+    from recspec.auto import width_choices
     from recspec.calibration import acceptance_tables, call_cost, draft_costs, median_prompt_length
     from recspec.recommend import Recommender
 
@@ -1068,8 +1061,8 @@ def calibrate_command(
     if k and recommender.draft is None:
         raise RecspecError("--k counts a draft's acceptance: pass --draft")
     for beams in k:
-        choices = tuple(sorted({max(beams, round(f * beams)) for f in WIDTH_FACTORS}))
-        first_table, later_table = acceptance_tables(recommender, beams, choices, remeasure=remeasure)
+        first_table, later_table = acceptance_tables(recommender, beams, width_choices(recommender.trie, beams),
+                                                     remeasure=remeasure)
         for label, table in (("first round", first_table), ("later rounds", later_table)):
             rows = "; ".join(f"level {j}: " + ", ".join(f"N={n} {rate:.0%}" for n, rate in sorted(row.items()))
                              for j, row in enumerate(table.rates, start=1))

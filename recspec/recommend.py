@@ -276,7 +276,7 @@ class Recommender:
         from its data set, or names ``recspec upgrade`` when it cannot be read.
         ``draft_dir``: a draft model for the speculative decoders, refused unless it was
         trained with the same item index and tokenizer, or a draft head (`recspec align train
-        --head`), refused unless it was trained for this target, or both (:func:`draft_folders`):
+        --head`), refused unless it was trained for this target, or both (:func:`draft_kinds`):
         the model drafts the first round, the head the rest; or a target prior (`recspec align
         prior`), refused unless it was fitted for this target; or ``"items"``: the item prior of
         :meth:`item_draft`. Neither prior costs a model call. ``k``: the number of items to be asked for,
@@ -432,7 +432,6 @@ class Recommender:
         return Decoded.joined(parts)
 
 
-
 def trained_examples(dataset: Dataset, info: dict[str, Any], part: str = "test", users: int | None = None
                      ) -> Examples:
     """The evaluation examples of ``part`` of ``dataset`` under the split a model was trained
@@ -517,15 +516,14 @@ def named_draft(draft_dir: str | Path | Sequence[str | Path] | None) -> str | No
 
 
 def check_drafts(draft_dir: str | Path | Sequence[str | Path] | None) -> tuple[list[Path], list[Path]]:
-    """The draft models and heads of ``draft_dir`` (:func:`draft_folders`): at most one of each,
+    """The draft models and heads of ``draft_dir`` (:func:`draft_kinds`): at most one of each,
     each folder readable; a target prior (:mod:`recspec.decoding.target_prior`) comes alone, in the
     heads' place (it is tied to its target's folder as a head is)."""
     kinds = draft_kinds(draft_dir)
-    folders = [path for _, path in kinds]
     priors = [path for kind, path in kinds if kind == PRIOR_KIND]
     heads = [path for kind, path in kinds if kind == HEAD_KIND]
     models = [path for kind, path in kinds if kind == MODEL_KIND]
-    if priors and len(folders) > 1:
+    if priors and len(kinds) > 1:
         raise RecspecError("a target prior (`recspec align prior`) drafts alone; give --draft that folder only")
     if len(heads) > 1 or len(models) > 1:
         raise RecspecError(f"--draft takes a draft model, a head, or a model and a head joined by '+' "
@@ -544,13 +542,6 @@ def check_k(k: int | None, index: ItemIndex, source: str | Path) -> None:
     if k is not None and not 1 <= k <= len(index.item_keys):
         raise RecspecError(f"k={k} is outside [1, {len(index.item_keys)}]: the item index of {source} has "
                            f"{len(index.item_keys)} items")
-
-
-def draft_folders(draft_dir: str | Path | Sequence[str | Path] | None) -> list[Path]:
-    """The folders of a ``--draft`` value: one folder, two joined by ``+`` (a draft model for the
-    first round and a head for the rest), or a sequence of folders; each may carry its kind
-    (:func:`draft_kinds`)."""
-    return [path for _, path in draft_kinds(draft_dir)]
 
 
 def draft_kinds(draft_dir: str | Path | Sequence[str | Path] | None, infer: bool = True

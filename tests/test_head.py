@@ -16,6 +16,7 @@ import torch
 
 from benchmarks.lab.coverage import level_coverage
 from recspec.align.train import head_fit
+from recspec.auto import width_choices
 from recspec.decoding import beam_search
 from recspec.decoding.draft_sources import ModelHeadPair
 from recspec.decoding.speculative_beam import SpecConfig, speculative_beam_search
@@ -234,13 +235,16 @@ def test_head_trains_and_drafts_exactly_through_the_cli(small_target, alignment_
     assert auto.returncode == 0, auto.stderr
     assert auto.stdout.startswith("auto: ") and read(tmp_path / "a.jsonl") == beam_items
 
-    calibrate = recspec("calibrate", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
-                        "--repeats", "2", "--threads", "1")
+    calibrate = recspec("calibrate", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "2",
+                        "--k", "5", "--repeats", "2", "--threads", "1")
     assert calibrate.returncode == 0, calibrate.stderr
     lines = calibrate.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["target", "draft, later rounds", "acceptance at K=5, first round",
-                                                       "acceptance at K=5, later rounds"]
-    assert "nothing drafted" in lines[2] and "level 1: N=5" in lines[3]  # a head drafts from the second round on
+    assert [line.split(":")[0] for line in lines] == ["target", "draft, later rounds"] + [
+        f"acceptance at K={k}, {part}" for k in (2, 5) for part in ("first round", "later rounds")]
+    assert "nothing drafted" in lines[4] and "level 1: N=5" in lines[5]  # a head drafts from the second round on
+    for k in (2, 5):  # kept for the widths `auto` asks for (at K = 2 the root's 5 children too): auto reuses them
+        record = json.loads((folder / f"acceptance-k{k}.json").read_text())
+        assert record["choices"] == list(width_choices(recommender.trie, k))
     bench = lab("auto", "--target", str(target_dir), "--draft", str(tmp_path / "head"), "--k", "5",
                 "--batch-size", "2", "--users", "4", "--repeats", "1", "--out", str(tmp_path / "bench"))
     assert bench.returncode == 0, bench.stderr

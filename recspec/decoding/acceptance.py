@@ -431,15 +431,10 @@ class SampledAcceptance:
         return chosen_accept(tokens, parents, choices)
 
 
-def _at_parents(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """``values[b, parents[b, n]]`` for per-node ``values [B, N]`` (the root gets its own)."""
-    return values.gather(1, parents.clamp_min(0))
-
-
 def chosen_accept(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
     """bool ``[B, N]``: ``tokens[b, n] == choices[b, parents[b, n]]`` (the target's own token at the
     parent, int64 ``[B, N]``); root True."""
-    return (tokens == _at_parents(choices, parents)) | (parents < 0)
+    return (tokens == choices.gather(1, parents.clamp_min(0))) | (parents < 0)
 
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

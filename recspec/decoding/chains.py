@@ -154,7 +154,7 @@ class HeadChainDraft:
 
     def log_q_after(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.cache.guessed is not None
-        self.cache.guessed = self.cache.feed_chain(self.cache.guessed[:, None], tokens)[:, -1]
+        self.cache.guessed = self.cache.feed(self.cache.guessed[:, None], tokens)[:, -1]
         return self.log_q()
 
     def keep(self, accepted: torch.Tensor, emitted: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -173,7 +173,7 @@ class HeadChainDraft:
         return self.head.vocabulary_log_probs(self.cache.guessed)
 
 
-def chain_draft(draft) -> ModelChainDraft | HeadChainDraft:
+def chain_draft(draft) -> ChainDraft:
     """What drafts with ``draft``: a :class:`~recspec.models.text_head.TextHeadDraft` or a causal
     LM."""
     return HeadChainDraft(draft) if isinstance(draft, TextHeadDraft) else ModelChainDraft(draft)
@@ -199,7 +199,7 @@ class ChainDrafter:
     is unchanged (EAGLE-2's draft confidence as the acceptance estimate).
     """
 
-    draft: ModelChainDraft | HeadChainDraft
+    draft: ChainDraft
     warp: Warp
     gamma: int
     generator: torch.Generator
@@ -260,8 +260,7 @@ class ChainDrafter:
             draft.scored, draft.calls = (logits, seen), len(scored)
         return draft
 
-    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
-              start: torch.Tensor) -> None:
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None) -> None:
         accepted, drafted = path.sum(dim=1) - 1, draft.tokens[:, 1:]
         emitted = torch.cat((drafted, drafted[:, :1]), dim=1).scatter_(1, accepted[:, None], own[:, None])
         self.draft.keep(accepted, emitted, features)

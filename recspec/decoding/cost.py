@@ -44,8 +44,8 @@ class CallCost:
     samples: tuple[tuple[int, float], ...] = ()
     padded: bool = False
 
-    def call_s(self, tokens: int) -> float:
-        """Predicted seconds of one call that feeds ``tokens`` tokens."""
+    def call_s(self, tokens: int | torch.Tensor) -> float | torch.Tensor:
+        """Predicted seconds of one call that feeds ``tokens`` tokens (or of calls, a tensor of counts)."""
         return self.fixed_s + self.per_token_s * tokens
 
     def free_tokens(self, tokens: int) -> int:
@@ -70,7 +70,7 @@ def batch_nodes(chances: torch.Tensor, cost: CallCost) -> int:
     rows, width = chances.shape
     emitted = rows + torch.cat((chances.new_zeros(1), chances.sum(dim=0).cumsum(dim=0))).double()
     fed = rows * torch.arange(1, width + 2, dtype=torch.float64)
-    return int(torch.argmax(emitted / (cost.fixed_s + cost.per_token_s * fed)))
+    return int(torch.argmax(emitted / cost.call_s(fed)))
 
 
 def fit_call_cost(tokens: Sequence[int], seconds: Sequence[float]) -> CallCost:

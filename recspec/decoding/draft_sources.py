@@ -119,7 +119,7 @@ class FeatureDraft(DraftSource):
                beams: Beams, parent_at: torch.Tensor) -> torch.Tensor:
         if prompts is not None and self.head.attends:  # the first round: the prompt's columns come first
             self.context = (features[:, :prompts.input_ids.shape[1]], prompts.attention_mask.bool())
-        return at_parents(features, levels, parent_at)
+        return gather_rows(node_features(features, levels), parent_at)  # the target's at the new beams' parents
 
 
 @dataclass
@@ -249,12 +249,6 @@ def node_features(features: torch.Tensor, levels: list[Level]) -> torch.Tensor:
     """The target's features at the round's nodes, level 0 first, ``[B, M, H]``: ``features``
     ``[B, F, H]`` at every position fed (in the first round the prompt's before them)."""
     return features[:, -sum(level.width for level in levels):]
-
-
-def at_parents(features: torch.Tensor, levels: list[Level], parent_at: torch.Tensor) -> torch.Tensor:
-    """The target's features at the new beams' parents ``[B, K, H]`` (``parent_at``: int64 ``[B, K]``,
-    among the round's nodes; ``features`` as :func:`node_features` reads them)."""
-    return gather_rows(node_features(features, levels), parent_at)
 
 
 def parent_features(levels: list[Level], front: Frontier, guessed: list[torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recspec.decoding.beams import Beams
 from recspec.decoding.prompts import Prompts
 from recspec.decoding.scorer import forward_visible, next_log_probs, prompt_and_tree
 from recspec.decoding.tree import child_rows, gather_rows
@@ -60,20 +61,20 @@ class Level:
         return self.nodes >= 0
 
 
-def child_level(parent: Level, parents: torch.Tensor, tokens: torch.Tensor, nodes: torch.Tensor,
-                scores: torch.Tensor, depth: torch.Tensor, proposal: torch.Tensor | None = None,
+def child_level(parent: Level, chosen: Beams, depth: torch.Tensor, proposal: torch.Tensor | None = None,
                 choice: torch.Tensor | None = None) -> Level:
-    """The next level: node ``i`` continues ``parent`` node ``parents[b, i]`` with ``tokens[b, i]``.
+    """The next level of the ``n`` beams ``chosen``: node ``i`` continues ``parent`` node
+    ``chosen.parents[b, i]`` with the last of ``chosen.tokens[b, i]``.
 
     ``depth``: int64 ``[B]``, each user's depth of the *new* level (its tokens go to column
-    ``depth - 1`` of the paths). ``parents``, ``tokens``, ``nodes``, ``scores`` are ``[B, n]``;
-    ``proposal`` and ``choice`` as in :class:`Level`.
+    ``depth - 1`` of the paths); ``proposal`` and ``choice`` as in :class:`Level`.
     """
+    parents, tokens = chosen.parents, chosen.tokens[:, :, -1]  # [B, n]
     n = tokens.shape[1]
     paths = gather_rows(parent.paths, parents)
     column = (depth - 1).clamp(max=paths.shape[2] - 1)[:, None, None].expand(-1, n, 1)
     paths.scatter_(2, column, tokens[:, :, None])
-    return Level(tokens=tokens, nodes=nodes, parents=parents, scores=scores,
+    return Level(tokens=tokens, nodes=chosen.nodes, parents=parents, scores=chosen.scores,
                  visible=child_rows(parent.visible, parents), positions=parent.positions.gather(1, parents) + 1,
                  paths=paths, proposal=proposal, choice=choice)
 

@@ -27,12 +27,6 @@ from recspec.decoding.warp import Warp
 from recspec.itemids.trie import ItemTrie
 
 
-def _child(parent: Level, chosen: Beams, depth: torch.Tensor, proposal: torch.Tensor | None = None,
-           choice: torch.Tensor | None = None) -> Level:
-    return child_level(parent, chosen.parents, chosen.tokens[:, :, -1], chosen.nodes, chosen.scores, depth, proposal,
-                       choice)
-
-
 @dataclass(frozen=True)
 class TopNDrafter:
     """The top ``n`` children of the previous level in ``trie`` by prefix score; with a
@@ -56,7 +50,7 @@ class TopNDrafter:
             scores, nodes, tokens, parents = (part[:, :live].contiguous() for part in
                                               (chosen.scores, chosen.nodes, chosen.tokens, chosen.parents))
             chosen = Beams(scores=scores, nodes=nodes, tokens=tokens, parents=parents, margin=chosen.margin)
-        return _child(parent, chosen, depth)
+        return child_level(parent, chosen, depth)
 
 
 @dataclass(frozen=True)
@@ -83,4 +77,4 @@ class SampledDrafter:
         start = level_beams(parent, front.beams.margin)
         step = candidates(start, log_q, self.space, self.warp, self.count)
         choice = draw(step.log_beam, self.count, self.generator, self.replacement)
-        return _child(parent, step.extend(start, choice, self.space), depth, step.log_beam, choice)
+        return child_level(parent, step.extend(start, choice, self.space), depth, step.log_beam, choice)

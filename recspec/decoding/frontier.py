@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
@@ -69,10 +70,7 @@ def level_zero(front: Frontier, prompts: Prompts | None) -> Level:
 
 def level_offsets(levels: Sequence[Level]) -> list[int]:
     """Where each level starts among the round's fed nodes, and (last) where they end."""
-    offsets = [0]
-    for level in levels:
-        offsets.append(offsets[-1] + level.width)
-    return offsets
+    return list(accumulate((level.width for level in levels), initial=0))
 
 
 def level_beams(level: Level, margin: torch.Tensor) -> Beams:
@@ -138,8 +136,7 @@ def settle_frontier(front: Frontier, caches: Sequence, compacted: int) -> tuple[
     width = widths[0]
     if len(set(widths)) == 1 and width - compacted <= SLACK:
         return replace(front, visible=front.visible[:, :, :width]), compacted
-    front = compact_frontier(front, caches)
-    return front, cache_width(caches[0])
+    return compact_frontier(front, caches), cache_width(caches[0])
 
 
 def compact_frontier(front: Frontier, caches: Sequence) -> Frontier:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from recspec.decoding.scorer import prompt_rows
 from recspec.decoding.text_cache import TextCache
 from recspec.models.text_head import TextHeadDraft
 
@@ -49,33 +50,32 @@ class HeadCache:
         fill (a prompt's left padding, a row that kept fewer), fed but hidden from every input and
         then dropped."""
         count = features.shape[1]
-        ancestors = torch.ones(count, count, dtype=torch.bool, device=real.device).tril() & real[:, None, :] \
-            | torch.eye(count, dtype=torch.bool, device=real.device)
+        ancestors = prompt_rows(real)
         inputs = self.head.read(features)
         if self.text is None:
             guessed, keys, values = self.head.step(inputs, tokens, ancestors.sum(dim=2) - 1, ancestors)
             self.text = TextCache(DynamicCache(ddp_cache_data=[(keys, values)]), real, real.sum(dim=1),
                                   drop_hidden=self.drop_hidden)
         else:
-            visible, positions = self.text.extend(count, ancestors)
-            guessed, keys, values = self.head.step(inputs, tokens, positions, visible, self.past)
-            self.text.cache.layers[0].update(keys, values)
+            guessed = self.feed(inputs, tokens, ancestors)
             self.text.keep(real)
         last = count - 1 - real.flip(1).int().argmax(dim=1)  # each row's last real column
         self.guessed = guessed.gather(1, last[:, None, None].expand(-1, 1, guessed.shape[2]))[:, 0]
 
-    def feed_chain(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each row ``n`` drafted inputs in a chain after everything fed since the last
-        :meth:`read` (a chain's guesses ``[B, n, H]`` with the drafted ``tokens``, int64 ``[B, n]``);
-        returns the head's outputs ``[B, n, H]``. :meth:`drop_drafts` removes them."""
+    def feed(self, features: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Feed each row ``n`` inputs after everything fed so far (the head's inputs ``[B, n, H]``
+        with the next ``tokens``, int64 ``[B, n]``), in a chain or among themselves as ``ancestors``
+        says (bool ``[B, n, n]``); returns the head's outputs ``[B, n, H]``. Drafted inputs fed
+        since the last :meth:`read` are dropped by :meth:`drop_drafts`."""
         assert self.text is not None, "the head has read nothing yet"
-        visible, positions = self.text.extend(tokens.shape[1])
+        visible, positions = self.text.extend(tokens.shape[1], ancestors)
         guessed, keys, values = self.head.step(features, tokens, positions, visible, self.past)
         self.text.cache.layers[0].update(keys, values)
         return guessed
 
     def drop_drafts(self) -> None:
-        """Drop the inputs :meth:`feed_chain` fed since the last :meth:`read`."""
+        """Drop the inputs :meth:`feed` fed since the last :meth:`read`."""
         if self.text is not None and self.text.fed:
             self.text.keep_first(torch.zeros_like(self.text.count))
 

@@ -151,7 +151,7 @@ def expected_rates(log_scores: torch.Tensor, cost: CallCost) -> torch.Tensor:
     first); float64 ``[..., T]``, ``(1 + sum_{i <= n} exp(log_scores_i)) / cost.call_s(n + 1)``."""
     count = torch.arange(1, log_scores.shape[-1] + 1, dtype=torch.float64, device=log_scores.device)
     emitted = 1 + log_scores.double().exp().cumsum(-1)
-    return emitted / (cost.fixed_s + cost.per_token_s * (count + 1))
+    return emitted / cost.call_s(count + 1)
 
 
 def node_budget(log_scores: torch.Tensor, cost: CallCost) -> torch.Tensor:
@@ -253,8 +253,7 @@ class HeadTrees:
         self.cache.read(features, tokens, real)
         self.pending = None
 
-    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
-              start: torch.Tensor) -> None:
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None) -> None:
         """Keep the target's features at each row's root and accepted path (``path`` bool ``[B, N]``)
         for the next read."""
         assert features is not None, "a head drafts from the target's features"

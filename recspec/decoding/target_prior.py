@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -111,10 +111,8 @@ def fit_prior(model, prompts: Sequence[torch.Tensor], trie: ItemTrie, k: int, pa
         add_step(weights, space, beams, log_probs)
         return select_top_k(beams, log_probs, space, width)
 
-    def decode(target, batch: Prompts, on_device: ItemTrie, width: int):
-        return beam_decode(TreeCache, target, batch, on_device, width, recorded)
-
-    decode_in_batches(decode, model, prompts, trie, k, pad_token_id, batch_size)
+    decode_in_batches(partial(beam_decode, TreeCache, select=recorded), model, prompts, trie, k, pad_token_id,
+                      batch_size)
     return weights
 
 

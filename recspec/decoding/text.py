@@ -38,7 +38,7 @@ from recspec.decoding.beam_search import TreeCache, beam_steps
 from recspec.decoding.beams import Beams, sample_step
 from recspec.decoding.chains import ChainDrafter, ChainStats, ChainVerifier, chain_draft
 from recspec.decoding.dsbd import DSBDConfig, DSBDStats, dsbd_batch
-from recspec.decoding.registry import TEXT, Decoder, check_owned, decoder as registered, names, register
+from recspec.decoding.registry import TEXT, Decoder, check_owned, decoder as registered, register
 from recspec.decoding.prompts import Prompts, check_draft_vocabulary, left_pad, prompt_batches
 from recspec.decoding.rounds import SpecStats
 from recspec.decoding.scorer import next_log_probs, prefill
@@ -153,8 +153,8 @@ def best_texts(scores: torch.Tensor, tokens: torch.Tensor, eos: int | None) -> l
     return texts
 
 
-def check_draft(method: str, target, draft) -> None:
-    """Raise :class:`RecspecError` unless ``draft`` can draft for ``target`` with ``method``: a
+def check_draft(target, draft) -> None:
+    """Raise :class:`RecspecError` unless ``draft`` can draft for ``target``: a
     causal LM over the target's vocabulary, or a text head bound to this target (whose draft
     vocabulary is the target's by construction)."""
     if not isinstance(draft, TextHeadDraft):
@@ -169,7 +169,7 @@ def generate(method: str, target, draft, prompts: Sequence[torch.Tensor], option
     draft causal LM, or a text head bound to ``target`` (:class:`~recspec.models.text_head.TextHeadDraft`)."""
     spec = check_request(method, options, draft is not None)
     if draft is not None:
-        check_draft(method, target, draft)
+        check_draft(target, draft)
     short = [i for i, prompt in enumerate(prompts) if len(prompt) < 3]
     if short:
         raise RecspecError(f"prompt {short[0]} has fewer than 3 tokens; the text decoders need at least 3")
@@ -241,9 +241,6 @@ register(SPEC_SAMPLE, TEXT, _chain_texts(False), TextOptions, drafted=True, exac
 register(TOPK_IMP, TEXT, _chain_texts(True), TextOptions, drafted=True, validate=_check_candidates)
 register(BEAM_SAMPLE, TEXT, _beam_sample_texts(None), TextOptions, exact=True, validate=_check_beams)
 register(DSBD, TEXT, _dsbd_texts, TextOptions, drafted=True, exact=True, validate=_check_dsbd)
-#: Every text decoder, and those that need a draft model.
-METHODS = names(TEXT)
-DRAFTED = names(TEXT, drafted=True)
 
 
 def log_likelihood(model, prompts: Sequence[torch.Tensor], outputs: Sequence[Sequence[int]], pad_token_id: int,

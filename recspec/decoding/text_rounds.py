@@ -108,21 +108,6 @@ class Generation:
     prefill_s: float
     wall_s: float
 
-    @property
-    def aal(self) -> float:
-        """Average acceptance length: tokens per target call (accepted draft tokens + 1)."""
-        return len(self.tokens) / max(1, self.calls)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first per second after the prefill (the decoding phase alone)."""
-        seconds = self.wall_s - self.prefill_s
-        return (len(self.tokens) - 1) / seconds if seconds > 0 else 0.0
-
 
 class TextSession:
     """One request's drafting state, drafted with as :class:`Sessions`: :meth:`propose` drafts a
@@ -146,18 +131,6 @@ def check_prompt(prompt: Sequence[int], max_new_tokens: int) -> None:
         raise RecspecError("empty prompt: knowledge generation needs at least one prompt token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise RecspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-
-
-def tree_block(roots: list[int], drafts: list[DraftTree], device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A round's fed nodes, int64 ``(tokens [B, N], parents [B, N])``: each row's root (node 0) and
-    draft nodes (renumbered after it), padded to the longest tree with roots (parent -1) of token
-    0 that nothing descends from."""
-    width = 1 + max(len(draft) for draft in drafts)
-    tokens = [[root, *draft.tokens] + [0] * (width - 1 - len(draft)) for root, draft in zip(roots, drafts)]
-    parents = [[-1, *(p + 1 for p in draft.parents)] + [-1] * (width - 1 - len(draft)) for draft in drafts]
-    return torch.tensor(tokens, device=device), torch.tensor(parents, device=device)
-
 
 
 @dataclass
@@ -197,11 +170,10 @@ class TextDrafter(Protocol):
     a :class:`Draft` after each row's ``texts`` (prompt and generated tokens; ``budgets``: the
     deepest branch worth drafting per row; ``score``: see :data:`Scorer`); :meth:`learn` what was
     accepted (``path`` bool ``[B, N]``, ``own`` int64 ``[B]`` the target's token after it, the
-    target's ``features`` at the nodes or None, ``start`` int64 ``[B]`` the text position of each
-    root); :meth:`select` the rows that stay (int64 index). ``lag``: the prompt tokens the
-    target's prefill leaves for the first round (0: the prefill takes the first token; 1: the
-    first round's root is the prompt's last token); ``drop_hidden``: the target's cache is
-    :class:`~recspec.decoding.text_cache.TextCache` with ``drop_hidden``."""
+    target's ``features`` at the nodes or None); :meth:`select` the rows that stay (int64 index).
+    ``lag``: the prompt tokens the target's prefill leaves for the first round (0: the prefill
+    takes the first token; 1: the first round's root is the prompt's last token); ``drop_hidden``:
+    the target's cache is :class:`~recspec.decoding.text_cache.TextCache` with ``drop_hidden``."""
 
     lag: int
     drop_hidden: bool
@@ -212,8 +184,7 @@ class TextDrafter(Protocol):
 
     def propose(self, texts: list[list[int]], budgets: list[int], score: Scorer) -> Draft: ...
 
-    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
-              start: torch.Tensor) -> None: ...
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None) -> None: ...
 
     def select(self, rows: torch.Tensor) -> None: ...
 
@@ -253,12 +224,14 @@ class Sessions:
 
     def draft(self, texts: list[list[int]], trees: list[DraftTree]) -> Draft:
         """The round's :class:`Draft` of each row's tree ``trees`` after its text ``texts``."""
-        tokens, parents = tree_block([text[-1] for text in texts], trees, self.device)
-        return Draft(tokens, parents, torch.tensor([len(tree) for tree in trees]),
+        width = 1 + max(len(tree) for tree in trees)  # shorter trees padded with roots of token 0
+        tokens = [[text[-1], *tree.tokens] + [0] * (width - 1 - len(tree)) for text, tree in zip(texts, trees)]
+        parents = [[-1, *(p + 1 for p in tree.parents)] + [-1] * (width - 1 - len(tree)) for tree in trees]
+        return Draft(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device),
+                     torch.tensor([len(tree) for tree in trees]),
                      torch.tensor([tree.longest_branch() for tree in trees]))
 
-    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
-              start: torch.Tensor) -> None:
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None) -> None:
         """Sessions read nothing back: each grows its own state from the text it is given."""
 
     def select(self, rows: torch.Tensor) -> None:
@@ -316,12 +289,6 @@ class TreeVerifier:
     def select(self, rows: torch.Tensor) -> None:
         if self.uniforms is not None:
             self.uniforms = self.uniforms[rows]
-
-
-def plain_draft(roots: torch.Tensor) -> Draft:
-    """The draft of plain decoding: each row's root alone (``roots`` int64 ``[B, 1]``)."""
-    none = torch.zeros(len(roots), dtype=torch.int64)
-    return Draft(roots, torch.full_like(roots, -1), none, none)
 
 
 def path_first(path: torch.Tensor) -> torch.Tensor:
@@ -411,8 +378,10 @@ class TextSearch:
     def draft(self) -> Draft:
         generated = self.ledger.generated
         texts = [list(self.prompts[request]) + generated[request] for request in self.rows]
-        if self.drafter is None:
-            return plain_draft(torch.tensor([[text[-1]] for text in texts], device=self.device))
+        if self.drafter is None:  # plain decoding: each row's root alone
+            roots = torch.tensor([[text[-1]] for text in texts], device=self.device)
+            none = torch.zeros(len(roots), dtype=torch.int64)
+            return Draft(roots, torch.full_like(roots, -1), none, none)
         budgets = [self.max_new_tokens - len(generated[request]) - 1 for request in self.rows]
         return self.drafter.propose(texts, budgets, self.feed)
 
@@ -433,7 +402,7 @@ class TextSearch:
         tokens (and its share of the round's drafting seconds); returns the rows now finished."""
         path, mine = outcome
         if self.drafter is not None:
-            self.drafter.learn(draft, path, mine, scored[1], self.target.count)
+            self.drafter.learn(draft, path, mine, scored[1])
         self.target.keep(path)
         self.ledger.commit(self.rows, draft, path, mine, self.clock.last["draft"] / len(self.rows),
                            self.max_new_tokens, self.eos)
@@ -482,6 +451,5 @@ def speculative_generate(model, prompt: Sequence[int], max_new_tokens: int, eos:
                          drafter: BatchDrafter | None = None, acceptance: TreeAcceptance = GreedyAcceptance(),
                          generator: torch.Generator | None = None) -> Generation:
     """:func:`generate_texts` of one request, drafted by ``drafter`` (None: plain decoding)."""
-    check_prompt(prompt, max_new_tokens)
     batch = None if drafter is None else drafter.batch([prompt])
     return generate_texts(model, [prompt], max_new_tokens, eos, batch, acceptance, generator)[0]

@@ -171,8 +171,7 @@ class ForestVerifier:
             beta = outcomes.flip(1).cumsum(dim=1).flip(1)[:, self.min_width]
         new = step.extend(previous, chosen, self.space)
         dead = torch.arange(self.out_width, device=device)[None, :] >= width[:, None]
-        new = Beams(scores=new.scores.masked_fill(dead, -torch.inf), nodes=new.nodes.masked_fill(dead, -1),
-                    tokens=new.tokens, parents=new.parents, margin=new.margin)
+        new = replace(new, scores=new.scores.masked_fill(dead, -torch.inf), nodes=new.nodes.masked_fill(dead, -1))
         return _Layer(new, width, ok, slot, beta)
 
     def verify(self, front: Frontier, levels: list[Level], log_p: torch.Tensor) -> RoundOutcome:

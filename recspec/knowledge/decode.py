@@ -125,9 +125,8 @@ class HybridTrees:
             trees = [tree if own is None else merge_trees(tree, own) for tree, own in zip(trees, drafted)]
         return self.retrieval.draft(texts, trees)
 
-    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None,
-              start: torch.Tensor) -> None:
-        self.head.learn(draft, path, own, features, start)
+    def learn(self, draft: Draft, path: torch.Tensor, own: torch.Tensor, features: torch.Tensor | None) -> None:
+        self.head.learn(draft, path, own, features)
 
     def select(self, rows: torch.Tensor) -> None:
         self.retrieval.select(rows)

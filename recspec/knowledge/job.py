@@ -329,8 +329,7 @@ register(HF, KNOWLEDGE, _hf_generator, KnowledgeConfig, exact=True)
 register(PROMPT_LOOKUP, KNOWLEDGE, _hf_generator, KnowledgeConfig, exact=True)
 register(RESD, KNOWLEDGE, _text_generator, KnowledgeConfig, drafted=True, exact=True)
 register(LASER, KNOWLEDGE, _text_generator, KnowledgeConfig, drafted=True)
-#: Every knowledge decoder, and those that draft from pools of earlier knowledge.
-METHODS = names(KNOWLEDGE)
+#: The knowledge decoders that draft from pools of earlier knowledge.
 DRAFTING = names(KNOWLEDGE, drafted=True)
 
 

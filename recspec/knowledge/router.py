@@ -89,7 +89,6 @@ def route_pools(dataset: Dataset, split: StreamSplit, side: str, grouping: str, 
         labels["random"] = np.array([f"random:{c}" for c in shuffled])
     if grouping != "router":
         return PoolRouting(routes=labels[grouping], labels=labels)
-    known = split.old_interactions()
     column = dataset.interactions.users if side == "user" else dataset.interactions.items
     counts = np.bincount(column[known], minlength=count)
     routes = np.where(counts >= min_interactions, labels["collaborative"], labels["attribute"])
