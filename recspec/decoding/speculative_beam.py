@@ -106,10 +106,11 @@ def atspeed_batch(target, draft, prompts: Prompts, trie: ItemTrie, k: int, confi
     shared round loop."""
     batch, device = len(prompts.lengths), prompts.input_ids.device
     warp = Warp(config.temperature)
-    if config.verify != "relaxed":  # the top N; sample: the target's own draws accepted where drafted
+    if config.verify == "strict":
+        drafter, verifier = TopNDrafter(trie, config.draft_beams, config.planner), StepVerifier(trie, k)
+    elif config.verify == "sample":  # the top N, the target's own draws accepted where drafted
         drafter = TopNDrafter(trie, config.draft_beams, config.planner)
-        verifier = StepVerifier(trie, k) if config.verify == "strict" else StepVerifier(
-            trie, k, select=sampling_select(warp, generator, config.replacement))
+        verifier = StepVerifier(trie, k, select=sampling_select(warp, generator, config.replacement))
     else:  # relaxed: K sequences per level from the draft's q_beam, verified by Alg. 2
         drafter = SampledDrafter(trie, warp, k, generator, config.replacement)
         verifier = StepVerifier(trie, k, RelaxedSampler(warp, generator, config.replacement))
